@@ -1,0 +1,37 @@
+"""Typed errors shared by every trainplan package.
+
+They live here because `hardware_profiles` is the bottom of the import graph
+(`planner`/`executor` -> `costmodels` -> `hardware_profiles`), so every package can raise them.
+The CLI catches `TrainplanError`, prints its message on one line and exits with status 2.
+"""
+
+from __future__ import annotations
+
+
+class TrainplanError(ValueError):
+    """Base class: bad input or an outcome the user must act on. The message names the value
+    and what would be valid."""
+
+
+class UnknownNameError(TrainplanError, KeyError):
+    """A hardware profile, model preset or other name that is not known."""
+
+    def __str__(self) -> str:  # KeyError would otherwise quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class InfeasibleError(TrainplanError):
+    """No choice of knobs satisfies the budget; the message names the binding term with both
+    numbers and what to relax."""
+
+
+class PlanMismatchError(TrainplanError):
+    """A plan applied to a model, corpus or hardware it was not made for, or a corrupt plan file."""
+
+
+class DataError(TrainplanError):
+    """A corpus that is empty, unreadable, not UTF-8 or too small for one sequence."""
+
+
+class TrainingDivergedError(TrainplanError):
+    """The loss became NaN or infinite during a run."""
