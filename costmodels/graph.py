@@ -1,0 +1,86 @@
+"""The captured graph as the cost models see it: regions of ops with symbolic sizes.
+
+Sizes are polynomials in the micro-batch `b` and the per-rank sequence length `s`, stored as
+`Poly = ((i, j, coef), ...)` meaning sum(coef * b**i * s**j): bytes of a tensor, FLOPs of an op.
+`planner.capture` builds these from a `make_fx` trace; here they are plain data, so the cost
+models stay free of torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import networkx as nx
+
+Poly = tuple[tuple[int, int, float], ...]
+"""sum(coef * b**i * s**j) over the terms; b = micro-batch, s = sequence length per rank."""
+
+
+def poly_at(p: Poly, b: float, s: float) -> float:
+    """Evaluate a Poly at micro-batch `b` and sequence length `s`."""
+    return sum(c * b**i * s**j for i, j, c in p)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StorageRecord:
+    """One tensor storage of a traced region (views share their base's storage)."""
+
+    creator: str
+    """FX node that first produced it (a placeholder for inputs)."""
+    category: str
+    """`param`, `input` (activation or gradient handed in), `act` (made in forward), `temp`
+    (made in backward), `grad` (a parameter's gradient)."""
+    input_kind: str
+    """For inputs: `act` (hidden states, owned here), `shared` (e.g. rotary cos/sin, owned by
+    the head), `grad` (incoming gradient), `const` (token ids); empty otherwise."""
+    bytes: Poly
+    created: int
+    """Execution index of the creating node."""
+    last_fwd_use: int
+    """Execution index of the last forward node that reads it."""
+    last_use: int
+    """Execution index of the last node that reads it; `Region.n_nodes` means it outlives the
+    region (a region output)."""
+    is_fwd_output: bool = False
+    """The region's forward output (handed to the next region, which accounts for it)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Region:
+    """A traced forward+backward region: the head, one transformer block, or the tail.
+
+    `graph` is the op graph (networkx DiGraph) whose nodes carry `op`, `phase` ("fwd"/"bwd"),
+    `order`, `out_bytes`, `in_bytes` and `flops` (Polys). `boundary` is the execution index of
+    the forward output: nodes at or before it are forward."""
+
+    name: str
+    graph: nx.DiGraph
+    storages: tuple[StorageRecord, ...]
+    boundary: int
+    n_nodes: int
+
+    def fwd_nodes(self) -> list[str]:
+        """Forward op nodes in execution order."""
+        g = self.graph
+        return sorted((n for n in g if g.nodes[n]["phase"] == "fwd"), key=lambda n: g.nodes[n]["order"])
+
+    def bwd_nodes(self) -> list[str]:
+        """Backward op nodes in execution order."""
+        g = self.graph
+        return sorted((n for n in g if g.nodes[n]["phase"] == "bwd"), key=lambda n: g.nodes[n]["order"])
+
+    def recompute_horizon(self) -> int:
+        """Execution index of the last forward op whose output backward reads. A non-reentrant
+        checkpoint stops recomputing there (torch.utils.checkpoint's early stop), so later
+        forward ops are never recomputed."""
+        return max((r.created for r in self.storages
+                    if r.category == "act" and r.last_use > self.boundary
+                    and not r.is_fwd_output), default=-1)
+
+    def param_grad_bytes(self, b: float, s: float) -> float:
+        """Bytes of the parameter gradients this region produces."""
+        return sum(poly_at(r.bytes, b, s) for r in self.storages if r.category == "grad")
+
+    def param_bytes(self) -> float:
+        """Bytes of this region's parameters at the capture dtype."""
+        return sum(poly_at(r.bytes, 1, 1) for r in self.storages if r.category == "param")

@@ -1,0 +1,480 @@
+"""Predicted final loss: a Chinchilla-form scaling law with data-constrained repetition.
+
+Loss is in nats per token, measured with the tokenizer and corpus the law was fitted on. The
+published constants below come from other tokenizers and corpora (MassiveText for Hoffmann et
+al.; C4 for Muennighoff et al.), so their *absolute* values do not transfer: the executor refits
+the local law from pilot runs (`LossLaw.fit`). The *shape* (exponents, repetition decay) is what
+carries over until then.
+
+Sources:
+- Hoffmann et al. 2022, "Training Compute-Optimal Large Language Models" (arXiv:2203.15556),
+  Sec. 3.3: eq. 2 (functional form), eq. 3 (Huber fit in log space, L-BFGS from a grid of
+  initialisations), constants E=1.69, A=406.4, B=410.7, alpha=0.34, beta=0.28 (Sec. 3.3 / App. D.2).
+- Besiroglu, Erdil, Barnett & You 2024, "Chinchilla Scaling: A replication attempt"
+  (arXiv:2404.10102): refit of Approach 3, E=1.8172, A=482.01, B=2085.43, alpha=0.3478,
+  beta=0.3658 (their main estimates table), Huber delta=1e-3, loss summed not averaged.
+- Muennighoff et al. 2023, "Scaling Data-Constrained Language Models" (NeurIPS; arXiv:2305.16264),
+  Sec. 3: effective data D' = U_D + U_D R_D* (1 - exp(-R_D / R_D*)) (eq. 5) and the analogous N'
+  (eq. 6); fitted R_D* = 15.387756, R_N* = 5.309743.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, fields
+from typing import ClassVar
+
+import numpy as np
+from scipy.optimize import minimize, nnls
+
+from hardware_profiles.errors import TrainplanError
+
+#: Muennighoff et al. 2023, Sec. 3 (fit reported as R_D* = 15.387756): repetitions of the data
+#: after which a repeated token is worth 1/e of a fresh one.
+R_D_STAR = 15.4
+#: Muennighoff et al. 2023, Sec. 3 (fit reported as R_N* = 5.309743): the same decay constant for
+#: parameters in excess of the compute-optimal size for the unique data.
+R_N_STAR = 5.3
+#: Hoffmann et al. 2022, Sec. 3.3 eq. 3 (and Besiroglu et al. 2024): Huber threshold on
+#: log-space residuals.
+HUBER_DELTA = 1e-3
+
+_FIT_NAMES = ("E", "A", "B", "alpha", "beta")
+
+
+def _finite(name: str, value: float) -> float:
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise TrainplanError(f"{name} must be a number, got {value!r}") from None
+    if not math.isfinite(v):
+        raise TrainplanError(f"{name} must be finite, got {value!r}")
+    return v
+
+
+def _positive(name: str, value: float) -> float:
+    v = _finite(name, value)
+    if v <= 0.0:
+        raise TrainplanError(f"{name} must be > 0, got {value!r}")
+    return v
+
+
+def _non_negative(name: str, value: float) -> float:
+    v = _finite(name, value)
+    if v < 0.0:
+        raise TrainplanError(f"{name} must be >= 0, got {value!r}")
+    return v
+
+
+def _effective(tokens_seen: np.ndarray, unique_tokens: float, r_star: float) -> np.ndarray:
+    """Vectorised Muennighoff eq. 5; see `effective_tokens`."""
+    repeats = np.maximum(tokens_seen / unique_tokens - 1.0, 0.0)
+    eff = unique_tokens + unique_tokens * r_star * -np.expm1(-repeats / r_star)
+    return np.where(tokens_seen <= unique_tokens, tokens_seen, eff)
+
+
+def effective_tokens(tokens_seen: float, unique_tokens: float, r_star: float = R_D_STAR) -> float:
+    """Tokens of fresh data that `tokens_seen` tokens drawn from `unique_tokens` are worth.
+
+    Muennighoff et al. 2023, eq. 5: with U_D = unique tokens and R_D = tokens_seen / U_D - 1
+    repetitions, D' = U_D + U_D * R_D* * (1 - exp(-R_D / R_D*)). R_D* = 15.4 (their fit,
+    15.387756). Limits: one epoch or less gives D' = tokens_seen; infinitely many epochs give
+    D' -> U_D * (1 + R_D*). D' is increasing in tokens_seen (derivative exp(-R_D / R_D*) > 0).
+
+    Args: tokens_seen (tokens, >= 0), unique_tokens (tokens, > 0), r_star (repetitions, > 0).
+    Returns: effective tokens.
+    Raises: TrainplanError on a negative, zero (unique_tokens, r_star) or non-finite input.
+    """
+    seen = _non_negative("tokens_seen", tokens_seen)
+    unique = _positive("unique_tokens", unique_tokens)
+    r = _positive("r_star", r_star)
+    return float(_effective(np.asarray(seen), unique, r))
+
+
+def effective_params(n_params: float, optimal_params: float, r_star: float = R_N_STAR) -> float:
+    """Parameters that `n_params` are worth when the compute-optimal size for the unique data is
+    `optimal_params` (U_N): excess parameters decay like repeated data.
+
+    Muennighoff et al. 2023, eq. 6: R_N = n_params / U_N - 1, N' = U_N + U_N R_N* (1 -
+    exp(-R_N / R_N*)), R_N* = 5.3 (their fit, 5.309743). At or below U_N, N' = n_params.
+    Not applied by `LossLaw.predict` (which would need U_N from the law's compute-optimal
+    frontier); exposed for the planner's data-constrained mode.
+
+    Args: n_params (parameters, >= 0), optimal_params (parameters, > 0), r_star (> 0).
+    Returns: effective parameters.
+    Raises: TrainplanError on a bad input.
+    """
+    n = _non_negative("n_params", n_params)
+    u = _positive("optimal_params", optimal_params)
+    r = _positive("r_star", r_star)
+    return float(_effective(np.asarray(n), u, r))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LossLaw:
+    """L(N, D) = E + A / N**alpha + B / D**beta (Hoffmann et al. 2022, eq. 2), with D replaced
+    by Muennighoff et al. 2023's effective data D' when the unique data is limited.
+
+    Loss is in nats per token for the tokenizer and corpus the law was fitted on; absolute values
+    do not transfer across tokenizers, so the local law is refit from pilot runs (`fit`).
+    Defaults are the Besiroglu et al. 2024 refit (see `besiroglu2024`).
+    """
+
+    E: float = 1.8172
+    """Irreducible loss, nats per token. Besiroglu et al. 2024."""
+    A: float = 482.01
+    """Model-size coefficient, nats per token times parameters**alpha. 0 when a fit on a single
+    model size folded the size term into E."""
+    B: float = 2085.43
+    """Data coefficient, nats per token times tokens**beta. 0 when a fit on a single token count
+    folded the data term into E."""
+    alpha: float = 0.3478
+    """Model-size exponent, dimensionless."""
+    beta: float = 0.3658
+    """Data exponent, dimensionless."""
+    r_d_star: float = R_D_STAR
+    """Repetitions of the unique data at which a repeated token is worth 1/e of a fresh one
+    (Muennighoff et al. 2023, eq. 5)."""
+    r_n_star: float = R_N_STAR
+    """The same decay constant for excess parameters (Muennighoff et al. 2023, eq. 6)."""
+    units: str = "nats/token"
+    """Loss unit: nats per token of the fitting tokenizer; not comparable across tokenizers."""
+    source: str = "Besiroglu et al. 2024 (arXiv:2404.10102), refit of Hoffmann et al. 2022 Approach 3"
+    """Where the constants come from."""
+
+    FIT_NAMES: ClassVar[tuple[str, ...]] = _FIT_NAMES
+
+    def __post_init__(self) -> None:
+        _non_negative("LossLaw.E", self.E)
+        _non_negative("LossLaw.A", self.A)
+        _non_negative("LossLaw.B", self.B)
+        _non_negative("LossLaw.alpha", self.alpha)
+        _non_negative("LossLaw.beta", self.beta)
+        _positive("LossLaw.r_d_star", self.r_d_star)
+        _positive("LossLaw.r_n_star", self.r_n_star)
+
+    @classmethod
+    def besiroglu2024(cls) -> LossLaw:
+        """Besiroglu et al. 2024 (arXiv:2404.10102) refit of Hoffmann et al. 2022 Approach 3:
+        E=1.8172, A=482.01, B=2085.43, alpha=0.3478, beta=0.3658 (nats/token, MassiveText
+        tokenizer). Their fit converged; Hoffmann's reported constants did not fit the data."""
+        return cls()
+
+    @classmethod
+    def hoffmann2022(cls) -> LossLaw:
+        """Hoffmann et al. 2022 (arXiv:2203.15556), Sec. 3.3 / App. D.2, constants as printed in
+        the paper (rounded): E=1.69, A=406.4, B=410.7, alpha=0.34, beta=0.28 (nats/token)."""
+        return cls(
+            E=1.69,
+            A=406.4,
+            B=410.7,
+            alpha=0.34,
+            beta=0.28,
+            source="Hoffmann et al. 2022 (arXiv:2203.15556), Sec. 3.3, rounded constants",
+        )
+
+    def predict(
+        self,
+        n_params: float,
+        tokens_seen: float,
+        unique_tokens: float | None = None,
+        quality: float = 1.0,
+    ) -> float:
+        """Predicted final loss in nats per token.
+
+        L = E + A / N**alpha + B / (quality * D')**beta (Hoffmann et al. 2022, eq. 2), where D' is
+        `effective_tokens(tokens_seen, unique_tokens, r_d_star)` (Muennighoff et al. 2023, eq. 5)
+        when `unique_tokens` is given, else `tokens_seen`. `quality` multiplies the effective
+        data: > 1 for a selected subset whose tokens are worth more than average ones. It is a
+        modelling assumption (not from a paper) and is fitted from pilot runs by calibration.
+
+        Args: n_params (parameters, > 0), tokens_seen (tokens, > 0), unique_tokens (tokens, > 0,
+        or None for unlimited data), quality (dimensionless, > 0).
+        Returns: loss, nats per token.
+        Raises: TrainplanError on a non-positive or non-finite input.
+        """
+        n = _positive("n_params", n_params)
+        d = _positive("tokens_seen", tokens_seen)
+        q = _positive("quality", quality)
+        if unique_tokens is not None:
+            d = effective_tokens(d, _positive("unique_tokens", unique_tokens), self.r_d_star)
+        return float(self.E + self.A / n**self.alpha + self.B / (q * d) ** self.beta)
+
+    @classmethod
+    def fit(
+        cls,
+        n_params: np.ndarray,
+        tokens: np.ndarray,
+        losses: np.ndarray,
+        *,
+        fix: dict[str, float] | None = None,
+    ) -> LossLaw:
+        """Fit E, A, B, alpha, beta to measured final losses.
+
+        Method of Hoffmann et al. 2022, Sec. 3.3 eq. 3, as corrected by Besiroglu et al. 2024:
+        minimise the *sum* of Huber(delta=1e-3) losses of log(predicted) - log(observed) with
+        L-BFGS-B, over log E, log A, log B, alpha, beta. Starting points: for a grid of
+        (alpha, beta) in [0.05, 2] the law is linear in (E, A, B), solved by non-negative least
+        squares; the best ten grid points seed L-BFGS-B, the best optimum wins.
+
+        `tokens` are the (effective) tokens each run trained on; convert repeated data with
+        `effective_tokens` first. `fix` pins parameters by name ("E", "A", "B", "alpha",
+        "beta"), e.g. fit only E, B, beta with A and alpha pinned.
+
+        Identifiability: when all `n_params` are equal, A / N**alpha is one constant that cannot
+        be told apart from E. Unless both A and alpha are pinned, it is folded into E (the result
+        has A = 0, so it predicts only at that size) and a UserWarning says so. The same holds
+        for B / D**beta when all `tokens` are equal. If E is pinned, pin A or alpha instead.
+
+        Args: n_params (parameters), tokens (tokens), losses (nats/token): 1-D, equal length,
+        positive and finite; at least as many points as free parameters.
+        Returns: the fitted LossLaw (other fields at their defaults).
+        Raises: TrainplanError on bad arrays, an unknown `fix` name, too few points or an
+        unidentifiable pinned set.
+        """
+        n, d, loss = _check_arrays(n_params, tokens, losses)
+        pinned = dict(fix or {})
+        for key, value in pinned.items():
+            if key not in _FIT_NAMES:
+                raise TrainplanError(f"fix has unknown name {key!r}; valid names: {list(_FIT_NAMES)}")
+            pinned[key] = _finite(f"fix[{key!r}]", value)
+        notes = []
+        for coef, expo, axis, values in (("A", "alpha", "n_params", n), ("B", "beta", "tokens", d)):
+            if np.all(values == values[0]) and not (coef in pinned and expo in pinned):
+                if "E" in pinned and coef not in pinned and expo not in pinned:
+                    raise TrainplanError(
+                        f"all {axis} equal ({values[0]:.4g}) and E is pinned: {coef} and {expo} "
+                        f"cannot both be fitted; pin one of them"
+                    )
+                if "E" not in pinned:
+                    pinned[coef] = 0.0
+                    pinned.setdefault(expo, getattr(cls(), expo))
+                    notes.append(f"{coef}/{axis}^{expo} folded into E (all {axis} = {values[0]:.4g})")
+        free = [k for k in _FIT_NAMES if k not in pinned]
+        if len(loss) < len(free):
+            raise TrainplanError(
+                f"fit needs at least {len(free)} points for free parameters {free}, got {len(loss)}"
+            )
+        if notes:
+            warnings.warn(
+                "LossLaw.fit: " + "; ".join(notes) + ": the fitted law does not extrapolate along "
+                "that axis",
+                UserWarning,
+                stacklevel=2,
+            )
+        values = _fit(n, d, loss, pinned, free)
+        src = f"fit to {len(loss)} runs (Huber delta={HUBER_DELTA}, log space)"
+        if notes:
+            src += "; " + "; ".join(notes)
+        return cls(**values, source=src)
+
+
+def _check_arrays(*arrays: np.ndarray) -> tuple[np.ndarray, ...]:
+    names = ("n_params", "tokens", "losses")
+    out = [np.asarray(a, dtype=float).ravel() for a in arrays]
+    for name, a in zip(names, out):
+        if a.size == 0:
+            raise TrainplanError(f"{name} is empty")
+        if not np.all(np.isfinite(a)) or np.any(a <= 0):
+            raise TrainplanError(f"{name} must be positive and finite, got {a.tolist()[:8]}")
+    if len({a.size for a in out}) != 1:
+        raise TrainplanError(f"n_params, tokens, losses differ in length: {[a.size for a in out]}")
+    return tuple(out)
+
+
+def _fit(n, d, loss, pinned, free):
+    """Huber/L-BFGS-B fit over the free names; returns all five values."""
+    log_n, log_d, log_loss = np.log(n), np.log(d), np.log(loss)
+    logs = {"E", "A", "B"}
+
+    def unpack(theta):
+        vals = dict(pinned)
+        for k, t in zip(free, theta):
+            vals[k] = math.exp(t) if k in logs else float(t)
+        return vals
+
+    def objective(theta):
+        v = unpack(theta)
+        t_a = v["A"] * np.exp(-v["alpha"] * log_n)
+        t_b = v["B"] * np.exp(-v["beta"] * log_d)
+        s = v["E"] + t_a + t_b
+        if np.any(s <= 0) or not np.all(np.isfinite(s)):
+            return 1e30, np.zeros_like(theta)
+        r = (np.log(s) - log_loss) / HUBER_DELTA  # Huber_delta(x)/delta^2 == Huber_1(x/delta)
+        absr = np.abs(r)
+        f = np.where(absr <= 1.0, 0.5 * r * r, absr - 0.5).sum()
+        w = np.clip(r, -1.0, 1.0) / HUBER_DELTA / s  # d f / d s
+        parts = {
+            "E": v["E"], "A": t_a, "B": t_b,
+            "alpha": -t_a * log_n, "beta": -t_b * log_d,
+        }
+        grad = np.array([np.sum(w * parts[k]) for k in free])
+        return float(f), grad
+
+    starts = _grid_starts(n, d, loss, pinned, free)
+    bounds = [(-25.0, 60.0) if k in logs else (0.0, 3.0) for k in free]
+    best = None
+    for theta0 in starts:
+        if not free:
+            break
+        res = minimize(
+            objective, theta0, jac=True, method="L-BFGS-B", bounds=bounds,
+            options={"maxiter": 20000, "ftol": 1e-15, "gtol": 1e-12, "maxcor": 30},
+        )
+        if best is None or res.fun < best.fun:
+            best = res
+    return unpack(best.x if best is not None else np.array([]))
+
+
+def _grid_starts(n, d, loss, pinned, free, keep: int = 10) -> list[np.ndarray]:
+    """Variable-projection starts: for each (alpha, beta) on a grid, the best non-negative
+    (E, A, B) by weighted least squares on L (weights 1/L approximate log residuals)."""
+    grid = np.linspace(0.05, 2.0, 40)
+    alphas = [pinned["alpha"]] if "alpha" in pinned else grid
+    betas = [pinned["beta"]] if "beta" in pinned else grid
+    w = 1.0 / loss
+    scored = []
+    for al in alphas:
+        t_a = n**-al
+        for be in betas:
+            t_b = d**-be
+            rhs = loss.copy()
+            cols, names = [], []
+            for k, col in (("E", np.ones_like(loss)), ("A", t_a), ("B", t_b)):
+                if k in pinned:
+                    rhs -= pinned[k] * col
+                else:
+                    cols.append(col)
+                    names.append(k)
+            coef = dict(pinned)
+            if cols:
+                x, _ = nnls(np.column_stack(cols) * w[:, None], rhs * w)
+                coef.update(zip(names, np.maximum(x, 1e-6)))
+            coef["alpha"], coef["beta"] = al, be
+            pred = coef["E"] + coef["A"] * t_a + coef["B"] * t_b
+            if np.any(pred <= 0):
+                continue
+            score = float(np.sum((np.log(pred) - np.log(loss)) ** 2))
+            theta = np.array([math.log(coef[k]) if k in ("E", "A", "B") else coef[k] for k in free])
+            scored.append((score, theta))
+    scored.sort(key=lambda s: s[0])
+    return [t for _, t in scored[:keep]] or [np.zeros(len(free))]
+
+
+def learning_curve(
+    tokens: np.ndarray,
+    *,
+    law: LossLaw,
+    n_params: float,
+    unique_tokens: float | None = None,
+    quality: float = 1.0,
+) -> np.ndarray:
+    """Predicted loss (nats/token) after each entry of `tokens` (tokens seen so far, > 0).
+
+    Same formula as `LossLaw.predict` (Hoffmann et al. 2022, eq. 2 with Muennighoff et al. 2023
+    eq. 5 effective data), applied along a run. Treats each point as the end of a run of that
+    length, which ignores the learning-rate schedule: a cosine run is above this curve mid-run
+    and meets it at the end (Hoffmann et al. 2022, Sec. 3.1 / Fig. A1).
+
+    Returns: array of the same shape as `tokens`, nats per token.
+    Raises: TrainplanError on a non-positive or non-finite token count or bad scalar input.
+    """
+    t = np.asarray(tokens, dtype=float)
+    if t.size and (not np.all(np.isfinite(t)) or np.any(t <= 0)):
+        raise TrainplanError(f"tokens must be positive and finite, got min {t.min()!r}")
+    n = _positive("n_params", n_params)
+    q = _positive("quality", quality)
+    d = t
+    if unique_tokens is not None:
+        d = _effective(t, _positive("unique_tokens", unique_tokens), law.r_d_star)
+    return law.E + law.A / n**law.alpha + law.B / (q * d) ** law.beta
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BitsPenalty:
+    """Additive loss penalties (nats/token) for lower-precision training state, relative to
+    bf16 mixed precision with fp32 optimizer states. Defaults are conservative readings of
+    published "no measurable degradation" results, not measured deltas; calibration refits them.
+    """
+
+    optimizer_16bit_nats: float = 0.001
+    """bf16 Adam moments with fp32 master weights. No source gives a delta; set to half the
+    8-bit value as an assumption."""
+    optimizer_8bit_nats: float = 0.002
+    """Block-wise 8-bit Adam. Dettmers et al. 2022, "8-bit Optimizers via Block-wise
+    Quantization" (ICLR; arXiv:2110.02861), Table 1: matches 32-bit Adam on language modelling
+    within seed noise. 0.002 nats (~0.2% perplexity) is a tie-breaker, not a measurement."""
+    optimizer_4bit_nats: float = 0.01
+    """4-bit Adam states. Li, Chen & Zhu 2023, "Memory Efficient Optimizers with 4-bit States"
+    (NeurIPS; arXiv:2309.01507): comparable accuracy on fine-tuning and Transformer pretraining
+    (WMT14), no LLM pretraining reported; 0.01 nats is a placeholder."""
+    activation_8bit_nats: float = 0.005
+    """8-bit saved activations. ActNN (Chen et al. 2021, ICML; arXiv:2104.14129) compresses
+    saved activations to 2 bits with negligible accuracy loss (vision models); Jetfire (Xi et al.
+    2024, ICML; arXiv:2403.12422) pretrains GPT-2 with INT8 data flow at comparable loss.
+    0.005 nats is a placeholder."""
+    weight_16bit_nats: float = 0.0
+    """bf16/fp16 weights with fp32 master copy: Micikevicius et al. 2018, "Mixed Precision
+    Training" (ICLR; arXiv:1710.03740), Sec. 4: matches fp32 accuracy. The baseline."""
+
+    OPTIMIZER_BITS: ClassVar[tuple[int, ...]] = (32, 16, 8, 4)
+    ACTIVATION_BITS: ClassVar[tuple[int, ...]] = (16, 8)
+    WEIGHT_BITS: ClassVar[tuple[int, ...]] = (32, 16)
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            _non_negative(f"BitsPenalty.{f.name}", getattr(self, f.name))
+
+    def penalty(self, optimizer_bits: int, activation_bits: int = 16, weight_bits: int = 16) -> float:
+        """Sum of the per-state penalties, nats per token; see `bits_loss_penalty`."""
+        for name, bits, valid in (
+            ("optimizer_bits", optimizer_bits, self.OPTIMIZER_BITS),
+            ("activation_bits", activation_bits, self.ACTIVATION_BITS),
+            ("weight_bits", weight_bits, self.WEIGHT_BITS),
+        ):
+            if isinstance(bits, bool) or bits not in valid:
+                raise TrainplanError(f"{name}={bits!r} is not supported; valid: {list(valid)}")
+        opt = {32: 0.0, 16: self.optimizer_16bit_nats, 8: self.optimizer_8bit_nats,
+               4: self.optimizer_4bit_nats}[int(optimizer_bits)]
+        act = self.activation_8bit_nats if int(activation_bits) == 8 else 0.0
+        wgt = self.weight_16bit_nats if int(weight_bits) == 16 else 0.0
+        return opt + act + wgt
+
+
+DEFAULT_BITS_PENALTY = BitsPenalty()
+
+
+def bits_loss_penalty(
+    optimizer_bits: int,
+    activation_bits: int = 16,
+    weight_bits: int = 16,
+    *,
+    penalty: BitsPenalty = DEFAULT_BITS_PENALTY,
+) -> float:
+    """Expected additive loss penalty, nats per token, of storing optimizer states, saved
+    activations and weights at the given bit widths.
+
+    Penalties add (a first-order assumption: the effects are small and independent). Sources and
+    values are on the `BitsPenalty` fields (Dettmers et al. 2022; Li et al. 2023; Chen et al.
+    2021; Xi et al. 2024; Micikevicius et al. 2018).
+
+    Args: optimizer_bits in (32, 16, 8, 4); activation_bits in (16, 8); weight_bits in (32, 16).
+    Returns: nats per token, >= 0.
+    Raises: TrainplanError on an unsupported bit width, listing the valid ones.
+    """
+    return penalty.penalty(optimizer_bits, activation_bits, weight_bits)
+
+
+__all__ = [
+    "BitsPenalty",
+    "DEFAULT_BITS_PENALTY",
+    "HUBER_DELTA",
+    "LossLaw",
+    "R_D_STAR",
+    "R_N_STAR",
+    "bits_loss_penalty",
+    "effective_params",
+    "effective_tokens",
+    "learning_curve",
+]

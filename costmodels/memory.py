@@ -1,0 +1,237 @@
+"""Per-device memory of one training step: model states plus a tensor-lifetime simulation.
+
+Model states follow the ZeRO accounting (Rajbhandari et al. 2020, Sec. 3.1 and Fig. 1): with
+mixed-precision Adam a parameter costs 2 (bf16 weight) + 2 (bf16 grad) + 12 (fp32 master, m, v)
+= 16 bytes, and stages 1/2/3 shard the optimizer states / gradients / parameters over the
+data-parallel x SP group. Activations are not a sum of saved sizes: each captured region is
+replayed op by op, a storage alive from the op that makes it to the last op that reads it
+(views share their base's storage), and regions compose in execution order (head, blocks,
+tail, blocks backward, head backward). With a checkpointed block, only the block input and the
+outputs of ops the policy saves survive its forward; at the start of its backward the forward
+is replayed (recompute) before the backward ops.
+
+What is counted: tensor bytes as `torch.distributed._tools.mem_tracker.MemTracker` counts them
+(parameters, gradients, optimizer states, activations, temporaries). Not counted: allocator
+rounding and fragmentation, the CUDA/ROCm context, communication buffers: the hardware
+profile's `memory_reserve_bytes` stands for those.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Iterable
+
+from costmodels.graph import Region, poly_at
+from hardware_profiles.errors import TrainplanError
+
+CATEGORIES = ("params", "grads", "optimizer", "activations", "temporaries")
+
+# Bytes per parameter of Adam's two moments at each optimizer-state width. 8 and 4 bits are
+# block-wise quantized with one fp32 absmax per block (Dettmers et al. 2022, Sec. 2.1; block
+# size 256 in bitsandbytes >= 0.43, `functional.py` `blocksize=256`; 4-bit: Li et al. 2023,
+# block size 128). bitsandbytes keeps tensors under `min_8bit_size` = 4096 elements in 32 bits.
+OPT_BLOCK = {8: 256, 4: 128}
+MIN_QUANT_NUMEL = 4096
+
+
+def adam_state_bytes(numel: int, optimizer_bits: int) -> float:
+    """Bytes of Adam's exp_avg and exp_avg_sq for one parameter tensor of `numel` elements.
+
+    Raises:
+        TrainplanError: `optimizer_bits` not in 32, 16, 8, 4.
+    """
+    if optimizer_bits not in (32, 16, 8, 4):
+        raise TrainplanError(f"optimizer_bits={optimizer_bits} is not supported: use 32, 16, 8 or 4")
+    if optimizer_bits == 32:
+        return 2 * numel * 4 + 4  # + torch.optim.AdamW's fp32 `step` tensor
+    if optimizer_bits == 16 or numel < MIN_QUANT_NUMEL:
+        return 2 * numel * (2 if optimizer_bits == 16 else 4)
+    block = OPT_BLOCK[optimizer_bits]
+    n_blocks = -(-numel // block)
+    # two states, each: codes + one fp32 absmax per block + a 256-entry fp32 code map (qmap)
+    return 2 * (numel * optimizer_bits / 8 + 4 * n_blocks + 4 * 2**optimizer_bits)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MemoryBreakdown:
+    """Bytes per device by category at one moment (the predicted peak); they add up."""
+
+    params: float = 0.0
+    grads: float = 0.0
+    optimizer: float = 0.0
+    activations: float = 0.0
+    """Tensors made in forward and alive at the moment (MemTracker's ACT)."""
+    temporaries: float = 0.0
+    """Tensors made in backward, recompute included (MemTracker's TEMP)."""
+    phase: str = ""
+    """Where in the step the peak falls, e.g. `bwd:block3`, `tail`, `optimizer`."""
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.temporaries
+
+    def __add__(self, other: "MemoryBreakdown") -> "MemoryBreakdown":
+        return MemoryBreakdown(**{f.name: getattr(self, f.name) + getattr(other, f.name)
+                                  for f in fields(self) if f.name != "phase"},
+                               phase=self.phase or other.phase)
+
+    def as_dict(self) -> dict[str, float]:
+        return {c: getattr(self, c) for c in CATEGORIES} | {"total": self.total}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RegionMemory:
+    """Lifetime summary of one region at one (micro-batch, sequence, policy)."""
+
+    fwd_peak: MemoryBreakdown
+    """Highest live bytes during the region's forward (its input included)."""
+    retained: float
+    """Bytes the region holds from the end of its forward until its backward (its input if
+    backward needs it, and saved activations; not its forward output)."""
+    bwd_peak: MemoryBreakdown
+    """Highest live bytes during its backward (recompute, retained, incoming gradient,
+    temporaries and the parameter gradients made so far)."""
+    grad_bytes: float
+
+
+def simulate_region(region: Region, b: int, s: int, *, checkpoint: bool = False,
+                    saved_ops: Iterable[str] = ()) -> RegionMemory:
+    """Replay `region`'s storages at micro-batch `b` and per-rank sequence `s`.
+
+    `checkpoint=False`: plain autograd (everything backward needs is kept). `checkpoint=True`:
+    selective activation checkpointing keeping the outputs of `saved_ops` (FX node names) and
+    the region's inputs; everything else is freed after its last forward use and recomputed
+    at the start of the backward. `saved_ops=()` with `checkpoint=True` is full checkpointing.
+    """
+    saved = frozenset(saved_ops)
+    bnd = region.boundary
+    n = region.n_nodes
+    bwd_start = bnd + 0.5
+    horizon = region.recompute_horizon()
+
+    def t_re(k: int) -> float:  # when the recompute at the start of backward replays node k
+        return bnd + 0.5 + 0.4 * (k + 1) / (bnd + 2)
+
+    # (time, 0 alloc | 1 free, bytes, category); at one time allocations come before frees
+    events: list[tuple[float, int, float, str]] = []
+
+    def live(t0: float, t1: float, nbytes: float, cat: str) -> None:
+        events.extend([(t0, 0, nbytes, cat), (t1, 1, nbytes, cat)])
+
+    for r in region.storages:
+        if r.category == "param" or r.input_kind in ("shared", "const"):
+            continue
+        nbytes = poly_at(r.bytes, b, s)
+        if nbytes == 0:
+            continue
+        last = r.last_use if r.last_use < n else n - 0.25  # region outputs live to its end
+        if r.is_fwd_output:  # handed to the next region, which accounts for it from then on
+            live(r.created, bnd, nbytes, "act")
+        elif r.input_kind == "grad":
+            live(bwd_start, last, nbytes, "temp")
+        elif r.category == "input":  # hidden states handed in
+            end = last if r.last_use > bnd else r.last_fwd_use
+            live(0, max(end, bwd_start) if checkpoint else end, nbytes, "act")
+        elif r.category in ("grad", "temp") or not checkpoint:
+            live(r.created, last, nbytes, r.category)
+        elif r.creator in saved:  # kept by the checkpoint's cache until the recompute
+            live(r.created, last if r.last_use > bnd else t_re(r.created), nbytes, "act")
+        else:  # freed after its last forward use, made again by the recompute
+            live(r.created, r.last_fwd_use, nbytes, "act")
+            if r.created <= horizon:
+                live(t_re(r.created), last if r.last_use > bnd else t_re(min(r.last_fwd_use, horizon)),
+                     nbytes, "temp")
+    events.sort(key=lambda e: (e[0], e[1]))
+    live = {"act": 0.0, "temp": 0.0, "grad": 0.0}
+    fwd_peak = bwd_peak = MemoryBreakdown()
+    retained = 0.0
+    for t, kind, nbytes, cat in events:
+        live[cat] += nbytes if kind == 0 else -nbytes
+        if kind == 0:
+            snap = MemoryBreakdown(activations=live["act"], temporaries=live["temp"], grads=live["grad"])
+            if t <= bnd and snap.total > fwd_peak.total:
+                fwd_peak = snap
+            elif t > bnd and snap.total > bwd_peak.total:
+                bwd_peak = snap
+        if t <= bnd:
+            retained = live["act"] + live["temp"]
+    grad_bytes = region.param_grad_bytes(b, s)
+    return RegionMemory(fwd_peak=fwd_peak, retained=retained, bwd_peak=bwd_peak, grad_bytes=grad_bytes)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelStates:
+    """Per-device bytes of parameters, gradients and optimizer states."""
+
+    params: float
+    grads: float
+    optimizer: float
+    optimizer_step_temp: float
+    """Scratch the optimizer step allocates (one parameter-sized fp32 buffer for the largest
+    tensor on CPU's per-tensor Adam; all of them for foreach Adam on GPUs)."""
+
+
+def model_state_bytes(param_numels: Iterable[int], *, weight_bytes: int, grad_bytes: int,
+                      master_bytes: int, optimizer_bits: int, zero_stage: int, shard_degree: int,
+                      foreach: bool) -> ModelStates:
+    """Model-state bytes per device (ZeRO, Rajbhandari et al. 2020, Sec. 5: stage 1 shards
+    optimizer states, 2 adds gradients, 3 adds parameters, over `shard_degree` ranks).
+
+    `master_bytes` is 4 for bf16 mixed precision (an fp32 master copy, counted with the
+    optimizer states as ZeRO does) and 0 otherwise.
+
+    Raises:
+        TrainplanError: zero_stage not in 0..3 or shard_degree < 1.
+    """
+    if zero_stage not in (0, 1, 2, 3):
+        raise TrainplanError(f"zero_stage={zero_stage} is not valid: use 0, 1, 2 or 3")
+    if shard_degree < 1:
+        raise TrainplanError(f"shard_degree={shard_degree} must be at least 1")
+    numels = list(param_numels)
+    total = sum(numels)
+    opt = sum(adam_state_bytes(n, optimizer_bits) for n in numels) + master_bytes * total
+    d = shard_degree
+    params = total * weight_bytes / (d if zero_stage >= 3 else 1)
+    grads = total * grad_bytes / (d if zero_stage >= 2 else 1)
+    optimizer = opt / (d if zero_stage >= 1 else 1)
+    step_temp = 4 * (total / (d if zero_stage >= 1 else 1) if foreach else max(numels, default=0))
+    return ModelStates(params=params, grads=grads, optimizer=optimizer, optimizer_step_temp=step_temp)
+
+
+def step_peak(head: RegionMemory, blocks: list[RegionMemory], tail: RegionMemory,
+              states: ModelStates, *, unsharded_block_param_bytes: float = 0.0) -> MemoryBreakdown:
+    """Peak bytes per device over one training step, and the category split at that moment.
+
+    Composes region summaries in execution order: head forward; block i forward with the
+    retained bytes of the head and blocks before it; the tail (logits and loss, forward and
+    backward) with everything retained; block i backward with the gradients of the later
+    blocks; the head backward; then the optimizer step. `unsharded_block_param_bytes` adds
+    the all-gathered parameters of FSDP (ZeRO-3) during a block's forward and backward.
+    """
+    base = MemoryBreakdown(params=states.params, optimizer=states.optimizer)
+    candidates: list[MemoryBreakdown] = []
+
+    def at(phase: str, retained: float, grads: float, transient: MemoryBreakdown, extra: float = 0.0):
+        candidates.append(base + transient + MemoryBreakdown(
+            activations=retained, grads=grads, params=extra, phase=phase))
+
+    at("fwd:head", 0.0, 0.0, head.fwd_peak)
+    acc = head.retained
+    prefix = [acc]
+    for i, blk in enumerate(blocks):
+        at(f"fwd:block{i}", acc, 0.0, blk.fwd_peak, unsharded_block_param_bytes)
+        acc += blk.retained
+        prefix.append(acc)
+    at("tail", acc, 0.0, tail.fwd_peak)
+    grads = 0.0
+    at("tail", acc, grads, tail.bwd_peak)
+    grads += tail.grad_bytes
+    for i in reversed(range(len(blocks))):
+        at(f"bwd:block{i}", prefix[i], grads, blocks[i].bwd_peak, unsharded_block_param_bytes)
+        grads += blocks[i].grad_bytes
+    at("bwd:head", 0.0, grads, head.bwd_peak)
+    full_grads = states.grads
+    candidates.append(MemoryBreakdown(params=states.params, grads=full_grads,
+                                      optimizer=states.optimizer,
+                                      temporaries=states.optimizer_step_temp, phase="optimizer"))
+    return max(candidates, key=lambda m: m.total)

@@ -1,0 +1,183 @@
+"""Cost of one training step for one choice of knobs: memory, FLOPs and time per device.
+
+Composes the region lifetime simulation (`costmodels.memory`), per-node FLOPs (torch's
+`flop_counter` formulas, captured as polynomials), a per-node roofline over the hardware
+profile (Williams et al. 2009; efficiency curves as data, as Calculon does, Isaev et al. 2023)
+and the collectives of Ulysses SP and ZeRO (`costmodels.comm`). Communication is added, not
+overlapped with compute: a conservative bound, stated in the Plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Mapping
+
+from costmodels import comm
+from costmodels.graph import Poly, Region
+from costmodels.memory import (MemoryBreakdown, RegionMemory, model_state_bytes, simulate_region,
+                               step_peak)
+from costmodels.remat import POLICIES, is_checkpointed
+from hardware_profiles import HardwareProfile
+
+PRECISIONS = {
+    # name: (weight bytes, grad bytes, master bytes, compute dtype for the profile's peak)
+    "fp32": (4, 4, 0, "fp32"),
+    "bf16-mixed": (2, 2, 4, "bf16"),
+    "bf16": (2, 2, 0, "bf16"),
+}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Choice:
+    """One assignment of the step-shaping knobs."""
+
+    sp_degree: int
+    zero_stage: int
+    micro_batch: int
+    seq_len: int
+    policies: tuple[str, ...]
+    """Checkpoint policy per transformer block."""
+    precision: str
+    optimizer_bits: int
+    devices: int
+
+
+def flops_at(p: Poly, b: float, s_local: float, sp: int) -> float:
+    """FLOPs of a node per rank. Terms in s**2 are attention, whose heads (not sequence) are
+    sharded under Ulysses: b * (h/P) * s**2 = b * h * s_local**2 * P."""
+    return sum(c * b**i * s_local**j * (sp ** (j - 1) if j >= 2 else 1) for i, j, c in p)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RegionCost:
+    """FLOPs and roofline seconds of a region's forward, backward and recompute, per rank."""
+
+    fwd_flops: float
+    bwd_flops: float
+    recompute_flops: float
+    fwd_s: float
+    bwd_s: float
+    recompute_s: float
+
+
+def _node_s(attrs: Mapping, b: float, s: float, sp: int, hw: HardwareProfile, dtype: str) -> tuple[float, float]:
+    f = flops_at(attrs["flops"], b, s, sp)
+    moved = flops_at(attrs["in_bytes"], b, s, 1) + flops_at(attrs["out_bytes"], b, s, 1)
+    t_mem = moved / (hw.hbm_bandwidth_bytes_per_s * hw.memory_efficiency)
+    t_flop = f / (hw.peak(dtype) * hw.matmul_efficiency_at(f)) if f > 0 else 0.0
+    return f, max(t_flop, t_mem)
+
+
+def region_cost(region: Region, b: int, s_local: int, sp: int, policy: str,
+                hw: HardwareProfile, dtype: str) -> RegionCost:
+    """Per-rank FLOPs and roofline time of `region` at micro-batch b, local sequence s_local.
+
+    Recompute under a checkpoint policy re-runs every forward op whose output is not saved."""
+    g = region.graph
+    keep = POLICIES[policy]
+    horizon = region.recompute_horizon()
+    out = dict(fwd_flops=0.0, bwd_flops=0.0, recompute_flops=0.0, fwd_s=0.0, bwd_s=0.0, recompute_s=0.0)
+    for n, a in g.nodes(data=True):
+        f, t = _node_s(a, b, s_local, sp, hw, dtype)
+        ph = a["phase"]
+        out[f"{ph}_flops"] += f
+        out[f"{ph}_s"] += t
+        if ph == "fwd" and keep is not None and a["op"] not in keep and a["order"] <= horizon:
+            out["recompute_flops"] += f
+            out["recompute_s"] += t
+    return RegionCost(**out)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepCost:
+    """Predicted cost of one step on one device."""
+
+    memory: MemoryBreakdown
+    flops: float
+    """FLOPs per device per step, recompute included."""
+    model_flops: float
+    """Without recompute."""
+    compute_s: float
+    recompute_s: float
+    comm_s: float
+
+    @property
+    def time_s(self) -> float:
+        return self.compute_s + self.recompute_s + self.comm_s
+
+
+class StepModel:
+    """Evaluates `Choice`s for one captured model on one hardware profile, caching per-region
+    results (a solver asks for many choices that share regions)."""
+
+    def __init__(self, regions: Mapping[str, Region], blocks: tuple[str, ...], param_numels: tuple[int, ...],
+                 hw: HardwareProfile, *, n_heads: int, n_kv_heads: int, head_dim: int):
+        self.regions, self.blocks, self.param_numels, self.hw = regions, blocks, param_numels, hw
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self._mem = lru_cache(maxsize=None)(self._region_memory)
+        self._cost = lru_cache(maxsize=None)(self._region_cost)
+
+    def _region_memory(self, name: str, b: int, s: int, policy: str) -> RegionMemory:
+        keep = POLICIES[policy]
+        region = self.regions[name]
+        saved = () if keep is None else [n for n, a in region.graph.nodes(data=True) if a["op"] in keep]
+        return simulate_region(region, b, s, checkpoint=is_checkpointed(policy), saved_ops=saved)
+
+    def _region_cost(self, name: str, b: int, s: int, sp: int, policy: str, dtype: str) -> RegionCost:
+        return region_cost(self.regions[name], b, s, sp, policy, self.hw, dtype)
+
+    def block_memory(self, c: Choice, i: int, policy: str) -> RegionMemory:
+        return self._mem(self.blocks[i], c.micro_batch, c.seq_len // c.sp_degree, policy)
+
+    def evaluate(self, c: Choice) -> StepCost:
+        """Memory, FLOPs and time of one step under `c`, per device."""
+        b, s, sp = c.micro_batch, c.seq_len // c.sp_degree, c.sp_degree
+        wb, gb, mb_, dtype = PRECISIONS[c.precision]
+        states = model_state_bytes(self.param_numels, weight_bytes=wb, grad_bytes=gb, master_bytes=mb_,
+                                   optimizer_bits=c.optimizer_bits, zero_stage=c.zero_stage,
+                                   shard_degree=c.devices, foreach=self.hw.device_type != "cpu")
+        head = self._mem("head", b, s, "none")
+        tail = self._mem("tail", b, s, "none")
+        blocks = [self.block_memory(c, i, p) for i, p in enumerate(c.policies)]
+        unsharded = 0.0
+        if c.zero_stage == 3 and c.devices > 1:  # FSDP all-gathers one block's params at a time
+            unsharded = 2 * self.regions[self.blocks[0]].param_bytes() * wb / 4
+        memory = step_peak(head, blocks, tail, states, unsharded_block_param_bytes=unsharded)
+        costs = [self._cost("head", b, s, sp, "none", dtype), self._cost("tail", b, s, sp, "none", dtype)]
+        costs += [self._cost(self.blocks[i], b, s, sp, p, dtype) for i, p in enumerate(c.policies)]
+        model_flops = sum(x.fwd_flops + x.bwd_flops for x in costs)
+        recompute_flops = sum(x.recompute_flops for x in costs)
+        compute_s = sum(x.fwd_s + x.bwd_s for x in costs)
+        recompute_s = sum(x.recompute_s for x in costs)
+        return StepCost(memory=memory, flops=model_flops + recompute_flops, model_flops=model_flops,
+                        compute_s=compute_s, recompute_s=recompute_s, comm_s=self.comm_s(c))
+
+    def link(self, group: int) -> comm.Link:
+        hw = self.hw
+        inter = group > hw.devices_per_node
+        return comm.Link(
+            bandwidth_bytes_per_s=hw.inter_node_bandwidth_bytes_per_s if inter else hw.intra_node_bandwidth_bytes_per_s,
+            latency_s=hw.inter_node_latency_s if inter else hw.intra_node_latency_s,
+            efficiency=hw.network_efficiency)
+
+    def comm_s(self, c: Choice) -> float:
+        """Seconds per step of Ulysses all-to-alls (SP group kept inside a node when it fits)
+        and ZeRO collectives over all devices."""
+        if c.devices == 1:
+            return 0.0
+        wb, gb, _, _ = PRECISIONS[c.precision]
+        t = 0.0
+        if c.sp_degree > 1:
+            per = comm.ulysses_all_to_all_bytes(
+                micro_batch=c.micro_batch, seq_len=c.seq_len, n_heads=self.n_heads,
+                n_kv_heads=self.n_kv_heads, head_dim=self.head_dim, sp_degree=c.sp_degree,
+                bytes_per_element=wb)
+            link = self.link(c.sp_degree)
+            one = sum(comm.all_to_all_s(v, c.sp_degree, link) for v in per.values())
+            t += comm.ULYSSES_PER_STEP_FACTOR * one * len(self.blocks)
+        coll = comm.zero_comm_bytes(sum(self.param_numels), stage=c.zero_stage, dp_degree=c.devices,
+                                    grad_bytes_per_param=gb, param_bytes_per_param=wb)
+        link = self.link(c.devices)
+        t += sum(x.time_s(link) for x in coll.values())
+        return t

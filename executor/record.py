@@ -1,0 +1,66 @@
+"""`RunRecord`: what a real training run measured. Written as JSON as the run goes, so an
+interrupted run keeps what it measured."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+
+@dataclass(kw_only=True, slots=True)
+class RunRecord:
+    """Measurements of one run (rank 0's view; `per_rank_peak_bytes` has every rank's total)."""
+
+    model: str
+    hw_planned: str
+    """The profile the plan was made for."""
+    device: str
+    """Where it ran, e.g. `cpu`, `cuda:0 (NVIDIA H200)`."""
+    same_hardware: bool
+    """True when the run's device is the plan's target, so times are comparable."""
+    world_size: int = 1
+    steps: int = 0
+    tokens: int = 0
+    step_times_s: list[float] = field(default_factory=list)
+    train_loss: list[tuple[int, float]] = field(default_factory=list)
+    """(step, loss) for every step."""
+    heldout_loss: list[tuple[int, int, float]] = field(default_factory=list)
+    """(step, tokens so far, held-out loss)."""
+    peak_memory_bytes: dict[str, float] = field(default_factory=dict)
+    """Tensor bytes per category at the measured peak: params, grads, optimizer, activations,
+    temporaries, total (MemTracker on CPU; on CUDA only total, from max_memory_allocated)."""
+    per_rank_peak_bytes: list[float] = field(default_factory=list)
+    flops_per_step: float = 0.0
+    """FLOPs of one step on this rank, by `FlopCounterMode`."""
+    stop_reason: str = ""
+    wall_s: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def median_step_time_s(self) -> float:
+        """Median step wall time after the first two (warm-up) steps."""
+        xs = sorted(self.step_times_s[2:] or self.step_times_s)
+        return xs[len(xs) // 2] if xs else float("nan")
+
+    @property
+    def final_heldout_loss(self) -> float:
+        return self.heldout_loss[-1][2] if self.heldout_loss else float("nan")
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        text = json.dumps(asdict(self), indent=2)
+        if path is not None:
+            tmp = Path(str(path) + ".tmp")
+            tmp.write_text(text + "\n")
+            tmp.replace(path)
+        return text
+
+    @classmethod
+    def from_json(cls, text_or_path: str | Path) -> "RunRecord":
+        src = str(text_or_path)
+        if not src.lstrip().startswith("{"):
+            src = Path(src).read_text()
+        raw = json.loads(src)
+        raw["train_loss"] = [tuple(x) for x in raw.get("train_loss", [])]
+        raw["heldout_loss"] = [tuple(x) for x in raw.get("heldout_loss", [])]
+        return cls(**raw)

@@ -1,0 +1,194 @@
+"""Micro-benchmarks and system probes behind `measure_cpu` (see `hardware_profiles.cpu`).
+
+torch is imported inside the functions that need it, so importing this module stays cheap.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import socket
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from hardware_profiles.errors import TrainplanError
+
+TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+"""Matmul dtypes `measure_cpu` times -> torch dtype attribute."""
+
+# Benchmark settings by `quick`.
+_SIZES = {False: (64, 128, 256, 512, 1024, 2048), True: (32, 64, 128, 256)}
+_MAX_OP_S = {False: 0.25, True: 0.05}      # largest single matmul worth timing, s
+_ALWAYS_N = 256                            # sizes up to this are always timed
+_MIN_REP_S = {False: 0.02, True: 0.003}    # each timed repeat lasts at least this, s
+_REPS = {False: 5, True: 3}
+_COPY_BYTES = {False: 256 * 2**20, True: 16 * 2**20}
+_TCP_BYTES = {False: 64 * 2**20, True: 4 * 2**20}
+
+
+def best_op_s(fn: Callable[[], Any], reps: int, min_rep_s: float) -> float:
+    """Seconds per call of `fn`: the best of `reps` repeats, each calling `fn` until at least
+    `min_rep_s` has passed (so a repeat never outlasts `min_rep_s` plus one call).
+
+    The best, not the median: on a shared machine the slower repeats measure other processes
+    (a 2-thread matmul waits for a descheduled OpenMP worker), not the hardware; the Python
+    `timeit` documentation gives the same advice.
+    """
+    fn()  # warm-up: first touch, kernel selection, thread pool start
+    best = math.inf
+    for _ in range(reps):
+        calls = 0
+        t0 = time.perf_counter()
+        while True:
+            fn()
+            calls += 1
+            elapsed = time.perf_counter() - t0
+            if elapsed >= min_rep_s:
+                break
+        best = min(best, elapsed / calls)
+    return best
+
+
+def matmul_rates(dtype: str, quick: bool, deadline: float) -> list[tuple[float, float]]:
+    """[(op FLOPs, achieved FLOP/s)] for square n x n @ n x n products, n ascending.
+
+    Sizes up to `_ALWAYS_N` are always timed (cheap even when a loaded machine stalls every
+    call); a larger size is skipped once its single product, predicted from the best rate so
+    far, would take over `_MAX_OP_S` or run past `deadline` (a `time.perf_counter()` value).
+    """
+    import torch
+
+    tdtype = getattr(torch, TORCH_DTYPES[dtype])
+    reps, min_rep_s = _REPS[quick], _MIN_REP_S[quick]
+    out: list[tuple[float, float]] = []
+    for n in _SIZES[quick]:
+        flops = 2.0 * n**3
+        if out and n > _ALWAYS_N:
+            predicted = flops / max(rate for _, rate in out)
+            if predicted > _MAX_OP_S[quick] or time.perf_counter() + predicted * (reps + 2) > deadline:
+                break
+        gen = torch.Generator().manual_seed(n)
+        a = torch.randn(n, n, generator=gen).to(tdtype)
+        b = torch.randn(n, n, generator=gen).to(tdtype)
+        c = torch.empty(n, n, dtype=tdtype)
+        with torch.no_grad():
+            op_s = best_op_s(lambda: torch.mm(a, b, out=c), reps, min_rep_s)
+        out.append((flops, flops / op_s))
+    return out
+
+
+def copy_bandwidth(quick: bool) -> float:
+    """Bytes/s of a large fp32 tensor copy, counting bytes read + written (best of repeats)."""
+    import torch
+
+    nbytes = min(_COPY_BYTES[quick], max(2**20, available_bytes() // 8))
+    src = torch.ones(nbytes // 4)  # ones: every page touched before timing
+    dst = torch.zeros_like(src)
+    op_s = best_op_s(lambda: dst.copy_(src), _REPS[quick], _MIN_REP_S[quick])
+    return 2.0 * src.numel() * 4 / op_s
+
+
+def loopback_tcp_bandwidth(quick: bool) -> float | None:
+    """Bytes/s one way through a TCP connection on 127.0.0.1 (gloo's transport between local
+    processes), or None when loopback sockets are unavailable."""
+    total = _TCP_BYTES[quick]
+    chunk = b"\0" * (1 << 20)
+    done = threading.Event()
+    received = [0]
+
+    def serve(server: socket.socket) -> None:
+        try:
+            conn, _ = server.accept()
+            with conn:
+                while received[0] < total:
+                    data = conn.recv(1 << 20)
+                    if not data:
+                        break
+                    received[0] += len(data)
+        except OSError:
+            pass
+        finally:
+            done.set()
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as server:
+            server.bind(("127.0.0.1", 0))
+            server.listen(1)
+            server.settimeout(5)
+            thread = threading.Thread(target=serve, args=(server,), daemon=True)
+            thread.start()
+            with socket.create_connection(server.getsockname(), timeout=5) as client:
+                t0 = time.perf_counter()
+                for _ in range(total // len(chunk)):
+                    client.sendall(chunk)
+                client.shutdown(socket.SHUT_WR)
+                done.wait(10)
+                elapsed = time.perf_counter() - t0
+            thread.join(5)
+    except OSError:
+        return None
+    if received[0] < total or elapsed <= 0:
+        return None
+    return total / elapsed
+
+
+def meminfo() -> dict[str, int]:
+    """/proc/meminfo in bytes ({} where it does not exist)."""
+    out = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                parts = rest.split()
+                if parts:
+                    out[key] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
+    except (OSError, ValueError, IndexError):
+        return {}
+    return out
+
+
+def cgroup_limit() -> int | None:
+    """Memory limit of this process's cgroup (v2 memory.max or v1 limit_in_bytes), if any."""
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < 2**60:
+            return int(text)
+    return None
+
+
+def total_ram_bytes() -> int:
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        total = meminfo().get("MemTotal", 0)
+    if total <= 0:
+        raise TrainplanError("cannot read this machine's RAM size (os.sysconf or /proc/meminfo)")
+    limit = cgroup_limit()
+    return min(total, limit) if limit else total
+
+
+def available_bytes() -> int:
+    info = meminfo()
+    total = total_ram_bytes()
+    return min(total, info.get("MemAvailable", total))
+
+
+def cpu_vendor() -> str:
+    vendor = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    vendor = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    vendor = vendor or platform.processor() or platform.machine()
+    return {"GenuineIntel": "intel", "AuthenticAMD": "amd"}.get(vendor, vendor.lower())

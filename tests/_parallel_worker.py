@@ -1,0 +1,188 @@
+"""Worker for tests/test_parallel.py under torchrun: ``python -m tests._parallel_worker MODE OUT``.
+
+Modes:
+- ``sp OUT SP:STAGE...``: per case one forward/backward of the tiny Llama with Ulysses SP of degree
+  SP (dp = world / SP) under ZeRO stage STAGE; rank 0 saves loss and full gradients.
+- ``zero OUT STAGE...``: pure data parallel, 2 optimizer steps per stage; rank 0 saves the 3 losses.
+- ``fail OUT``: rank 1 raises, rank 0 waits in a barrier (torchrun must stop it).
+- ``hang OUT``: every rank ignores SIGTERM, writes its pid and sleeps (run_torchrun must kill it).
+
+Imports only torch, transformers and executor.{launch,parallel}; the heavy ones lazily, so the
+fault modes start fast. The model/data builders are also used by the test for the references.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+SEQ_LEN = 16
+GLOBAL_BATCH = 4
+SEED = 0
+
+
+def tiny_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=64,
+        attn_implementation="sdpa",
+    )
+
+
+def build_model():
+    import torch
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(SEED)
+    return LlamaForCausalLM(tiny_config()).float().train()
+
+
+def global_batch(seed: int = 1):
+    """(GLOBAL_BATCH, SEQ_LEN) token ids and HF-convention labels, a few of them ignored (-100)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, tiny_config().vocab_size, (GLOBAL_BATCH, SEQ_LEN), generator=g)
+    labels = ids.clone()
+    labels[0, 5:9] = -100  # uneven token counts across shards and replicas
+    labels[3, 12:] = -100
+    return ids, labels
+
+
+def optimizer_factory(params):
+    import torch
+
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def _full(t):
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _local(t):
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _inner(model):
+    return getattr(model, "module", model)  # DDP wraps, FSDP2 does not
+
+
+def _replica_rows(rank: int, world: int, sp: int):
+    dp = world // sp
+    per = GLOBAL_BATCH // dp
+    lo = (rank // sp) * per
+    return slice(lo, lo + per)
+
+
+def run_sp(out: Path, cases: list[tuple[int, int]]) -> None:
+    """One forward/backward per (sp_degree, zero_stage) case; dp = world / sp_degree."""
+    import torch
+    import torch.distributed as dist
+
+    from executor.launch import init_distributed
+    from executor.parallel import (
+        apply_zero, enable_ulysses, new_sequence_parallel_group, shard_sequence, sp_loss,
+    )  # fmt: skip
+
+    device = torch.device("cpu")
+    rank, world = init_distributed(device, timeout_s=60)
+    ids, labels = global_batch()
+    for sp, stage in cases:
+        new_sequence_parallel_group(sp)
+        rows = _replica_rows(rank, world, sp)
+        ids_s, tgt_s, pos_s = shard_sequence(ids[rows], labels[rows], rank % sp, sp)
+        model = build_model()
+        enable_ulysses(model, seq_len=SEQ_LEN)
+        model, _ = apply_zero(model, optimizer_factory, stage=stage, device=device)
+        logits = model(input_ids=ids_s, position_ids=pos_s, use_cache=False).logits
+        loss = sp_loss(logits, tgt_s, None, None)
+        loss.backward()
+        grads = {n: _full(p.grad).detach().clone() for n, p in _inner(model).named_parameters()}
+        if rank == 0:
+            name = f"sp{sp}_world{world}_stage{stage}.pt"
+            torch.save({"loss": loss.item(), "grads": grads}, out / name)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_zero(out: Path, stages: list[int], steps: int = 2) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from executor.launch import init_distributed
+    from executor.parallel import apply_zero, shard_sequence, sp_loss
+
+    device = torch.device("cpu")
+    rank, world = init_distributed(device, timeout_s=60)
+    rows = _replica_rows(rank, world, 1)
+    ids, labels = global_batch()
+    ids_r, tgt_r, pos_r = shard_sequence(ids[rows], labels[rows], 0, 1)
+    for stage in stages:
+        model, opt = apply_zero(build_model(), optimizer_factory, stage=stage, device=device)
+        losses = []
+        for step in range(steps + 1):  # the last forward measures the loss after `steps` steps
+            logits = model(input_ids=ids_r, position_ids=pos_r, use_cache=False).logits
+            loss = sp_loss(logits, tgt_r, None, None)
+            losses.append(loss.item())
+            if step < steps:
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+        state = opt.optim.state if hasattr(opt, "optim") else opt.state  # ZeRO-1: local optim
+        state_numel = sum(_local(st["exp_avg"]).numel() for st in state.values())
+        param_numel = sum(p.numel() for p in _inner(model).parameters())  # DTensor: global numel
+        if rank == 0:
+            result = {"losses": losses, "state_numel": state_numel, "param_numel": param_numel}
+            torch.save(result, out / f"zero_stage{stage}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_fail(out: Path) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from executor.launch import init_distributed
+
+    rank, _ = init_distributed(torch.device("cpu"), timeout_s=60)
+    if rank == 1:
+        print("rank 1 about to fail", file=sys.stderr, flush=True)
+        raise RuntimeError("injected failure on rank 1")
+    dist.barrier()  # never completes: rank 1 is gone; torchrun must stop this rank
+
+
+def run_hang(out: Path) -> None:
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # only SIGKILL stops it
+    (out / f"pid_{os.environ['RANK']}").write_text(str(os.getpid()))
+    while True:
+        time.sleep(1)
+
+
+if __name__ == "__main__":
+    mode, out_dir, *rest = sys.argv[1:]
+    out_path = Path(out_dir)
+    if mode == "sp":
+        run_sp(out_path, [tuple(int(x) for x in case.split(":")) for case in rest])
+    elif mode == "zero":
+        run_zero(out_path, [int(s) for s in rest])
+    elif mode == "fail":
+        run_fail(out_path)
+    elif mode == "hang":
+        run_hang(out_path)
+    else:
+        raise SystemExit(f"unknown mode {mode!r}")

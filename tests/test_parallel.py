@@ -1,0 +1,226 @@
+"""Tests for executor.parallel (Ulysses SP, ZeRO stages) and executor.launch (torchrun, faults).
+
+Multi-process cases run tests/_parallel_worker.py under torchrun (gloo, CPU) through
+`run_torchrun`, write results to tmp_path, and are compared here with single-process references
+on the same tiny fp32 Llama (4 heads, 2 kv heads, seq 16, global batch 4).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import executor.launch as launch
+from executor.launch import WorkerFailedError, run_torchrun
+from executor.parallel import (
+    ULYSSES, apply_zero, check_sp_degree, enable_ulysses, new_sequence_parallel_group,
+    shard_sequence, sp_loss, valid_sp_degrees,
+)  # fmt: skip
+from hardware_profiles.errors import TrainplanError
+
+_spec = importlib.util.spec_from_file_location(
+    "_parallel_worker", Path(__file__).with_name("_parallel_worker.py")
+)
+worker = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(worker)
+
+WORKER = "tests._parallel_worker"
+LAUNCH_TIMEOUT_S = 120
+RTOL, ATOL = 1e-5, 1e-7
+
+
+def _launch(out: Path, nproc: int, *args: str) -> Path:
+    mode, *rest = args
+    run_torchrun(
+        WORKER, [mode, str(out), *rest], nproc, timeout_s=LAUNCH_TIMEOUT_S, log_dir=out / "logs"
+    )
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# single-process references
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def reference_grads() -> tuple[float, dict[str, torch.Tensor]]:
+    """Plain HF forward/backward (sdpa, HF's own shifted mean CE) on the whole global batch."""
+    model = worker.build_model()
+    ids, labels = worker.global_batch()
+    loss = model(input_ids=ids, labels=labels).loss
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.fixture(scope="module")
+def reference_losses() -> list[float]:
+    """Losses before step 1, before step 2 and after step 2, single process, whole batch."""
+    model = worker.build_model()
+    opt = worker.optimizer_factory(model.parameters())
+    ids, labels = worker.global_batch()
+    losses = []
+    for step in range(3):
+        loss = model(input_ids=ids, labels=labels).loss
+        losses.append(loss.item())
+        if step < 2:
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    return losses
+
+
+# --------------------------------------------------------------------------------------------
+# multi-process runs (one torchrun launch each, shared by the tests below)
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sp_world2(tmp_path_factory) -> Path:
+    return _launch(tmp_path_factory.mktemp("sp_world2"), 2, "sp", "2:0", "2:3")
+
+
+@pytest.fixture(scope="module")
+def sp_world4(tmp_path_factory) -> Path:
+    # SP 4 with 2 kv heads replicates kv heads; 2:0 on 4 ranks is dp 2 x sp 2.
+    return _launch(tmp_path_factory.mktemp("sp_world4"), 4, "sp", "4:0", "2:0", "4:2")
+
+
+@pytest.fixture(scope="module")
+def zero_world2(tmp_path_factory) -> Path:
+    return _launch(tmp_path_factory.mktemp("zero_world2"), 2, "zero", "0", "1", "2", "3")
+
+
+@pytest.mark.parametrize(
+    ("run", "sp", "world", "stage"),
+    [
+        ("sp_world2", 2, 2, 0),
+        ("sp_world2", 2, 2, 3),
+        ("sp_world4", 4, 4, 0),
+        ("sp_world4", 2, 4, 0),
+        ("sp_world4", 4, 4, 2),
+    ],
+    ids=["sp2-ddp", "sp2-fsdp3", "sp4-ddp", "dp2xsp2-ddp", "sp4-fsdp2"],
+)
+def test_sp_loss_and_grads_match_single_process(request, reference_grads, run, sp, world, stage):
+    ref_loss, ref_grads = reference_grads
+    got = torch.load(request.getfixturevalue(run) / f"sp{sp}_world{world}_stage{stage}.pt")
+    torch.testing.assert_close(
+        torch.tensor(got["loss"]), torch.tensor(ref_loss), rtol=RTOL, atol=ATOL
+    )
+    assert got["grads"].keys() == ref_grads.keys()
+    for name, ref in ref_grads.items():
+        torch.testing.assert_close(
+            got["grads"][name], ref, rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"{n}: {m}"
+        )
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_zero_stage_matches_single_process_after_two_steps(zero_world2, reference_losses, stage):
+    got = torch.load(zero_world2 / f"zero_stage{stage}.pt")
+    torch.testing.assert_close(
+        torch.tensor(got["losses"]), torch.tensor(reference_losses), rtol=RTOL, atol=ATOL
+    )
+    # AdamW's exp_avg on rank 0: the full model for stage 0, about half of it when sharded.
+    if stage == 0:
+        assert got["state_numel"] == got["param_numel"]
+    else:
+        assert got["state_numel"] <= 0.6 * got["param_numel"], got
+
+
+# --------------------------------------------------------------------------------------------
+# faults: nothing may hang
+# --------------------------------------------------------------------------------------------
+
+
+def test_failed_worker_names_rank(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(WorkerFailedError) as info:
+        run_torchrun(WORKER, ["fail", str(tmp_path)], 2, timeout_s=60, log_dir=tmp_path / "logs")
+    assert time.monotonic() - start < 60
+    err = info.value
+    assert err.rank == 1 and err.exit_code == 1
+    assert "rank 1" in str(err) and "exit code 1" in str(err)
+    assert "injected failure on rank 1" in str(err)  # the tail of rank 1's stderr
+    assert isinstance(err, TrainplanError)
+
+
+def test_timeout_kills_workers_that_ignore_sigterm(tmp_path, monkeypatch):
+    monkeypatch.setattr(launch, "KILL_GRACE_S", 2.0)
+    start = time.monotonic()
+    with pytest.raises(WorkerFailedError, match="timed out after 6 s"):
+        run_torchrun(WORKER, ["hang", str(tmp_path)], 2, timeout_s=6, log_dir=tmp_path / "logs")
+    assert time.monotonic() - start < 30
+    pids = [int(p.read_text()) for p in tmp_path.glob("pid_*")]
+    assert len(pids) == 2, "workers did not start within the timeout"
+    for pid in pids:  # gone, or a zombie waiting for PID 1 to reap it
+        stat = Path(f"/proc/{pid}/stat")
+        if stat.exists():
+            state = stat.read_text().rsplit(")", 1)[1].split()[0]
+            assert state in ("Z", "X"), f"worker {pid} still running (state {state})"
+
+
+# --------------------------------------------------------------------------------------------
+# single-process: divisibility errors, sharding, the attention function without a group
+# --------------------------------------------------------------------------------------------
+
+
+def test_sp_degree_must_divide_seq_len_and_heads():
+    check_sp_degree(4, seq_len=16, num_heads=4)
+    both = r"sp_degree 3 does not divide seq_len 16 and attention heads 4"
+    with pytest.raises(TrainplanError, match=both) as info:
+        check_sp_degree(3, seq_len=16, num_heads=4)
+    assert "[1, 2, 4]" in str(info.value)
+    heads = r"attention heads 4; valid sp degrees for seq_len 64 and attention heads 4: \[1, 2, 4\]"
+    with pytest.raises(TrainplanError, match=heads):
+        check_sp_degree(8, seq_len=64, num_heads=4)
+    with pytest.raises(TrainplanError, match="positive integer"):
+        check_sp_degree(0)
+    assert valid_sp_degrees(seq_len=12, num_heads=8) == [1, 2, 4]
+
+
+def test_shard_sequence_rejects_indivisible_seq_len():
+    ids = torch.zeros(2, 10, dtype=torch.long)
+    seq = r"sp_degree 4 does not divide seq_len 10.*\[1, 2, 5, 10\]"
+    with pytest.raises(TrainplanError, match=seq):
+        shard_sequence(ids, ids, 0, 4)
+
+
+def test_sp_without_process_group_is_an_error():
+    with pytest.raises(TrainplanError, match="needs 2 processes"):
+        new_sequence_parallel_group(2)
+    assert new_sequence_parallel_group(1) is None
+
+
+def test_shards_concatenate_to_shifted_labels_and_global_positions():
+    ids, labels = worker.global_batch()
+    shards = [shard_sequence(ids, labels, r, 4) for r in range(4)]
+    assert all(s[0].shape == (4, 4) for s in shards)
+    torch.testing.assert_close(torch.cat([s[0] for s in shards], 1), ids)
+    shifted = torch.cat([labels[:, 1:], torch.full((4, 1), -100)], 1)
+    torch.testing.assert_close(torch.cat([s[1] for s in shards], 1), shifted)
+    torch.testing.assert_close(torch.cat([s[2] for s in shards], 1), torch.arange(16).expand(4, -1))
+
+
+def test_ulysses_without_group_equals_sdpa_and_sp_loss_equals_hf_loss():
+    model = worker.build_model()
+    ids, labels = worker.global_batch()
+    ref = model(input_ids=ids, labels=labels)
+    enable_ulysses(model, seq_len=16)  # SP degree 1: a no-op
+    assert model.config._attn_implementation == "sdpa"
+    model.set_attn_implementation(ULYSSES)
+    ids_s, tgt_s, pos_s = shard_sequence(ids, labels, 0, 1)
+    logits = model(input_ids=ids_s, position_ids=pos_s, use_cache=False).logits
+    torch.testing.assert_close(logits, ref.logits, rtol=RTOL, atol=1e-6)
+    torch.testing.assert_close(sp_loss(logits, tgt_s, None, None), ref.loss, rtol=RTOL, atol=ATOL)
+
+
+def test_apply_zero_world_one_returns_model_unchanged():
+    model = worker.build_model()
+    out, opt = apply_zero(model, worker.optimizer_factory, stage=3, device=torch.device("cpu"))
+    assert out is model and isinstance(opt, torch.optim.AdamW)
+    with pytest.raises(TrainplanError, match="zero stage must be 0, 1, 2 or 3"):
+        apply_zero(model, worker.optimizer_factory, stage=4, device=torch.device("cpu"))
