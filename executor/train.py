@@ -119,13 +119,54 @@ def _measure_memory(step_fn, model, opt) -> dict[str, float]:
 
 
 @torch.no_grad()
-def heldout_loss(model: nn.Module, batches, device) -> float:
-    """Mean cross-entropy (nats/token) over fixed held-out batches."""
+def heldout_loss(model: nn.Module, batches, forward_loss) -> float:
+    """Mean cross-entropy (nats/token) over fixed held-out batches (same on every rank)."""
     was = model.training
     model.eval()
-    losses = [lm_loss(model(input_ids=x.to(device)).logits, y.to(device)).item() for x, y in batches]
+    losses = [forward_loss(x, y).item() for x, y in batches]
     model.train(was)
     return sum(losses) / len(losses)
+
+
+def _forward_loss(model, dev, sp: int, sp_rank: int, world: int, x, y) -> torch.Tensor:
+    """Loss of one micro-batch: x, y (b, s) token ids and next-token targets. Under Ulysses SP
+    each rank feeds its contiguous sequence shard with global positions; `sp_loss` makes the
+    averaged gradients equal the single-process ones."""
+    if world == 1:
+        return lm_loss(model(input_ids=x.to(dev)).logits, y.to(dev))
+    from executor.parallel import sp_loss
+
+    sl = x.shape[1] // sp
+    lo, hi = sp_rank * sl, (sp_rank + 1) * sl
+    pos = torch.arange(lo, hi, device=dev).unsqueeze(0).expand(x.shape[0], -1)
+    logits = model(input_ids=x[:, lo:hi].to(dev), position_ids=pos, use_cache=False).logits
+    return sp_loss(logits, y[:, lo:hi].to(dev), None, None)
+
+
+def _init_world(plan: Plan, dev: torch.device) -> tuple[int, int]:
+    import os
+
+    d = plan.decisions
+    world_env = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_env != d.devices:
+        raise TrainplanError(
+            f"plan uses {d.devices} device(s) but this process group has {world_env}: "
+            "use `trainplan run PLAN --out DIR`, which launches torchrun with the plan's count")
+    if world_env == 1:
+        return 0, 1
+    from executor.launch import init_distributed
+
+    return init_distributed(dev)
+
+
+def _gather_floats(value: float, world: int) -> list[float]:
+    if world == 1:
+        return [value]
+    import torch.distributed as dist
+
+    out: list = [None] * world
+    dist.all_gather_object(out, value)
+    return [float(v) for v in out]
 
 
 def run(plan: Plan, model: nn.Module | None = None, data: TokenCorpus | None = None, *,
@@ -143,10 +184,8 @@ def run(plan: Plan, model: nn.Module | None = None, data: TokenCorpus | None = N
     from planner.presets import build_model
 
     d = plan.decisions
-    if d.devices > 1:
-        raise TrainplanError(f"plan uses {d.devices} devices: run it with `trainplan run`, "
-                             "which launches torchrun")
     dev = resolve_device(plan, device)
+    rank, world = _init_world(plan, dev)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     data = data or load_corpus(vocab_size=plan.vocab_size)
@@ -159,11 +198,21 @@ def run(plan: Plan, model: nn.Module | None = None, data: TokenCorpus | None = N
                                 f"parameters; this model has {n_params:,}")
     apply_checkpointing(model, d.checkpoint)
     model.train()
-    opt = build_optimizer(model.parameters(), d.optimizer_bits, d.lr)
+    factory = partial(build_optimizer, bits=d.optimizer_bits, lr=d.lr)
+    if world > 1:
+        from executor.parallel import apply_zero, enable_ulysses, new_sequence_parallel_group
+
+        new_sequence_parallel_group(d.sp_degree)
+        enable_ulysses(model, seq_len=d.seq_len)
+        model, opt = apply_zero(model, factory, stage=d.zero_stage, device=dev)
+    else:
+        opt = factory(model.parameters())
+    dp_rank, sp_rank = rank // d.sp_degree, rank % d.sp_degree
     batches = TokenBatches(data.train_tokens, seq_len=d.seq_len, micro_batch=d.micro_batch,
-                           fraction=d.data_fraction, seed=d.seed)
+                           fraction=d.data_fraction, seed=d.seed, rank=dp_rank, world_size=d.dp_degree)
     held = heldout_batches(data.heldout_tokens, seq_len=d.seq_len, micro_batch=d.micro_batch,
                            max_batches=EVAL_BATCHES)
+    forward_loss = partial(_forward_loss, model, dev, d.sp_degree, sp_rank, world)
     eval_every = eval_every or max(1, d.max_steps // 10)
     rec = RunRecord(model=plan.model, hw_planned=plan.hw, device=_device_name(dev),
                     same_hardware=(plan.hw == "cpu" and dev.type == "cpu"))
@@ -175,7 +224,7 @@ def run(plan: Plan, model: nn.Module | None = None, data: TokenCorpus | None = N
         for group in opt.param_groups:
             group["lr"] = lr_at(step, plan)
         with autocast:
-            loss = lm_loss(model(input_ids=x.to(dev)).logits, y.to(dev))
+            loss = forward_loss(x, y)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -221,9 +270,10 @@ def run(plan: Plan, model: nn.Module | None = None, data: TokenCorpus | None = N
                 stop["reason"] = "nan"
                 break
             if (step + 1) % eval_every == 0 or step + 1 == d.max_steps:
-                rec.heldout_loss.append((step + 1, rec.tokens, heldout_loss(model, held, dev)))
+                rec.heldout_loss.append((step + 1, rec.tokens, heldout_loss(model, held, forward_loss)))
                 rec.wall_s = time.perf_counter() - t_start
-                rec.to_json(out / "record.json")
+                if rank == 0:
+                    rec.to_json(out / "record.json")
         if dev.type == "cuda":
             rec.peak_memory_bytes = {"total": float(torch.cuda.max_memory_allocated(dev))}
             rec.notes.append(f"reserved {torch.cuda.max_memory_reserved(dev)} bytes")
@@ -233,8 +283,10 @@ def run(plan: Plan, model: nn.Module | None = None, data: TokenCorpus | None = N
             signal.signal(s, h)
         rec.stop_reason = stop["reason"] or "budget"
         rec.wall_s = time.perf_counter() - t_start
-        rec.per_rank_peak_bytes = [rec.peak_memory_bytes.get("total", 0.0)]
-        rec.to_json(out / "record.json")
+        rec.world_size = world
+        rec.per_rank_peak_bytes = _gather_floats(rec.peak_memory_bytes.get("total", 0.0), world)
+        if rank == 0:
+            rec.to_json(out / "record.json")
     if rec.stop_reason == "nan":
         raise TrainingDivergedError(f"loss became {rec.train_loss[-1][1]} at step {rec.steps - 1}; "
                                     f"record kept in {out / 'record.json'}; lower the learning rate "

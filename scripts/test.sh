@@ -1,0 +1,5 @@
+#!/usr/bin/env bash
+# Set up (first time) with test extras and run the test suite. Extra arguments go to pytest.
+set -euo pipefail
+EXTRAS=test source "$(dirname "${BASH_SOURCE[0]}")/_setup.sh"
+python -m pytest -q "$@"
