@@ -45,12 +45,37 @@ def capture_model(model: nn.Module | str, precision: str, *, vocab_size: int | N
     return graph, name, tuple(p.numel() for p in module.parameters())
 
 
+def _setup(model, hw, *, precision, vocab_size):
+    profile = load_profile(hw)
+    precision = precision or default_precision(profile)
+    if precision not in PRECISION_DTYPE:
+        raise TrainplanError(f"precision={precision!r} is not known: use {', '.join(PRECISION_DTYPE)}")
+    graph, name, numels = capture_model(model, precision, vocab_size=vocab_size)
+    step_model = StepModel(graph.regions, graph.blocks, numels, profile, n_heads=graph.n_heads,
+                           n_kv_heads=graph.n_kv_heads, head_dim=graph.head_dim)
+    return profile, precision, graph, name, step_model
+
+
+def _law_for(law, profile, name, graph) -> LossLaw:
+    if law is None and profile.name == "cpu":  # a law fitted by `trainplan calibrate`, if any
+        from costmodels.loss_cache import load_local_law
+
+        law = load_local_law(name, graph.vocab_size)
+    return law or LossLaw.besiroglu2024()
+
+
+def _check_seq_len(seq_len) -> None:
+    if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
+        raise TrainplanError(f"seq_len={seq_len!r} must be a positive whole number of tokens")
+
+
 def solve(model: nn.Module | str, hw: str | HardwareProfile, budget: Budget, *, seq_len: int = 2048,
           data_tokens: int | None = None, vocab_size: int | None = None, precision: str | None = None,
           law: LossLaw | None = None, micro_batches=(1, 2, 4, 8, 16), optimizer_bits=(32, 8),
           policies=("none", "save_matmuls", "save_attention", "full"),
-          data_fractions=(0.25, 0.5, 0.75, 1.0), time_limit_s: float = 10.0, seed: int = 0,
-          lr: float = 3e-3, export_path: str | None = None) -> Plan:
+          data_fractions=(0.25, 0.5, 0.75, 1.0), memory_limit_bytes: float | None = None,
+          time_limit_s: float = 10.0, seed: int = 0, lr: float = 3e-3,
+          export_path: str | None = None) -> Plan:
     """Plan a training run: every knob chosen jointly by one CP-SAT model.
 
     Args:
@@ -61,21 +86,18 @@ def solve(model: nn.Module | str, hw: str | HardwareProfile, budget: Budget, *, 
         seq_len: tokens per sequence.
         data_tokens: unique training tokens in the corpus (None: unconstrained).
         vocab_size: overrides the preset's vocabulary (a run uses its tokenizer's).
+        memory_limit_bytes: per-device memory cap below the profile's usable bytes.
 
     Raises:
         UnknownNameError: unknown hardware or preset.
         TrainplanError: bad sequence length, SP degree or option.
         InfeasibleError: nothing fits; the message names the binding term and what to relax.
     """
-    profile = load_profile(hw)
-    if not isinstance(seq_len, int) or seq_len < 1:
-        raise TrainplanError(f"seq_len={seq_len!r} must be a positive whole number of tokens")
+    _check_seq_len(seq_len)
     if not isinstance(budget, Budget):
         raise TrainplanError(f"budget must be a planner.Budget, got {type(budget).__name__}")
-    precision = precision or default_precision(profile)
-    graph, name, numels = capture_model(model, precision, vocab_size=vocab_size)
-    step_model = StepModel(graph.regions, graph.blocks, numels, profile, n_heads=graph.n_heads,
-                           n_kv_heads=graph.n_kv_heads, head_dim=graph.head_dim)
+    profile, precision, graph, name, step_model = _setup(model, hw, precision=precision,
+                                                         vocab_size=vocab_size)
     space = default_space(devices=budget.devices, seq_len=seq_len, n_heads=graph.n_heads,
                           n_kv_heads=graph.n_kv_heads, precision=precision,
                           micro_batches=micro_batches, optimizer_bits=optimizer_bits,
@@ -84,44 +106,97 @@ def solve(model: nn.Module | str, hw: str | HardwareProfile, budget: Budget, *, 
         raise TrainplanError(
             f"no sequence-parallel degree divides devices={budget.devices}, seq_len={seq_len} and "
             f"{graph.n_heads} attention heads; use a device count or sequence length they share")
-    law = law or LossLaw.besiroglu2024()
+    law = _law_for(law, profile, name, graph)
     unique = data_tokens if data_tokens is not None else UNLIMITED_DATA_TOKENS
     sol = solve_joint(step_model, profile, budget, seq_len=seq_len, space=space,
                       n_params=graph.n_params, data_tokens=unique, law=law,
-                      time_limit_s=time_limit_s, seed=seed, export_path=export_path)
-    c = sol.choice
-    cost = step_model.evaluate(c)
-    steps = sol.max_steps
-    total_flops_dev = cost.flops * steps
-    peak_flops = profile.peak(PRECISION_DTYPE[precision])
-    decisions = Decisions(
-        devices=budget.devices, sp_degree=c.sp_degree, dp_degree=budget.devices // c.sp_degree,
-        zero_stage=c.zero_stage, micro_batch=c.micro_batch, seq_len=seq_len, checkpoint=c.policies,
-        precision=precision, optimizer_bits=c.optimizer_bits, data_fraction=sol.data_fraction,
-        data_method="random", max_tokens=sol.total_tokens, max_steps=steps, governor_threshold=0.0,
-        lr=lr, warmup_steps=max(1, min(20, steps // 10)), seed=seed)
-    predictions = Predictions(
-        memory_bytes=cost.memory.as_dict(), memory_phase=cost.memory.phase,
-        memory_limit_bytes=float(profile.usable_bytes), step_time_s=cost.time_s,
-        step_time_breakdown_s={"compute": cost.compute_s, "recompute": cost.recompute_s,
-                               "communication": cost.comm_s},
-        flops_per_step=cost.flops, model_flops_per_step=cost.model_flops,
-        tokens_per_step=sol.tokens_per_step, total_tokens=sol.total_tokens,
-        device_hours=cost.time_s * steps * budget.devices / 3600.0, final_loss=sol.predicted_loss,
-        mfu=cost.model_flops / (cost.time_s * peak_flops) if cost.time_s > 0 else 0.0)
+                      memory_limit_bytes=memory_limit_bytes, time_limit_s=time_limit_s, seed=seed,
+                      export_path=export_path)
     facts = SolverFacts(status=sol.status, objective=sol.objective, bound=sol.bound, wall_s=sol.wall_s,
                         seed=seed, time_limit_s=time_limit_s, n_variables=sol.n_variables,
                         n_constraints=sol.n_constraints)
+    return _make_plan(step_model, profile, graph, name, sol.choice, budget=budget.to_dict(),
+                      data_fraction=sol.data_fraction, max_steps=sol.max_steps,
+                      predicted_loss=sol.predicted_loss, unique=unique, law=law, lr=lr, seed=seed,
+                      facts=facts, memory_limit_bytes=memory_limit_bytes)
+
+
+def plan_for_choice(model: nn.Module | str, hw: str | HardwareProfile, *, seq_len: int,
+                    micro_batch: int, checkpoint: tuple[str, ...] | str = "none", sp_degree: int = 1,
+                    devices: int = 1, zero_stage: int = 0, optimizer_bits: int = 32,
+                    precision: str | None = None, data_fraction: float = 1.0, max_steps: int = 10,
+                    data_tokens: int | None = None, vocab_size: int | None = None,
+                    law: LossLaw | None = None, lr: float = 3e-3, seed: int = 0) -> Plan:
+    """A Plan with every knob fixed by the caller, predictions from the same cost models, no
+    solver (status `FIXED`): for baselines, benchmarks and what-if questions.
+
+    Raises:
+        TrainplanError: a knob out of range (SP degree not dividing devices, heads or sequence;
+            unknown policy; ZeRO stage; bits).
+    """
+    from costmodels import comm
+    from costmodels.remat import check_policy
+    from costmodels.step import Choice
+
+    _check_seq_len(seq_len)
+    profile, precision, graph, name, step_model = _setup(model, hw, precision=precision,
+                                                         vocab_size=vocab_size)
+    policies = (checkpoint,) * graph.n_layers if isinstance(checkpoint, str) else tuple(checkpoint)
+    if len(policies) != graph.n_layers:
+        raise TrainplanError(f"checkpoint has {len(policies)} entries; {name} has {graph.n_layers} layers")
+    for p in policies:
+        check_policy(p)
+    valid = [p for p in comm.valid_sp_degrees(seq_len, graph.n_heads, graph.n_kv_heads) if devices % p == 0]
+    if sp_degree not in valid:
+        raise TrainplanError(f"sp_degree={sp_degree} is not valid for devices={devices}, seq_len={seq_len} "
+                             f"and {graph.n_heads} heads: valid degrees are {valid}")
+    if not isinstance(max_steps, int) or max_steps < 1:
+        raise TrainplanError(f"max_steps={max_steps!r} must be a whole number >= 1")
+    choice = Choice(sp_degree=sp_degree, zero_stage=zero_stage, micro_batch=micro_batch, seq_len=seq_len,
+                    policies=policies, precision=precision, optimizer_bits=optimizer_bits, devices=devices)
+    law = _law_for(law, profile, name, graph)
+    unique = data_tokens if data_tokens is not None else UNLIMITED_DATA_TOKENS
+    tokens = max_steps * micro_batch * seq_len * (devices // sp_degree)
+    from costmodels.loss import bits_loss_penalty
+
+    loss = law.predict(graph.n_params, tokens, unique_tokens=max(1.0, data_fraction * unique))
+    loss += bits_loss_penalty(optimizer_bits)
+    facts = SolverFacts(status="FIXED", objective=0.0, bound=0.0, wall_s=0.0, seed=seed, time_limit_s=0.0)
+    return _make_plan(step_model, profile, graph, name, choice, budget={"devices": devices, "fixed_steps": max_steps},
+                      data_fraction=data_fraction, max_steps=max_steps, predicted_loss=loss,
+                      unique=unique, law=law, lr=lr, seed=seed, facts=facts, memory_limit_bytes=None)
+
+
+def _make_plan(step_model, profile, graph, name, c, *, budget, data_fraction, max_steps, predicted_loss,
+               unique, law, lr, seed, facts, memory_limit_bytes) -> Plan:
+    cost = step_model.evaluate(c)
+    tokens_per_step = c.micro_batch * c.seq_len * (c.devices // c.sp_degree)
+    peak_flops = profile.peak(PRECISION_DTYPE[c.precision])
+    decisions = Decisions(
+        devices=c.devices, sp_degree=c.sp_degree, dp_degree=c.devices // c.sp_degree,
+        zero_stage=c.zero_stage, micro_batch=c.micro_batch, seq_len=c.seq_len, checkpoint=c.policies,
+        precision=c.precision, optimizer_bits=c.optimizer_bits, data_fraction=data_fraction,
+        data_method="random", max_tokens=max_steps * tokens_per_step, max_steps=max_steps,
+        governor_threshold=0.0, lr=lr, warmup_steps=max(1, min(20, max_steps // 10)), seed=seed)
+    limit = float(profile.usable_bytes if memory_limit_bytes is None
+                  else min(memory_limit_bytes, profile.usable_bytes))
+    predictions = Predictions(
+        memory_bytes=cost.memory.as_dict(), memory_phase=cost.memory.phase, memory_limit_bytes=limit,
+        step_time_s=cost.time_s,
+        step_time_breakdown_s={"compute": cost.compute_s, "recompute": cost.recompute_s,
+                               "communication": cost.comm_s},
+        flops_per_step=cost.flops, model_flops_per_step=cost.model_flops,
+        tokens_per_step=tokens_per_step, total_tokens=max_steps * tokens_per_step,
+        device_hours=cost.time_s * max_steps * c.devices / 3600.0, final_loss=predicted_loss,
+        mfu=cost.model_flops / (cost.time_s * peak_flops) if cost.time_s > 0 else 0.0)
+    if not all(math.isfinite(v) for v in (cost.flops, cost.time_s, cost.memory.total)):
+        raise TrainplanError("predictions are not finite; the captured graph is broken")
     notes = ("communication is added to compute, not overlapped: a conservative time bound",
              f"loss law: {law.source}")
-    if not math.isfinite(total_flops_dev):
-        raise TrainplanError("predicted FLOPs are not finite; the captured graph is broken")
     return Plan(model=name, model_n_params=graph.n_params, model_n_layers=graph.n_layers,
-                hw=profile.name, budget=budget.to_dict() | {"seq_len": seq_len},
-                data_tokens=int(unique), vocab_size=graph.vocab_size, decisions=decisions,
-                predictions=predictions, solver=facts,
-                created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-                notes=notes)
+                hw=profile.name, budget=dict(budget) | {"seq_len": c.seq_len}, data_tokens=int(unique),
+                vocab_size=graph.vocab_size, decisions=decisions, predictions=predictions, solver=facts,
+                created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), notes=notes)
 
 
 PRECISION_DTYPE = {"fp32": "fp32", "bf16-mixed": "bf16", "bf16": "bf16"}

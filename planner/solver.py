@@ -76,7 +76,8 @@ def default_space(*, devices: int, seq_len: int, n_heads: int, n_kv_heads: int,
 
 def solve_joint(step_model: StepModel, hw: HardwareProfile, budget: Budget, *, seq_len: int,
                 space: SearchSpace, n_params: int, data_tokens: int, law: LossLaw,
-                time_limit_s: float = 10.0, seed: int = 0, workers: int = 2,
+                memory_limit_bytes: float | None = None, time_limit_s: float = 10.0, seed: int = 0,
+                workers: int = 2,
                 export_path: str | None = None) -> Solution:
     """Choose all knobs jointly to minimise predicted final loss, ties broken by cost.
 
@@ -88,7 +89,7 @@ def solve_joint(step_model: StepModel, hw: HardwareProfile, budget: Budget, *, s
     # ---- data -------------------------------------------------------------------------
     devices = budget.devices
     L = len(step_model.blocks)
-    limit = hw.usable_bytes
+    limit = hw.usable_bytes if memory_limit_bytes is None else min(memory_limit_bytes, hw.usable_bytes)
     combos, smallest = [], None
     for sp, zero, mb, bits in itertools.product(space.sp_degrees, space.zero_stages,
                                                 space.micro_batches, space.optimizer_bits):
@@ -128,7 +129,7 @@ def solve_joint(step_model: StepModel, hw: HardwareProfile, budget: Budget, *, s
                            fixed_s=fixed_time, tokens_per_step=mb * seq_len * (devices // sp),
                            flops={e: per[e][0].flops for e in space.policies}))
     if not combos:
-        raise _memory_infeasible(smallest, limit, hw, seq_len)
+        raise _memory_infeasible(smallest, limit, hw, seq_len, capped=memory_limit_bytes is not None)
     # token levels: from one step of the smallest batch to the most the budget could buy
     best_rate = max(c["tokens_per_step"] / (c["fixed_s"] + L * min(c["block_s"].values()))
                     for c in combos)
@@ -186,10 +187,14 @@ def solve_joint(step_model: StepModel, hw: HardwareProfile, budget: Budget, *, s
     # ---- objective: lowest predicted loss, then fewest device-seconds ------------------
     loss_terms = [v * int(round((loss[kf]) / LOSS_PER_UNIT)) for kf, v in w.items()]
     pen_terms = [zc * int(round(bits_pen[c["bits"]] / LOSS_PER_UNIT)) for zc, c in zip(z, combos)]
-    # ties: fewer tokens (cost), then more of the corpus (a random subset never helps)
+    # ties, in order: fewer tokens (cost), more of the corpus (a random subset never helps),
+    # less recompute (policies are listed from least to most recomputing)
     fr_rank = {f: i for i, f in enumerate(sorted(space.data_fractions, reverse=True))}
+    remat_rank = [n[e] * i for i, e in enumerate(_by_recompute(space.policies))]
+    w_remat = (len(space.policies) - 1) * L + 1
     tie_terms = [y[k] * k * len(fr_rank) for k in range(len(levels))] + [v * fr_rank[f] for f, v in x.items()]
-    m.minimize((len(levels) + 1) * len(fr_rank) * (sum(loss_terms) + sum(pen_terms)) + sum(tie_terms))
+    w_ties = (len(levels) + 1) * len(fr_rank) * w_remat
+    m.minimize(w_ties * (sum(loss_terms) + sum(pen_terms)) + w_remat * sum(tie_terms) + sum(remat_rank))
     # hint: the plain plan (no checkpointing, largest fitting batch) is a natural start
     m.add_hint(n[space.policies[0]], L)
 
@@ -226,6 +231,11 @@ def solve_joint(step_model: StepModel, hw: HardwareProfile, budget: Budget, *, s
                     n_variables=len(m.proto.variables), n_constraints=len(m.proto.constraints))
 
 
+def _by_recompute(policies) -> list[str]:
+    order = ("none", "save_matmuls", "save_attention", "full")
+    return sorted(policies, key=lambda e: order.index(e) if e in order else len(order))
+
+
 def _fields(c: Choice) -> dict:
     return {f: getattr(c, f) for f in c.__slots__}
 
@@ -240,10 +250,12 @@ def _block_time(sm: StepModel, c: Choice, i: int, policy: str) -> float:
     return cost.fwd_s + cost.bwd_s + cost.recompute_s
 
 
-def _memory_infeasible(smallest, limit: float, hw: HardwareProfile, seq_len: int) -> InfeasibleError:
+def _memory_infeasible(smallest, limit: float, hw: HardwareProfile, seq_len: int,
+                       capped: bool) -> InfeasibleError:
     need, sp, zero, mb, bits = smallest
+    where = "the memory cap allows" if capped else f"{hw.name} has"
     return InfeasibleError(
         f"per-device memory binds: the smallest plan (sp_degree={sp}, zero_stage={zero}, "
         f"micro_batch={mb}, {bits}-bit optimizer, full checkpointing) needs "
-        f"{need / 2**30:.1f} GiB but {hw.name} has {limit / 2**30:.1f} GiB usable; "
+        f"{need / 2**30:.3g} GiB but {where} {limit / 2**30:.3g} GiB usable; "
         f"use more devices, a sequence shorter than {seq_len}, or a device with more memory")

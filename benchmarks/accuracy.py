@@ -1,0 +1,138 @@
+"""Accuracy of trainplan's predictions against real runs on this machine's CPU.
+
+For each configuration of a grid (sequence length, micro-batch, checkpoint set, SP degree, ZeRO
+stage, optimizer bits) it makes a plan with those knobs fixed (`planner.api.plan_for_choice`),
+runs it with the real executor for a few steps, and compares predicted and measured peak
+memory (MemTracker), FLOPs (FlopCounterMode) and step time (median after warm-up).
+
+    python benchmarks/accuracy.py [--quick] [--out DIR] [--calibrated]
+
+Writes DIR/accuracy.csv (one row per configuration) and DIR/accuracy.json (summary: median and
+maximum relative error of each term). Step-time error is reported as measured; run
+`trainplan calibrate DIR/runs/*` and this benchmark again (`--calibrated` only labels the
+summary) to see it after calibration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import itertools
+import json
+import platform
+import shutil
+import statistics
+import sys
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from executor.data import load_corpus
+from executor.report import compare
+from planner.api import plan_for_choice, solve
+from planner.budget import Budget
+
+STEPS = 9  # 2 warm-up, 1 MemTracker, 1 FlopCounterMode, 5 timed
+
+
+def grid(quick: bool) -> list[dict]:
+    """The configurations: single-process product plus SP/ZeRO runs over 2 processes."""
+    seqs, mbs = ((128,), (2, 4)) if quick else ((128, 256), (2, 4))
+    ckpts = ("none", "full", "planned")
+    bits = (32, 8)
+    cases = [dict(seq_len=s, micro_batch=b, checkpoint=c, sp_degree=1, devices=1, zero_stage=0,
+                  optimizer_bits=o) for s, b, c, o in itertools.product(seqs, mbs, ckpts, bits)]
+    multi = [(2, 2, 0), (2, 2, 3), (2, 1, 2), (2, 2, 2)] if not quick else [(2, 2, 0), (2, 1, 2)]
+    for devices, sp, zero in multi:
+        cases.append(dict(seq_len=128, micro_batch=2, checkpoint="full" if zero == 3 else "none",
+                          sp_degree=sp, devices=devices, zero_stage=zero, optimizer_bits=32))
+    return cases
+
+
+def planned_policies(case: dict, vocab: int) -> tuple[str, ...]:
+    """The solver's checkpoint set when memory is capped at 70% of the no-checkpointing peak."""
+    free = plan_for_choice("tiny-llama", "cpu", **{**case, "checkpoint": ("none",) * 4},
+                           vocab_size=vocab)
+    cap = 0.7 * free.predictions.memory_bytes["total"]
+    plan = solve("tiny-llama", "cpu", Budget(wall_clock_s=60, devices=case["devices"]),
+                 seq_len=case["seq_len"], vocab_size=vocab, micro_batches=(case["micro_batch"],),
+                 optimizer_bits=(case["optimizer_bits"],), memory_limit_bytes=cap)
+    return plan.decisions.checkpoint
+
+
+def run_case(case: dict, data, out: Path) -> dict:
+    from executor.train import run
+    from executor.worker import launch
+
+    vocab = data.vocab_size
+    ck = case["checkpoint"]
+    policies = planned_policies(case, vocab) if ck == "planned" else (ck,) * 4
+    plan = plan_for_choice("tiny-llama", "cpu", **{**case, "checkpoint": policies},
+                           vocab_size=vocab, max_steps=STEPS)
+    run_dir = out / "runs" / "_".join(f"{k}{v}" for k, v in case.items())
+    shutil.rmtree(run_dir, ignore_errors=True)
+    if case["devices"] > 1:
+        run_dir.mkdir(parents=True)
+        plan.to_json(run_dir / "plan.json")
+        launch(run_dir / "plan.json", run_dir, None, None)
+        from executor.report import load_run
+
+        plan, record = load_run(run_dir)
+    else:
+        record = run(plan, data=data, out=run_dir, progress=False)
+        plan.to_json(run_dir / "plan.json")
+    df = compare(plan, record).set_index("term")
+    row = dict(case, checkpoint=ck, policies="+".join(policies))
+    for term in ("peak_memory", "flops_per_step", "step_time"):
+        if term in df.index:
+            row[f"{term}_predicted"] = df.loc[term, "predicted"]
+            row[f"{term}_measured"] = df.loc[term, "measured"]
+            row[f"{term}_rel_err"] = df.loc[term, "rel_err"]
+    row["per_rank_peak_bytes"] = json.dumps(record.per_rank_peak_bytes)
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="smaller grid, about two minutes")
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--calibrated", action="store_true", help="label: the cpu profile was calibrated")
+    a = ap.parse_args(argv)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    data = load_corpus(vocab_size=8192)
+    rows = []
+    for i, case in enumerate(grid(a.quick)):
+        row = run_case(case, data, out)
+        rows.append(row)
+        print(f"[{i + 1}] {case} peak {row['peak_memory_rel_err']:+.4%} flops "
+              f"{row['flops_per_step_rel_err']:+.4%} time {row.get('step_time_rel_err', float('nan')):+.1%}",
+              flush=True)
+    df = pd.DataFrame(rows)
+    df.to_csv(out / "accuracy.csv", index=False)
+
+    def stat(col, fn):
+        xs = [abs(v) for v in df[col].dropna()]
+        return float(fn(xs)) if xs else float("nan")
+
+    summary = {
+        "cases": len(df),
+        "peak_memory_median_rel_err": stat("peak_memory_rel_err", statistics.median),
+        "peak_memory_max_rel_err": stat("peak_memory_rel_err", max),
+        "flops_max_rel_err": stat("flops_per_step_rel_err", max),
+        "step_time_median_rel_err": stat("step_time_rel_err", statistics.median),
+        "step_time_max_rel_err": stat("step_time_rel_err", max),
+        "calibrated": a.calibrated,
+        "quick": a.quick,
+        "machine": f"{platform.node()} {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
+        "torch": torch.__version__,
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+    (out / "accuracy.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
