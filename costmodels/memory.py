@@ -167,8 +167,7 @@ class ModelStates:
     grads: float
     optimizer: float
     optimizer_step_temp: float
-    """Scratch the optimizer step allocates (one parameter-sized fp32 buffer for the largest
-    tensor on CPU's per-tensor Adam; all of them for foreach Adam on GPUs)."""
+    """Scratch the optimizer step allocates (see `model_state_bytes`)."""
 
 
 def model_state_bytes(param_numels: Iterable[int], *, weight_bytes: int, grad_bytes: int,
@@ -194,7 +193,17 @@ def model_state_bytes(param_numels: Iterable[int], *, weight_bytes: int, grad_by
     params = total * weight_bytes / (d if zero_stage >= 3 else 1)
     grads = total * grad_bytes / (d if zero_stage >= 2 else 1)
     optimizer = opt / (d if zero_stage >= 1 else 1)
-    step_temp = 4 * (total / (d if zero_stage >= 1 else 1) if foreach else max(numels, default=0))
+    # Adam's step scratch, labelled optimizer state by MemTracker. torch's per-tensor AdamW
+    # (`_single_tensor_adam`) holds exp_avg_sq.sqrt() and its quotient by the bias correction
+    # at once for the tensor being updated: two fp32 copies of the largest tensor. foreach Adam
+    # (GPUs) keeps one fp32 list of all local states (`_foreach_sqrt`). bitsandbytes' 8/4-bit
+    # kernels update in place.
+    if optimizer_bits < 32:
+        step_temp = 0.0
+    elif foreach:
+        step_temp = 4 * total / (d if zero_stage >= 1 else 1)
+    else:
+        step_temp = 2 * 4 * max(numels, default=0)
     return ModelStates(params=params, grads=grads, optimizer=optimizer, optimizer_step_temp=step_temp)
 
 
@@ -233,5 +242,5 @@ def step_peak(head: RegionMemory, blocks: list[RegionMemory], tail: RegionMemory
     full_grads = states.grads
     candidates.append(MemoryBreakdown(params=states.params, grads=full_grads,
                                       optimizer=states.optimizer,
-                                      temporaries=states.optimizer_step_temp, phase="optimizer"))
+                                      phase="optimizer") + MemoryBreakdown(optimizer=states.optimizer_step_temp))
     return max(candidates, key=lambda m: m.total)

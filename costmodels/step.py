@@ -59,6 +59,8 @@ class RegionCost:
     fwd_s: float
     bwd_s: float
     recompute_s: float
+    n_ops: int
+    """Ops executed: forward, backward and recomputed."""
 
 
 def _node_s(attrs: Mapping, b: float, s: float, sp: int, hw: HardwareProfile, dtype: str) -> tuple[float, float]:
@@ -77,15 +79,18 @@ def region_cost(region: Region, b: int, s_local: int, sp: int, policy: str,
     g = region.graph
     keep = POLICIES[policy]
     horizon = region.recompute_horizon()
-    out = dict(fwd_flops=0.0, bwd_flops=0.0, recompute_flops=0.0, fwd_s=0.0, bwd_s=0.0, recompute_s=0.0)
+    out = dict(fwd_flops=0.0, bwd_flops=0.0, recompute_flops=0.0, fwd_s=0.0, bwd_s=0.0, recompute_s=0.0,
+               n_ops=0)
     for n, a in g.nodes(data=True):
         f, t = _node_s(a, b, s_local, sp, hw, dtype)
         ph = a["phase"]
         out[f"{ph}_flops"] += f
         out[f"{ph}_s"] += t
+        out["n_ops"] += 1
         if ph == "fwd" and keep is not None and a["op"] not in keep and a["order"] <= horizon:
             out["recompute_flops"] += f
             out["recompute_s"] += t
+            out["n_ops"] += 1
     return RegionCost(**out)
 
 
@@ -99,12 +104,23 @@ class StepCost:
     model_flops: float
     """Without recompute."""
     compute_s: float
+    """Roofline seconds of forward and backward ops."""
     recompute_s: float
     comm_s: float
+    optimizer_s: float
+    """Roofline seconds of the optimizer step (memory-bound)."""
+    overhead_s: float
+    """Per-op overhead: ops executed x the profile's `op_overhead_s`."""
 
     @property
     def time_s(self) -> float:
-        return self.compute_s + self.recompute_s + self.comm_s
+        return self.compute_s + self.recompute_s + self.comm_s + self.optimizer_s + self.overhead_s
+
+    def breakdown(self) -> dict[str, float]:
+        """Seconds per step by part; they add up to `time_s`."""
+        return {"compute": self.compute_s, "recompute": self.recompute_s,
+                "communication": self.comm_s, "optimizer": self.optimizer_s,
+                "overhead": self.overhead_s}
 
 
 class StepModel:
@@ -140,18 +156,41 @@ class StepModel:
         head = self._mem("head", b, s, "none")
         tail = self._mem("tail", b, s, "none")
         blocks = [self.block_memory(c, i, p) for i, p in enumerate(c.policies)]
-        unsharded = 0.0
-        if c.zero_stage == 3 and c.devices > 1:  # FSDP all-gathers one block's params at a time
-            unsharded = 2 * self.regions[self.blocks[0]].param_bytes() * wb / 4
-        memory = step_peak(head, blocks, tail, states, unsharded_block_param_bytes=unsharded)
+        memory = step_peak(head, blocks, tail, states, unsharded_block_param_bytes=self.unsharded_bytes(c))
         costs = [self._cost("head", b, s, sp, "none", dtype), self._cost("tail", b, s, sp, "none", dtype)]
         costs += [self._cost(self.blocks[i], b, s, sp, p, dtype) for i, p in enumerate(c.policies)]
         model_flops = sum(x.fwd_flops + x.bwd_flops for x in costs)
         recompute_flops = sum(x.recompute_flops for x in costs)
         compute_s = sum(x.fwd_s + x.bwd_s for x in costs)
         recompute_s = sum(x.recompute_s for x in costs)
+        opt_bytes, opt_ops = self.optimizer_traffic(c)
+        hw = self.hw
         return StepCost(memory=memory, flops=model_flops + recompute_flops, model_flops=model_flops,
-                        compute_s=compute_s, recompute_s=recompute_s, comm_s=self.comm_s(c))
+                        compute_s=compute_s, recompute_s=recompute_s, comm_s=self.comm_s(c),
+                        optimizer_s=opt_bytes / (hw.hbm_bandwidth_bytes_per_s * hw.memory_efficiency),
+                        overhead_s=(sum(x.n_ops for x in costs) + opt_ops) * hw.op_overhead_s)
+
+    def optimizer_traffic(self, c: Choice) -> tuple[float, int]:
+        """(bytes moved, ops) of one AdamW step on this device's share of the parameters.
+
+        32-bit AdamW (torch, per tensor): reads parameter, gradient, both moments and writes
+        parameter and moments, plus two fp32 temporaries written and read (sqrt and its
+        quotient): 11 fp32 passes, ~12 ops per tensor. 8/4-bit (bitsandbytes): one fused kernel
+        per tensor reading parameter and gradient, reading and writing the quantized moments."""
+        shard = c.devices if c.zero_stage >= 1 else 1
+        n = sum(self.param_numels) / shard
+        tensors = len(self.param_numels)
+        if c.optimizer_bits == 32:
+            return 11 * 4 * n, 12 * tensors
+        q = c.optimizer_bits / 8
+        return (3 * 4 + 4 * q) * n, 2 * tensors
+
+    def unsharded_bytes(self, c: Choice) -> float:
+        """Parameters FSDP (ZeRO-3) holds all-gathered during a block's forward or backward:
+        the current block and the prefetched next one (FSDP2's default prefetch of one)."""
+        if c.zero_stage != 3 or c.devices == 1:
+            return 0.0
+        return 2 * self.regions[self.blocks[0]].param_bytes()  # captured at the compute dtype
 
     def link(self, group: int) -> comm.Link:
         hw = self.hw

@@ -286,12 +286,14 @@ def _fit_law(model: str, vocab: int, runs: list[_Run]) -> tuple[LossLaw, dict, L
 # --------------------------------------------------------------------------- step time
 
 
-def _scaled(hw: HardwareProfile, compute: float, memory: float) -> HardwareProfile:
-    """`hw` with compute throughput x`compute` and memory throughput x`memory` (through the
-    peaks and bandwidth, so no efficiency is clamped); for trial predictions only."""
+def _scaled(hw: HardwareProfile, compute: float, memory: float, overhead: float = 1.0) -> HardwareProfile:
+    """`hw` with compute throughput x`compute`, memory throughput x`memory` and per-op
+    overhead /`overhead` (through the peaks and bandwidth, so no efficiency is clamped); for
+    trial predictions only."""
     return dataclasses.replace(
         hw, peak_flops_per_s={k: v * compute for k, v in hw.peak_flops_per_s.items()},
-        hbm_bandwidth_bytes_per_s=hw.hbm_bandwidth_bytes_per_s * memory)
+        hbm_bandwidth_bytes_per_s=hw.hbm_bandwidth_bytes_per_s * memory,
+        op_overhead_s=hw.op_overhead_s / overhead)
 
 
 class _Predictor:
@@ -319,7 +321,7 @@ class _Predictor:
         self.captured = captures[key]
 
     def parts(self, hw: HardwareProfile) -> tuple[float, float]:
-        """(compute + recompute, communication) seconds per step under `hw`."""
+        """(everything but communication, communication) seconds per step under `hw`."""
         if self.captured is None:
             b = self.run.plan.predictions.step_time_breakdown_s
             return b.get("compute", 0.0) + b.get("recompute", 0.0), b.get("communication", 0.0)
@@ -328,33 +330,40 @@ class _Predictor:
         g, numels = self.captured
         cost = StepModel(g.regions, g.blocks, numels, hw, n_heads=g.n_heads, n_kv_heads=g.n_kv_heads,
                          head_dim=g.head_dim).evaluate(self.choice)
-        return cost.compute_s + cost.recompute_s, cost.comm_s
+        return cost.time_s - cost.comm_s, cost.comm_s
 
-    def time(self, hw: HardwareProfile, compute: float = 1.0, memory: float = 1.0) -> float:
+    def time(self, hw: HardwareProfile, compute: float = 1.0, memory: float = 1.0,
+             overhead: float | None = None) -> float:
+        overhead = compute if overhead is None else overhead
         if self.captured is None:  # no per-node split: one factor (the ratio method)
             work, comm = self.parts(hw)
             return work / compute + comm
-        work, comm = self.parts(_scaled(hw, compute, memory) if (compute, memory) != (1.0, 1.0) else hw)
+        scaled = (compute, memory, overhead) != (1.0, 1.0, 1.0)
+        work, comm = self.parts(_scaled(hw, compute, memory, overhead) if scaled else hw)
         return work + comm
 
 
 def _two_factor_fit(preds: list[_Predictor], measured: np.ndarray, hw: HardwareProfile,
-                    ratio_scale: float) -> tuple[float, float, float]:
-    """Least squares over log(compute factor), log(memory factor); returns (compute, memory,
-    rms log error)."""
+                    ratio_scale: float) -> tuple[float, float, float, float]:
+    """Least squares over log factors of compute throughput, memory throughput and per-op
+    overhead (the third only with 3+ runs); returns (compute, memory, overhead, rms log
+    error)."""
     from scipy.optimize import least_squares
 
     x0 = math.log(ratio_scale)
+    k = 3 if len(preds) >= 3 else 2
 
     def resid(x):
         c, m = math.exp(x[0]), math.exp(x[1])
-        r = [math.log(p.time(hw, c, m) / t) for p, t in zip(preds, measured)]
-        return np.array(r + [PRIOR_WEIGHT * (x[0] - x0), PRIOR_WEIGHT * (x[1] - x0)])
+        o = math.exp(x[2]) if k == 3 else c
+        r = [math.log(p.time(hw, c, m, o) / t) for p, t in zip(preds, measured)]
+        return np.array(r + [PRIOR_WEIGHT * (v - x0) for v in x])
 
-    sol = least_squares(resid, np.array([x0, x0]), bounds=([x0 - 7, x0 - 7], [x0 + 7, x0 + 7]),
+    sol = least_squares(resid, np.full(k, x0), bounds=(np.full(k, x0 - 7), np.full(k, x0 + 7)),
                         diff_step=1e-3, x_scale=1.0)
     c, m = math.exp(sol.x[0]), math.exp(sol.x[1])
-    return c, m, _rms(resid(sol.x)[:-2])
+    o = math.exp(sol.x[2]) if k == 3 else c
+    return c, m, o, _rms(resid(sol.x)[:-k])
 
 
 def _source(old: str, text: str) -> str:
@@ -362,7 +371,7 @@ def _source(old: str, text: str) -> str:
     return f"{text}; original: {original}" if original else text
 
 
-def _apply(hw: HardwareProfile, compute: float, memory: float, text: str
+def _apply(hw: HardwareProfile, compute: float, memory: float, overhead: float, text: str
            ) -> tuple[HardwareProfile, tuple[str, ...]]:
     """The profile with compute/memory throughput scaled: through the efficiencies when they
     stay <= 1, else through the peaks / bandwidth (same predictions)."""
@@ -388,6 +397,8 @@ def _apply(hw: HardwareProfile, compute: float, memory: float, text: str
         sources["hbm_bandwidth_bytes_per_s"] = _source(
             hw.sources.get("hbm_bandwidth_bytes_per_s", ""),
             f"{text}: x{memory:.4g} (on the bandwidth: memory_efficiency would exceed 1)")
+    fields["op_overhead_s"] = hw.op_overhead_s / overhead
+    sources["op_overhead_s"] = _source(hw.sources.get("op_overhead_s", ""), f"{text}: /{overhead:.4g}")
     return hw.with_calibration(sources=sources, **fields), tuple(fields)
 
 
@@ -425,14 +436,14 @@ def _calibrate_step_time(runs: list[_Run], notes: list[str]) -> dict:
                                  f"time for its plan, so there is nothing to scale")
         ks.append((t - comm) / work if t > comm and work > 0 else t / (work + comm))
     ratio = float(np.median(ks))
-    compute = memory = 1.0 / ratio
+    compute = memory = overhead = 1.0 / ratio
     method = "ratio"
     rms_ratio = _rms(np.log(np.array([p.time(hw, compute, memory) for p in preds]) / measured))
     shapes = {(p.choice, id(p.captured)) for p in preds}
     if len(preds) >= 2 and len(shapes) >= 2 and all(p.captured is not None for p in preds):
-        c, m, rms_lsq = _two_factor_fit(preds, measured, hw, compute)
+        c, m, o, rms_lsq = _two_factor_fit(preds, measured, hw, compute)
         if rms_lsq <= (1.0 - LSQ_MIN_GAIN) * rms_ratio:
-            compute, memory, method = c, m, "least-squares"
+            compute, memory, overhead, method = c, m, o, "least-squares"
             notes.append(f"two-factor fit: RMS log error {rms_lsq:.3g} vs {rms_ratio:.3g} for the ratio")
         else:
             notes.append(f"two-factor fit not better than the ratio (RMS log error {rms_lsq:.3g} vs "
@@ -440,7 +451,7 @@ def _calibrate_step_time(runs: list[_Run], notes: list[str]) -> dict:
     when = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     text = (f"calibrated by trainplan calibrate ({method}) on {len(use)} run(s) "
             f"({', '.join(r.dir for r in use)}), {when}")
-    new, fields = _apply(hw, compute, memory, text)
+    new, fields = _apply(hw, compute, memory, overhead, text)
     after = [p.time(new) for p in preds]
     rows = tuple(StepTimeRow(run_dir=r.dir, measured_s=float(t), planned_s=float(r.plan.predictions.step_time_s),
                              before_s=float(b), after_s=float(a))

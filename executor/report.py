@@ -1,5 +1,5 @@
 """Prediction beside measurement: one table (`compare`), one figure (`plot_report`), one folder
-(`report`).
+(`report`, which also writes the self-contained `report.html` of `executor.html_report`).
 
 Units: memory in bytes (per device, tensor bytes at the peak; the figure shows MiB = 2**20 bytes),
 FLOPs per step per device, time in seconds, tokens over all ranks, loss in nats/token.
@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
@@ -29,8 +29,8 @@ from hardware_profiles.errors import PlanMismatchError
 from planner.plan import Plan
 
 __all__ = ["COLUMNS", "MEMORY_CATEGORIES", "ReportFrames", "compare", "format_table",
-           "load_run", "loss_frame", "memory_frame", "plot_report", "report", "report_frames",
-           "step_time_frame"]
+           "format_value", "load_run", "loss_frame", "memory_frame", "plot_report", "report",
+           "report_frames", "step_time_frame"]
 
 COLUMNS = ("term", "predicted", "measured", "unit", "rel_err")
 """Columns of `compare`'s DataFrame, in order."""
@@ -45,6 +45,9 @@ LIMIT_SCALE = 3.0
 """Draw the usable-memory limit only when it is at most this many times the tallest bar."""
 
 STEP_TIME_NOTE = "different hardware: times not compared"
+
+CURVE_COLUMNS = ("curve", "step", "tokens", "loss", "lower", "upper")
+"""Columns of the predicted loss curves (`executor.figures.predicted_loss_frame`)."""
 
 
 def _num(x) -> float:
@@ -161,10 +164,16 @@ class ReportFrames:
     stop_step: int
     """Steps the run took (its last step)."""
     stop_reason: str
+    predicted_loss: pd.DataFrame = field(
+        default_factory=lambda: pd.DataFrame(columns=list(CURVE_COLUMNS)))
+    """Predicted loss curves (`executor.figures.predicted_loss_frame` rows): curve, step, tokens,
+    loss, lower, upper. Empty when the law behind the plan is not known."""
 
 
-def report_frames(plan: Plan, record: RunRecord) -> ReportFrames:
-    """The frames and annotations of the report figure (pure; no I/O)."""
+def report_frames(plan: Plan, record: RunRecord, *,
+                  predicted_loss: pd.DataFrame | None = None) -> ReportFrames:
+    """The frames and annotations of the report figure (pure; no I/O). `predicted_loss`:
+    curves from `executor.figures.plan_loss_curves` (which reads the local law file)."""
     loss = loss_frame(record)
     stop_step = record.steps
     if stop_step <= 0 and not loss.empty:
@@ -177,7 +186,9 @@ def report_frames(plan: Plan, record: RunRecord) -> ReportFrames:
         title=title, memory_limit_mib=_num(plan.predictions.memory_limit_bytes) / MIB,
         same_hardware=bool(record.same_hardware),
         predicted_final_loss=_num(plan.predictions.final_loss), planned_steps=int(d.max_steps),
-        stop_step=int(stop_step), stop_reason=record.stop_reason or "unknown")
+        stop_step=int(stop_step), stop_reason=record.stop_reason or "unknown",
+        predicted_loss=(predicted_loss if predicted_loss is not None
+                        else pd.DataFrame(columns=list(CURVE_COLUMNS))))
 
 
 def _plot_memory(ax, frames: ReportFrames) -> None:
@@ -223,6 +234,14 @@ def _plot_loss(ax, frames: ReportFrames) -> None:
         ax.plot(train["step"], train["loss"], linewidth=0.7, label="train")
     if not held.empty:
         ax.plot(held["step"], held["loss"], "o", markersize=4, label="held-out")
+    curves = frames.predicted_loss
+    for i, (name, c) in enumerate(curves.groupby("curve", sort=False)):
+        color = ("C3", "C4", "C5")[i % 3]
+        ax.plot(c["step"], c["loss"], color=color, linewidth=1.2, label=f"predicted: {name}")
+        ax.fill_between(c["step"], c["lower"], c["upper"], color=color, alpha=0.15, linewidth=0)
+    if frames.planned_steps > 0:
+        ax.axvline(frames.planned_steps, color="gray", linestyle="--", linewidth=0.8,
+                   label=f"planned budget: {frames.planned_steps} steps")
     if math.isfinite(frames.predicted_final_loss):
         ax.axhline(frames.predicted_final_loss, color="C3", linestyle="--", linewidth=1,
                    label=f"predicted final {frames.predicted_final_loss:.3f}"
@@ -234,10 +253,25 @@ def _plot_loss(ax, frames: ReportFrames) -> None:
                    label=f"stop at step {frames.stop_step}: {frames.stop_reason}")
     if lf.empty:
         ax.text(0.5, 0.5, "no loss recorded", transform=ax.transAxes, ha="center")
+    _loss_ylim(ax, frames)
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/token)")
     ax.set_title("loss")
     ax.legend(fontsize="small")
+
+
+def _loss_ylim(ax, frames: ReportFrames) -> None:
+    """Fit the y axis to the measured losses, the predicted final loss and the curves' ends:
+    a law's curve starts far above any measurement and would flatten the rest."""
+    curves = frames.predicted_loss
+    ends = curves.groupby("curve", sort=False).tail(1)
+    values = pd.concat([frames.loss["loss"], ends["lower"], ends["upper"],
+                        pd.Series([frames.predicted_final_loss])]).astype(float)
+    values = values[values.map(math.isfinite)]
+    if len(values) and not curves.empty:
+        lo, hi = float(values.min()), float(values.max())
+        pad = 0.08 * (hi - lo) if hi > lo else 0.1 * abs(hi) or 1.0
+        ax.set_ylim(lo - pad, hi + pad)
 
 
 def plot_report(frames: ReportFrames) -> Figure:
@@ -255,14 +289,23 @@ def plot_report(frames: ReportFrames) -> Figure:
 # --- files ------------------------------------------------------------------------------------
 
 
-def report(plan: Plan, record: RunRecord, out: str | Path) -> dict[str, Path]:
+def report(plan: Plan, record: RunRecord, out: str | Path, *,
+           cache_dir: str | Path | None = None) -> dict[str, Path]:
     """Write the report into the folder `out` (created if needed).
 
-    Files: `comparison.csv` (`compare`'s table), `plan.json`, `record.json`, `report.png`.
-    Returns their paths under the keys `comparison`, `plan`, `record`, `figure`.
+    Files: `comparison.csv` (`compare`'s table), `plan.json`, `record.json`, `report.png`
+    (`plot_report`), `report.html` (self-contained: verdict per term, the plan's decisions and
+    every figure embedded; `executor.html_report`) and `summary.json` (the verdicts).
+    Returns their paths under the keys `comparison`, `plan`, `record`, `figure`, `html`,
+    `summary`. `cache_dir` is the trainplan cache root read for the local loss law and the
+    calibration history (default $TRAINPLAN_CACHE_DIR, else ~/.cache/trainplan); a
+    `frontier.csv` in `out` adds the Pareto frontier figure.
     Raises OSError when `out` cannot be written.
     """
     import matplotlib
+
+    from executor.figures import plan_loss_curves
+    from executor.html_report import write_run_report
 
     if "matplotlib.pyplot" not in sys.modules:  # switching under a live pyplot closes its figures
         matplotlib.use("Agg")
@@ -273,7 +316,9 @@ def report(plan: Plan, record: RunRecord, out: str | Path) -> dict[str, Path]:
     compare(plan, record).to_csv(paths["comparison"], index=False)
     plan.to_json(paths["plan"])
     record.to_json(paths["record"])
-    plot_report(report_frames(plan, record)).savefig(paths["figure"], dpi=110)
+    frames = report_frames(plan, record, predicted_loss=plan_loss_curves(plan, cache_dir))
+    plot_report(frames).savefig(paths["figure"], dpi=110, metadata={"Software": None})
+    paths.update(write_run_report(plan, record, out, frames=frames, cache_dir=cache_dir))
     return paths
 
 
@@ -318,7 +363,7 @@ def _fmt_bytes(x: float) -> str:
     return f"{x:.0f} B"
 
 
-def _fmt_value(x, unit: str) -> str:
+def format_value(x, unit: str) -> str:
     x = _num(x)
     if math.isnan(x):
         return "-"
@@ -349,7 +394,7 @@ def format_table(df: pd.DataFrame) -> str:
     if missing:
         raise ValueError(f"format_table needs columns {list(COLUMNS)}; missing {missing}")
     header = ("term", "predicted", "measured", "rel_err")
-    body = [(str(r.term), _fmt_value(r.predicted, r.unit), _fmt_value(r.measured, r.unit),
+    body = [(str(r.term), format_value(r.predicted, r.unit), format_value(r.measured, r.unit),
              "-" if math.isnan(_num(r.rel_err)) else f"{_num(r.rel_err):+.1%}")
             for r in df.itertuples(index=False)]
     widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]

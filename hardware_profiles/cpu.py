@@ -106,6 +106,7 @@ def measure_cpu(dtype: str = "fp32", quick: bool = False) -> HardwareProfile:
         curve.append((flops, min(1.0, best)))
 
     copy_bw = probes.copy_bandwidth(quick)
+    overhead = probes.op_overhead_s(quick)
     tcp_bw = probes.loopback_tcp_bandwidth(quick)
     total = probes.total_ram_bytes()
     in_use = max(0, total - probes.available_bytes())
@@ -126,6 +127,7 @@ def measure_cpu(dtype: str = "fp32", quick: bool = False) -> HardwareProfile:
         "matmul_efficiency": f"achieved / peak of square {dtype} torch.mm by op FLOPs, running maximum; {where}",
         "memory_efficiency": "1: hbm_bandwidth_bytes_per_s is already an achieved copy rate",
         "network_efficiency": "1: the link bandwidths are already achieved (or assumed) rates",
+        "op_overhead_s": f"median seconds per op of a forward+backward chain of tiny autograd ops; {where}",
         "peak_flops_per_s.tf32": "CPUs have no TF32 unit; torch runs these matmuls in fp32, so the fp32 peak",
     }
     for d in probes.TORCH_DTYPES:
@@ -148,6 +150,7 @@ def measure_cpu(dtype: str = "fp32", quick: bool = False) -> HardwareProfile:
         matmul_efficiency=tuple(curve),
         memory_efficiency=1.0,
         network_efficiency=1.0,
+        op_overhead_s=overhead,
         sources=sources,
     )
     return profile

@@ -81,6 +81,33 @@ def matmul_rates(dtype: str, quick: bool, deadline: float) -> list[tuple[float, 
     return out
 
 
+def op_overhead_s(quick: bool) -> float:
+    """Seconds per eager op beyond its arithmetic: a chain of 16 elementwise ops on 64-element
+    tensors, forward and backward (autograd included), median of repeats divided by its
+    ~48 ops (16 forward, ~32 backward)."""
+    import statistics
+
+    import torch
+
+    x = torch.randn(64, requires_grad=True)
+    w = torch.randn(64)
+
+    def chain():
+        y = x
+        for _ in range(16):
+            y = y * w
+        y.sum().backward()
+
+    chain()
+    n = 5 if quick else 30
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        chain()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) / 48
+
+
 def copy_bandwidth(quick: bool) -> float:
     """Bytes/s of a large fp32 tensor copy, counting bytes read + written (best of repeats)."""
     import torch

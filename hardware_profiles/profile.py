@@ -51,6 +51,7 @@ NUMERIC_FIELDS = (
     "matmul_efficiency",
     "memory_efficiency",
     "network_efficiency",
+    "op_overhead_s",
 )
 
 
@@ -143,6 +144,9 @@ class HardwareProfile:
     """Achieved fraction of `hbm_bandwidth_bytes_per_s` for elementwise (memory-bound) ops."""
     network_efficiency: float = 1.0
     """Achieved fraction of link bandwidth for collectives."""
+    op_overhead_s: float = 0.0
+    """Seconds each eager op costs beyond its roofline time (dispatch, autograd bookkeeping,
+    kernel launch), s."""
     sources: Mapping[str, str] = field(default_factory=FrozenMap)
     """Field name (or "peak_flops_per_s.<dtype>") -> where its value comes from; read-only."""
 

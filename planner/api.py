@@ -183,8 +183,7 @@ def _make_plan(step_model, profile, graph, name, c, *, budget, data_fraction, ma
     predictions = Predictions(
         memory_bytes=cost.memory.as_dict(), memory_phase=cost.memory.phase, memory_limit_bytes=limit,
         step_time_s=cost.time_s,
-        step_time_breakdown_s={"compute": cost.compute_s, "recompute": cost.recompute_s,
-                               "communication": cost.comm_s},
+        step_time_breakdown_s=cost.breakdown(),
         flops_per_step=cost.flops, model_flops_per_step=cost.model_flops,
         tokens_per_step=tokens_per_step, total_tokens=max_steps * tokens_per_step,
         device_hours=cost.time_s * max_steps * c.devices / 3600.0, final_loss=predicted_loss,

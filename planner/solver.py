@@ -26,7 +26,7 @@ from hardware_profiles import HardwareProfile
 from hardware_profiles.errors import InfeasibleError
 from planner.budget import Budget
 
-BYTES_PER_UNIT = 2**20          # memory in MiB
+BYTES_PER_UNIT = 2**16          # memory in 64 KiB units
 MICROS_PER_UNIT = 1e-6          # time in microseconds
 LOSS_PER_UNIT = 1e-5            # objective resolution, nats
 TOKEN_LEVELS = 48
@@ -102,32 +102,34 @@ def solve_joint(step_model: StepModel, hw: HardwareProfile, budget: Budget, *, s
             cost = step_model.evaluate(c)
             blk = step_model.block_memory(c, 0, e)
             per[e] = (cost, blk)
-        # linear memory bound given counts n_e: fixed + sum n_e R_e + worst transient
         wb, gb, mb_bytes, _ = PRECISIONS[space.precision]
         states = model_state_bytes(step_model.param_numels, weight_bytes=wb, grad_bytes=gb,
                                    master_bytes=mb_bytes, optimizer_bits=bits, zero_stage=zero,
                                    shard_degree=devices, foreach=hw.device_type != "cpu")
-        any_cost = per[space.policies[0]][0]
         head = step_model._mem("head", mb, seq_len // sp, "none")
         tail = step_model._mem("tail", mb, seq_len // sp, "none")
-        grads_bound = states.grads
-        transient = max([tail.fwd_peak.total, tail.bwd_peak.total]
-                        + [per[e][1].bwd_peak.total - per[e][1].retained + grads_bound
-                           for e in space.policies])
-        fixed = states.params + states.optimizer + head.retained + transient
+        lightest = min(per[e][0].memory.total for e in space.policies)
+        if smallest is None or lightest < smallest[0]:
+            smallest = (lightest, sp, zero, mb, bits)
         opt_peak = states.params + states.grads + states.optimizer + states.optimizer_step_temp
-        exact_full = per[space.policies[-1]][0].memory.total
-        if smallest is None or exact_full < smallest[0]:
-            smallest = (exact_full, sp, zero, mb, bits)
-        if opt_peak > limit:
+        head_bwd = (states.params + states.optimizer + tail.grad_bytes
+                    + L * per[space.policies[0]][1].grad_bytes + head.bwd_peak.total)
+        if max(opt_peak, head_bwd) > limit:
             continue
-        fixed_time = any_cost.time_s - sum(_block_time(step_model, base, i, space.policies[0])
-                                           for i in range(L))
-        combos.append(dict(sp=sp, zero=zero, mb=mb, bits=bits, fixed=fixed,
-                           retained={e: per[e][1].retained for e in space.policies},
-                           block_s={e: _block_time(step_model, base, 0, e) for e in space.policies},
-                           fixed_s=fixed_time, tokens_per_step=mb * seq_len * (devices // sp),
-                           flops={e: per[e][0].flops for e in space.policies}))
+        none_cost = per[space.policies[0]][0]
+        fixed_time = none_cost.time_s - L * _block_time(step_model, base, 0, space.policies[0])
+        combos.append(dict(
+            sp=sp, zero=zero, mb=mb, bits=bits,
+            base=states.params + states.optimizer + head.retained,
+            tail=max(tail.fwd_peak.total, tail.bwd_peak.total), tail_grads=tail.grad_bytes,
+            unsharded=step_model.unsharded_bytes(base),
+            R={e: per[e][1].retained for e in space.policies},
+            F={e: per[e][1].fwd_peak.total for e in space.policies},
+            T={e: per[e][1].bwd_peak.total for e in space.policies},
+            G=per[space.policies[0]][1].grad_bytes,
+            block_s={e: _block_time(step_model, base, 0, e) for e in space.policies},
+            fixed_s=fixed_time, tokens_per_step=mb * seq_len * (devices // sp),
+            flops={e: per[e][0].flops for e in space.policies}))
     if not combos:
         raise _memory_infeasible(smallest, limit, hw, seq_len, capped=memory_limit_bytes is not None)
     # token levels: from one step of the smallest batch to the most the budget could buy
@@ -167,10 +169,29 @@ def solve_joint(step_model: StepModel, hw: HardwareProfile, budget: Budget, *, s
         m.add_implication(v, y[k])
         m.add_implication(v, x[f])
     m.add_exactly_one(w.values())
+    u = {e: m.new_bool_var(f"uses_{e}") for e in space.policies}  # some block takes entry e
+    for e in space.policies:
+        m.add(n[e] >= u[e])
+        m.add(n[e] <= L * u[e])
+    mem_cap = int(limit // BYTES_PER_UNIT)
     for zc, c in zip(z, combos):
-        # [Constraint] per-device memory <= HBM - reserve
-        m.add(sum(n[e] * _units(c["retained"][e], BYTES_PER_UNIT) for e in n)
-              + _units(c["fixed"], BYTES_PER_UNIT) <= int(limit // BYTES_PER_UNIT)).only_enforce_if(zc)
+        # [Constraint] per-device memory <= HBM - reserve, at every phase of the step. Blocks are
+        # ordered by retained bytes (smallest first: early blocks hold theirs longest), so the
+        # bytes before and after the last / first block of entry e are linear in the counts.
+        order = sorted(space.policies, key=lambda e: c["R"][e])
+        mib = lambda v: _units(v, BYTES_PER_UNIT)  # noqa: E731
+        held = {e: n[e] * mib(c["R"][e]) for e in order}
+        m.add(mib(c["base"]) + sum(held.values()) + mib(c["tail"]) <= mem_cap).only_enforce_if(zc)
+        for k, e in enumerate(order):
+            before = sum(held[x] for x in order[:k])
+            after = sum(n[x] for x in order[k + 1:])
+            fixed = mib(c["base"]) + mib(c["unsharded"])
+            last_e = before + (n[e] - 1) * mib(c["R"][e])
+            grads_after = mib(c["tail_grads"]) + after * mib(c["G"])
+            m.add(fixed + last_e + mib(c["F"][e]) <= mem_cap).only_enforce_if([zc, u[e]])
+            m.add(fixed + last_e + grads_after + mib(c["T"][e]) <= mem_cap).only_enforce_if([zc, u[e]])
+            m.add(fixed + before + grads_after + (n[e] - 1) * mib(c["G"]) + mib(c["T"][e])
+                  <= mem_cap).only_enforce_if([zc, u[e]])
         # [Constraint] compute <= budget, at each token level
         for k, tokens in enumerate(levels):
             steps = math.ceil(tokens / c["tokens_per_step"])
@@ -217,7 +238,7 @@ def solve_joint(step_model: StepModel, hw: HardwareProfile, budget: Budget, *, s
     f = next(fr for fr, v in x.items() if solver.value(v))
     counts = {e: solver.value(n[e]) for e in n}
     # most-saving entries on the earliest blocks: their activations live the longest
-    order = sorted(space.policies, key=lambda e: c["retained"][e])
+    order = sorted(space.policies, key=lambda e: c["R"][e])
     policies = tuple(e for e in order for _ in range(counts[e]))
     choice = Choice(sp_degree=c["sp"], zero_stage=c["zero"], micro_batch=c["mb"], seq_len=seq_len,
                     policies=policies, precision=space.precision, optimizer_bits=c["bits"],
@@ -247,7 +268,7 @@ def _units(value: float, per_unit: float) -> int:
 def _block_time(sm: StepModel, c: Choice, i: int, policy: str) -> float:
     b, s = c.micro_batch, c.seq_len // c.sp_degree
     cost = sm._cost(sm.blocks[i], b, s, c.sp_degree, policy, PRECISIONS[c.precision][3])
-    return cost.fwd_s + cost.bwd_s + cost.recompute_s
+    return cost.fwd_s + cost.bwd_s + cost.recompute_s + cost.n_ops * sm.hw.op_overhead_s
 
 
 def _memory_infeasible(smallest, limit: float, hw: HardwareProfile, seq_len: int,
@@ -256,6 +277,6 @@ def _memory_infeasible(smallest, limit: float, hw: HardwareProfile, seq_len: int
     where = "the memory cap allows" if capped else f"{hw.name} has"
     return InfeasibleError(
         f"per-device memory binds: the smallest plan (sp_degree={sp}, zero_stage={zero}, "
-        f"micro_batch={mb}, {bits}-bit optimizer, full checkpointing) needs "
+        f"micro_batch={mb}, {bits}-bit optimizer, lightest checkpointing) needs "
         f"{need / 2**30:.3g} GiB but {where} {limit / 2**30:.3g} GiB usable; "
         f"use more devices, a sequence shorter than {seq_len}, or a device with more memory")

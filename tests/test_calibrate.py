@@ -195,7 +195,7 @@ def test_step_time_refit_matches_measured(cache, tmp_path, graph, r):
         assert after.matmul_efficiency == before.matmul_efficiency
         assert after.peak_flops_per_s["fp32"] == pytest.approx(before.peak_flops_per_s["fp32"] / r)
         assert after.hbm_bandwidth_bytes_per_s == pytest.approx(before.hbm_bandwidth_bytes_per_s / r)
-        assert set(res.scaled_fields) == {"peak_flops_per_s", "hbm_bandwidth_bytes_per_s"}
+        assert set(res.scaled_fields) == {"peak_flops_per_s", "hbm_bandwidth_bytes_per_s", "op_overhead_s"}
     # calibrating again on the same run does not compound
     again = calibrate([run], verbose=False)
     assert again.ratio == pytest.approx(1.0, rel=1e-6)
