@@ -168,6 +168,10 @@ class ModelStates:
     optimizer: float
     optimizer_step_temp: float
     """Scratch the optimizer step allocates (see `model_state_bytes`)."""
+    comm_buffers: float = 0.0
+    """Persistent communication buffers: DDP's gradient buckets (one flat copy of all
+    gradients, `torch.nn.parallel.DistributedDataParallel` with the default
+    `gradient_as_bucket_view=False`), counted as temporaries as MemTracker labels them."""
 
 
 def model_state_bytes(param_numels: Iterable[int], *, weight_bytes: int, grad_bytes: int,
@@ -204,7 +208,9 @@ def model_state_bytes(param_numels: Iterable[int], *, weight_bytes: int, grad_by
         step_temp = 4 * total / (d if zero_stage >= 1 else 1)
     else:
         step_temp = 2 * 4 * max(numels, default=0)
-    return ModelStates(params=params, grads=grads, optimizer=optimizer, optimizer_step_temp=step_temp)
+    buckets = total * grad_bytes if zero_stage <= 1 and shard_degree > 1 else 0.0
+    return ModelStates(params=params, grads=grads, optimizer=optimizer, optimizer_step_temp=step_temp,
+                       comm_buffers=buckets)
 
 
 def step_peak(head: RegionMemory, blocks: list[RegionMemory], tail: RegionMemory,
@@ -217,7 +223,8 @@ def step_peak(head: RegionMemory, blocks: list[RegionMemory], tail: RegionMemory
     blocks; the head backward; then the optimizer step. `unsharded_block_param_bytes` adds
     the all-gathered parameters of FSDP (ZeRO-3) during a block's forward and backward.
     """
-    base = MemoryBreakdown(params=states.params, optimizer=states.optimizer)
+    base = MemoryBreakdown(params=states.params, optimizer=states.optimizer,
+                           temporaries=states.comm_buffers)
     candidates: list[MemoryBreakdown] = []
 
     def at(phase: str, retained: float, grads: float, transient: MemoryBreakdown, extra: float = 0.0):
@@ -241,6 +248,6 @@ def step_peak(head: RegionMemory, blocks: list[RegionMemory], tail: RegionMemory
     at("bwd:head", 0.0, grads, head.bwd_peak)
     full_grads = states.grads
     candidates.append(MemoryBreakdown(params=states.params, grads=full_grads,
-                                      optimizer=states.optimizer,
+                                      optimizer=states.optimizer, temporaries=states.comm_buffers,
                                       phase="optimizer") + MemoryBreakdown(optimizer=states.optimizer_step_temp))
     return max(candidates, key=lambda m: m.total)

@@ -26,6 +26,7 @@ from typing import Iterable, Mapping
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter
 
 from costmodels.loss import LossLaw, bits_loss_penalty, learning_curve
 from costmodels.loss_cache import cache_root, law_path, load_local_law, read_local_law_file
@@ -34,7 +35,7 @@ from planner.plan import Plan
 
 __all__ = ["CALIBRATION_COLUMNS", "CALIBRATION_HISTORY", "LOSS_BAND_REL", "append_calibration_history",
            "calibration_figure", "calibration_history_path", "error_figure", "frontier_figure",
-           "frontier_frame", "plan_loss_curves", "png_bytes", "predicted_loss_frame",
+           "frontier_frame", "pct_text", "plan_loss_curves", "png_bytes", "predicted_loss_frame",
            "rank_memory_figure", "rank_memory_frame", "read_calibration_history"]
 
 MIB = 2**20
@@ -81,12 +82,15 @@ def rank_memory_frame(plan: Plan, record: RunRecord) -> pd.DataFrame:
 
 
 def rank_memory_figure(frame: pd.DataFrame) -> Figure:
-    """Grouped bars per rank: predicted total beside measured peak (`rank_memory_frame`)."""
+    """Grouped bars per rank: predicted total beside measured peak (`rank_memory_frame`), each
+    measured bar labelled with the prediction's rel_err on that rank."""
     fig = Figure(figsize=(7, 3.6), layout="constrained")
     ax = fig.subplots()
     x, w = frame["rank"].to_numpy(), 0.4
     ax.bar(x - w / 2, frame["predicted_mib"], w, label="predicted total")
-    ax.bar(x + w / 2, frame["measured_mib"], w, label="measured peak")
+    bars = ax.bar(x + w / 2, frame["measured_mib"], w, label="measured peak")
+    errs = (frame["predicted_mib"] - frame["measured_mib"]) / frame["measured_mib"]
+    ax.bar_label(bars, [f"rel_err {pct_text(e)}" for e in errs], fontsize="small")
     ax.set_xticks(x, [f"rank {r}" for r in x])
     ax.set_ylabel("MiB per device")
     ax.set_title("peak memory per rank")
@@ -322,13 +326,24 @@ def error_figure(frame: pd.DataFrame) -> Figure:
             color = ("C2" if held else "C3") if len(runs) == 1 else f"C{j % 10}"
             ax.barh(y, 100 * err, h * 0.9, color=color, hatch=None if held or len(runs) == 1 else "//",
                     label=run if len(runs) > 1 and i == 0 else None)
-            ax.text(100 * err, y, f" {100 * err:+.1f}% ", va="center", fontsize="small",
+            ax.text(100 * err, y, f" {pct_text(err)} ", va="center", fontsize="small",
                     ha="left" if err >= 0 else "right")
     ax.set_xscale("symlog", linthresh=1.0)
     ax.set_xlim(-reach, reach)
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:+g}%" if v else "0"))
     ax.axvline(0, color="black", linewidth=0.8)
     ax.set_yticks(range(len(terms)), [labels[t] for t in reversed(terms)])
-    ax.set_xlabel("rel_err = (predicted - measured) / measured, % (symmetric log scale)")
+    ax.set_xlabel("rel_err = (predicted - measured) / measured (symmetric log scale)")
     ax.set_title("prediction error per term")
-    ax.legend(fontsize="small", loc="lower right")
+    ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.14),
+              ncol=min(4, 1 + len(runs)), frameon=False)
     return fig
+
+
+def pct_text(x: float) -> str:
+    """A relative error as a signed percent with enough digits to show its size:
+    0.2345 -> `+23.4%`, -4.5e-6 -> `-0.00045%`, NaN -> `-`."""
+    if not math.isfinite(x):
+        return "-"
+    p = 100 * x
+    return f"{p:+.1f}%" if abs(p) >= 1 or p == 0 else f"{p:+.2g}%"

@@ -114,7 +114,7 @@ def verdict_frame(comparison: pd.DataFrame, run: str = "") -> pd.DataFrame:
 
 
 def _pct(x: float) -> str:
-    return f"{x:+.0%}" if abs(x) >= 0.1 else f"{x:+.1%}"
+    return f"{x:+.0%}" if abs(round(x, 4)) >= 0.1 else f"{x:+.1%}"
 
 
 def summary_line(verdicts: pd.DataFrame, same_hardware: bool = True, most: int = 3) -> str:
@@ -167,7 +167,7 @@ def _verdict_table(v: pd.DataFrame, with_run: bool = False) -> str:
     head = ["run"] * with_run + ["term", "predicted", "measured", "rel_err", "tolerance", "verdict"]
     rows = []
     for r in v.itertuples(index=False):
-        err = "-" if not math.isfinite(r.rel_err) else f"{r.rel_err:+.1%}"
+        err = F.pct_text(r.rel_err)
         tol = "-" if not math.isfinite(r.tolerance) else f"±{r.tolerance:.0%}"
         mark = {HELD: "✓ held", NOT_HELD: "✗ not held"}.get(r.verdict, r.verdict)
         cells = ([f"<td>{_e(r.run)}</td>"] if with_run else []) + [

@@ -69,8 +69,8 @@ def _run_and_report(plan, out: Path, data_paths, device, progress=True) -> int:
     files = report(plan, record, out)
     print(format_table(compare(plan, record)))
     print(f"stopped: {record.stop_reason} after {record.steps} steps ({record.wall_s:.0f} s)")
-    for k, v in files.items():
-        print(f"{k}: {v}")
+    print(f"files in {files['html'].parent}: {', '.join(p.name for p in files.values())}")
+    print(f"report: {files['html']} (self-contained HTML: open it in a browser)")
     return 0
 
 
@@ -92,14 +92,25 @@ def cmd_run(args) -> int:
 
 
 def cmd_report(args) -> int:
+    import datetime as dt
+
+    from executor.html_report import compare_runs, summary_line, verdict_frame
     from executor.report import compare, format_table, load_run, report
 
-    for run_dir in args.run_dirs:
-        plan, record = load_run(run_dir)
-        files = report(plan, record, run_dir)
+    runs = [(run_dir, *load_run(run_dir)) for run_dir in args.run_dirs]  # all readable first
+    single_out = args.out if len(runs) == 1 and args.out else None
+    for run_dir, plan, record in runs:
+        table = compare(plan, record)
+        files = report(plan, record, single_out or run_dir)
         print(f"== {run_dir}")
-        print(format_table(compare(plan, record)))
-        print(f"figure: {files['figure']}")
+        print(format_table(table))
+        print(summary_line(verdict_frame(table), record.same_hardware))
+        print(f"report: {files['html']}")
+    if len(runs) > 1:
+        out = args.out or Path("reports") / f"compare-{dt.datetime.now():%Y%m%d-%H%M%S}"
+        files = compare_runs(args.run_dirs, out, rebuild=False)
+        print(f"== {len(runs)} runs compared")
+        print(f"report: {files['html']}")
     return 0
 
 
@@ -162,8 +173,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--device", help="override the device, e.g. cpu")
     r.set_defaults(fn=cmd_run)
 
-    p = sub.add_parser("report", help="rebuild and print the report of run directories")
+    p = sub.add_parser("report", help="rebuild the HTML report of run directories; with several, "
+                                      "also a report comparing them")
     p.add_argument("run_dirs", nargs="+")
+    p.add_argument("--out", help="folder of the comparison report (default reports/compare-<time>); "
+                                 "with one run directory, where its report is written instead")
     p.set_defaults(fn=cmd_report)
 
     d = sub.add_parser("demo", help="plan, run and report the tiny Llama on Shakespeare on this CPU")

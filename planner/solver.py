@@ -111,8 +111,9 @@ def solve_joint(step_model: StepModel, hw: HardwareProfile, budget: Budget, *, s
         lightest = min(per[e][0].memory.total for e in space.policies)
         if smallest is None or lightest < smallest[0]:
             smallest = (lightest, sp, zero, mb, bits)
-        opt_peak = states.params + states.grads + states.optimizer + states.optimizer_step_temp
-        head_bwd = (states.params + states.optimizer + tail.grad_bytes
+        opt_peak = (states.params + states.grads + states.optimizer + states.optimizer_step_temp
+                    + states.comm_buffers)
+        head_bwd = (states.params + states.optimizer + states.comm_buffers + tail.grad_bytes
                     + L * per[space.policies[0]][1].grad_bytes + head.bwd_peak.total)
         if max(opt_peak, head_bwd) > limit:
             continue
@@ -120,7 +121,7 @@ def solve_joint(step_model: StepModel, hw: HardwareProfile, budget: Budget, *, s
         fixed_time = none_cost.time_s - L * _block_time(step_model, base, 0, space.policies[0])
         combos.append(dict(
             sp=sp, zero=zero, mb=mb, bits=bits,
-            base=states.params + states.optimizer + head.retained,
+            base=states.params + states.optimizer + states.comm_buffers + head.retained,
             tail=max(tail.fwd_peak.total, tail.bwd_peak.total), tail_grads=tail.grad_bytes,
             unsharded=step_model.unsharded_bytes(base),
             R={e: per[e][1].retained for e in space.policies},
@@ -246,7 +247,8 @@ def solve_joint(step_model: StepModel, hw: HardwareProfile, budget: Budget, *, s
     steps = math.ceil(levels[k] / c["tokens_per_step"])
     return Solution(choice=choice, data_fraction=f, total_tokens=steps * c["tokens_per_step"],
                     max_steps=steps, tokens_per_step=c["tokens_per_step"],
-                    predicted_loss=loss[(k, f)] + bits_pen[c["bits"]],
+                    predicted_loss=law.predict(n_params, steps * c["tokens_per_step"],
+                                               unique_tokens=max(1.0, f * data_tokens)) + bits_pen[c["bits"]],
                     status=solver.status_name(status), objective=solver.objective_value,
                     bound=solver.best_objective_bound, wall_s=time.perf_counter() - t0,
                     n_variables=len(m.proto.variables), n_constraints=len(m.proto.constraints))

@@ -190,10 +190,10 @@ def test_report_writes_files_and_load_run_round_trips(tmp_path):
     import matplotlib.image
 
     plan, rec = make_plan(), cuda_record(same_hardware=False)
-    paths = report(plan, rec, tmp_path / "run1")
-    assert set(paths) == {"comparison", "plan", "record", "figure"}
+    paths = report(plan, rec, tmp_path / "run1", cache_dir=tmp_path / "cache")
+    assert set(paths) == {"comparison", "plan", "record", "figure", "html", "summary"}
     assert {p.name for p in paths.values()} == {"comparison.csv", "plan.json", "record.json",
-                                                "report.png"}
+                                                "report.png", "report.html", "summary.json"}
     assert all(p.is_file() and p.stat().st_size > 0 for p in paths.values())
     img = matplotlib.image.imread(paths["figure"])
     assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > 100
