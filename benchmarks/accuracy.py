@@ -36,28 +36,32 @@ from planner.budget import Budget
 STEPS = 9  # 2 warm-up, 1 MemTracker, 1 FlopCounterMode, 5 timed
 
 
-def grid(quick: bool) -> list[dict]:
-    """The configurations: single-process product plus SP/ZeRO runs over 2 processes."""
+def grid(quick: bool, multi: bool = True) -> list[dict]:
+    """The configurations: single-process product plus SP/ZeRO runs over 2 processes (`multi`:
+    off on a single accelerator)."""
     seqs, mbs = ((128,), (2, 4)) if quick else ((128, 256), (2, 4))
     ckpts = ("none", "full", "planned")
     bits = (32, 8)
     cases = [dict(seq_len=s, micro_batch=b, checkpoint=c, sp_degree=1, devices=1, zero_stage=0,
                   optimizer_bits=o) for s, b, c, o in itertools.product(seqs, mbs, ckpts, bits)]
-    multi = [(2, 2, 0), (2, 2, 3), (2, 1, 2), (2, 2, 2)] if not quick else [(2, 2, 0), (2, 1, 2)]
-    for devices, sp, zero in multi:
+    pairs = [(2, 2, 0), (2, 2, 3), (2, 1, 2), (2, 2, 2)] if not quick else [(2, 2, 0), (2, 1, 2)]
+    for devices, sp, zero in pairs if multi else []:
         cases.append(dict(seq_len=128, micro_batch=2, checkpoint="full" if zero == 3 else "none",
                           sp_degree=sp, devices=devices, zero_stage=zero, optimizer_bits=32))
     return cases
 
 
+HW, DEVICE, PRECISION = "cpu", None, "fp32"  # set from the command line
+
+
 def planned_policies(case: dict, vocab: int) -> tuple[str, ...]:
     """The solver's checkpoint set when memory is capped halfway between full checkpointing's
     peak and no checkpointing's."""
-    peak = {ck: plan_for_choice("tiny-llama", "cpu", **{**case, "checkpoint": ck},
+    peak = {ck: plan_for_choice("tiny-llama", HW, **{**case, "checkpoint": ck}, precision=PRECISION,
                                 vocab_size=vocab).predictions.memory_bytes["total"]
             for ck in ("none", "full")}
     cap = peak["full"] + 0.5 * (peak["none"] - peak["full"])
-    plan = solve("tiny-llama", "cpu", Budget(wall_clock_s=60, devices=case["devices"]),
+    plan = solve("tiny-llama", HW, Budget(wall_clock_s=60, devices=case["devices"]), precision=PRECISION,
                  seq_len=case["seq_len"], vocab_size=vocab, micro_batches=(case["micro_batch"],),
                  optimizer_bits=(case["optimizer_bits"],), memory_limit_bytes=cap)
     return plan.decisions.checkpoint
@@ -70,7 +74,7 @@ def run_case(case: dict, data, out: Path) -> dict:
     vocab = data.vocab_size
     ck = case["checkpoint"]
     policies = planned_policies(case, vocab) if ck == "planned" else (ck,) * 4
-    plan = plan_for_choice("tiny-llama", "cpu", **{**case, "checkpoint": policies},
+    plan = plan_for_choice("tiny-llama", HW, **{**case, "checkpoint": policies}, precision=PRECISION,
                            vocab_size=vocab, max_steps=STEPS)
     run_dir = out / "runs" / "_".join(f"{k}{v}" for k, v in case.items())
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -82,7 +86,7 @@ def run_case(case: dict, data, out: Path) -> dict:
 
         plan, record = load_run(run_dir)
     else:
-        record = run(plan, data=data, out=run_dir, progress=False)
+        record = run(plan, data=data, out=run_dir, progress=False, device=DEVICE, checkpoint_every=0)
         plan.to_json(run_dir / "plan.json")
     df = compare(plan, record).set_index("term")
     row = dict(case, checkpoint=ck, policies="+".join(policies))
@@ -132,18 +136,29 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smaller grid, about two minutes")
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--hw", default="cpu", help="profile the plans are made for (e.g. h200)")
+    ap.add_argument("--device", help="where to run, e.g. cuda (default: the profile's device)")
+    ap.add_argument("--precision", default="fp32", help="fp32, bf16-mixed or bf16")
     a = ap.parse_args(argv)
+    global HW, DEVICE, PRECISION
+    HW, DEVICE, PRECISION = a.hw, a.device, a.precision
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     data = load_corpus(vocab_size=8192)
     rows = []
-    for i, case in enumerate(grid(a.quick)):
+    multi = HW == "cpu" and (DEVICE or "cpu") == "cpu"
+    for i, case in enumerate(grid(a.quick, multi)):
         row = run_case(case, data, out)
         rows.append(row)
         print(f"[{i + 1}] {case} peak {row['peak_memory_rel_err']:+.4%} flops "
               f"{row['flops_per_step_rel_err']:+.4%} time {row.get('step_time_rel_err', float('nan')):+.1%}",
               flush=True)
-    df = calibrated_step_times(pd.DataFrame(rows), out)
+    df = pd.DataFrame(rows)
+    if HW == "cpu":  # calibration refits the cpu profile only
+        df = calibrated_step_times(df, out)
+    else:
+        df["calibration_set"] = False
+        df["step_time_calibrated_rel_err"] = float("nan")
     df.to_csv(out / "accuracy.csv", index=False)
     test = df[~df["calibration_set"]]
 
@@ -161,7 +176,10 @@ def main(argv=None) -> int:
         "step_time_median_rel_err_uncalibrated": stat("step_time_rel_err", statistics.median),
         "step_time_test_cases": int(test["step_time_calibrated_rel_err"].notna().sum()),
         "quick": a.quick,
-        "machine": f"{platform.node()} {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
+        "machine": f"{platform.node()} {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+                   + (f", {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ""),
+        "hw": HW,
+        "precision": PRECISION,
         "torch": torch.__version__,
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
     }

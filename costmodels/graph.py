@@ -43,6 +43,10 @@ class StorageRecord:
     region (a region output)."""
     is_fwd_output: bool = False
     """The region's forward output (handed to the next region, which accounts for it)."""
+    copied_on_accumulate: bool = False
+    """A parameter gradient whose layout differs from its parameter's (a linear weight's grad
+    is `t(mm(...))`): autograd's AccumulateGrad stores a contiguous copy in `.grad`, so for a
+    moment both exist (`torch/csrc/autograd/functions/accumulate_grad.h`, the layout contract)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -48,8 +48,15 @@ def adam_state_bytes(numel: int, optimizer_bits: int) -> float:
         return 2 * numel * (2 if optimizer_bits == 16 else 4)
     block = OPT_BLOCK[optimizer_bits]
     n_blocks = -(-numel // block)
-    # two states, each: codes + one fp32 absmax per block + a 256-entry fp32 code map (qmap)
-    return 2 * (numel * optimizer_bits / 8 + 4 * n_blocks + 4 * 2**optimizer_bits)
+    # two states, each: codes + one fp32 absmax per block (the code maps, `qmap1`/`qmap2`, are
+    # one pair shared by the whole optimizer: `quantization_map_bytes`)
+    return 2 * (numel * optimizer_bits / 8 + 4 * n_blocks)
+
+
+def quantization_map_bytes(optimizer_bits: int) -> float:
+    """Bytes of the block-wise optimizer's two fp32 code maps (2**bits entries each), shared by
+    all tensors of one bitsandbytes optimizer (`Optimizer8bit.fill_qmap`)."""
+    return 0.0 if optimizer_bits >= 16 else 2 * 4 * 2**optimizer_bits
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -62,7 +69,8 @@ class MemoryBreakdown:
     activations: float = 0.0
     """Tensors made in forward and alive at the moment (MemTracker's ACT)."""
     temporaries: float = 0.0
-    """Tensors made in backward, recompute included (MemTracker's TEMP)."""
+    """Tensors made in backward outside recompute (MemTracker's TEMP; it labels what the
+    recompute of a checkpointed block makes ACT, and so does this model)."""
     phase: str = ""
     """Where in the step the peak falls, e.g. `bwd:block3`, `tail`, `optimizer`."""
 
@@ -132,7 +140,14 @@ def simulate_region(region: Region, b: int, s: int, *, checkpoint: bool = False,
         elif r.category == "input":  # hidden states handed in
             end = last if r.last_use > bnd else r.last_fwd_use
             live(0, max(end, bwd_start) if checkpoint else end, nbytes, "act")
-        elif r.category in ("grad", "temp") or not checkpoint:
+        elif r.category == "grad":  # made as a temporary, then moved into .grad, or copied
+            if r.copied_on_accumulate:  # when its layout differs: both exist for a moment
+                live(r.created, r.created + 0.02, nbytes, "temp")
+                live(r.created + 0.01, last, nbytes, "grad")
+            else:
+                live(r.created, r.created + 0.01, nbytes, "temp")
+                live(r.created + 0.02, last, nbytes, "grad")
+        elif r.category == "temp" or not checkpoint:
             live(r.created, last, nbytes, r.category)
         elif r.creator in saved:  # kept by the checkpoint's cache until the recompute
             live(r.created, last if r.last_use > bnd else t_re(r.created), nbytes, "act")
@@ -140,7 +155,7 @@ def simulate_region(region: Region, b: int, s: int, *, checkpoint: bool = False,
             live(r.created, r.last_fwd_use, nbytes, "act")
             if r.created <= horizon:
                 live(t_re(r.created), last if r.last_use > bnd else t_re(min(r.last_fwd_use, horizon)),
-                     nbytes, "temp")
+                     nbytes, "act")
     events.sort(key=lambda e: (e[0], e[1]))
     live = {"act": 0.0, "temp": 0.0, "grad": 0.0}
     fwd_peak = bwd_peak = MemoryBreakdown()
@@ -168,10 +183,14 @@ class ModelStates:
     optimizer: float
     optimizer_step_temp: float
     """Scratch the optimizer step allocates (see `model_state_bytes`)."""
+    grad_scale: float = 1.0
+    """Share of a gradient a device keeps once its block's backward is done: 1/shard_degree
+    with ZeRO 2/3 (FSDP reduce-scatters each block's gradients), else 1."""
     comm_buffers: float = 0.0
-    """Persistent communication buffers: DDP's gradient buckets (one flat copy of all
-    gradients, `torch.nn.parallel.DistributedDataParallel` with the default
-    `gradient_as_bucket_view=False`), counted as temporaries as MemTracker labels them."""
+    """DDP's gradient buckets: one flat copy of all gradients
+    (`torch.nn.parallel.DistributedDataParallel`, default `gradient_as_bucket_view=False`),
+    filled as gradients arrive in backward and full at the optimizer step (measured per rank
+    with MemTracker by `benchmarks/sp.py`); counted as temporaries, as MemTracker labels them."""
 
 
 def model_state_bytes(param_numels: Iterable[int], *, weight_bytes: int, grad_bytes: int,
@@ -193,6 +212,8 @@ def model_state_bytes(param_numels: Iterable[int], *, weight_bytes: int, grad_by
     numels = list(param_numels)
     total = sum(numels)
     opt = sum(adam_state_bytes(n, optimizer_bits) for n in numels) + master_bytes * total
+    if any(n >= MIN_QUANT_NUMEL for n in numels):
+        opt += quantization_map_bytes(optimizer_bits)
     d = shard_degree
     params = total * weight_bytes / (d if zero_stage >= 3 else 1)
     grads = total * grad_bytes / (d if zero_stage >= 2 else 1)
@@ -206,25 +227,38 @@ def model_state_bytes(param_numels: Iterable[int], *, weight_bytes: int, grad_by
         step_temp = 0.0
     elif foreach:
         step_temp = 4 * total / (d if zero_stage >= 1 else 1)
-    else:
-        step_temp = 2 * 4 * max(numels, default=0)
+    else:  # FSDP2 (ZeRO 2/3) steps each tensor's shard
+        step_temp = 2 * 4 * max((-(-n // d) if zero_stage >= 2 else n for n in numels), default=0)
     buckets = total * grad_bytes if zero_stage <= 1 and shard_degree > 1 else 0.0
     return ModelStates(params=params, grads=grads, optimizer=optimizer, optimizer_step_temp=step_temp,
-                       comm_buffers=buckets)
+                       grad_scale=1.0 / d if zero_stage >= 2 else 1.0, comm_buffers=buckets)
 
 
 def step_peak(head: RegionMemory, blocks: list[RegionMemory], tail: RegionMemory,
               states: ModelStates, *, unsharded_block_param_bytes: float = 0.0) -> MemoryBreakdown:
-    """Peak bytes per device over one training step, and the category split at that moment.
+    """Peak bytes per device over one training step, and the category split at that moment:
+    the largest of `step_phases`."""
+    return max(step_phases(head, blocks, tail, states,
+                           unsharded_block_param_bytes=unsharded_block_param_bytes),
+               key=lambda m: m.total)
+
+
+def step_phases(head: RegionMemory, blocks: list[RegionMemory], tail: RegionMemory,
+                states: ModelStates, *, unsharded_block_param_bytes: float = 0.0) -> list[MemoryBreakdown]:
+    """The highest bytes per device of each phase of one training step, in execution order.
 
     Composes region summaries in execution order: head forward; block i forward with the
     retained bytes of the head and blocks before it; the tail (logits and loss, forward and
     backward) with everything retained; block i backward with the gradients of the later
-    blocks; the head backward; then the optimizer step. `unsharded_block_param_bytes` adds
+    blocks (sharded by `states.grad_scale` once their block is done); the head backward; then the
+    optimizer step. `unsharded_block_param_bytes` adds
     the all-gathered parameters of FSDP (ZeRO-3) during a block's forward and backward.
     """
-    base = MemoryBreakdown(params=states.params, optimizer=states.optimizer,
-                           temporaries=states.comm_buffers)
+    base = MemoryBreakdown(params=states.params, optimizer=states.optimizer)
+    total_grads = tail.grad_bytes + sum(b.grad_bytes for b in blocks) + head.grad_bytes
+
+    def buckets(grads_done: float) -> float:  # DDP fills its gradient buckets during backward
+        return states.comm_buffers * min(1.0, grads_done / total_grads) if total_grads else 0.0
     candidates: list[MemoryBreakdown] = []
 
     def at(phase: str, retained: float, grads: float, transient: MemoryBreakdown, extra: float = 0.0):
@@ -241,13 +275,16 @@ def step_peak(head: RegionMemory, blocks: list[RegionMemory], tail: RegionMemory
     at("tail", acc, 0.0, tail.fwd_peak)
     grads = 0.0
     at("tail", acc, grads, tail.bwd_peak)
-    grads += tail.grad_bytes
+    grads += tail.grad_bytes * states.grad_scale
+    done = tail.grad_bytes
     for i in reversed(range(len(blocks))):
-        at(f"bwd:block{i}", prefix[i], grads, blocks[i].bwd_peak, unsharded_block_param_bytes)
-        grads += blocks[i].grad_bytes
-    at("bwd:head", 0.0, grads, head.bwd_peak)
+        at(f"bwd:block{i}", prefix[i], grads, blocks[i].bwd_peak + MemoryBreakdown(
+            temporaries=buckets(done + blocks[i].grad_bytes)), unsharded_block_param_bytes)
+        grads += blocks[i].grad_bytes * states.grad_scale
+        done += blocks[i].grad_bytes
+    at("bwd:head", 0.0, grads, head.bwd_peak + MemoryBreakdown(temporaries=buckets(total_grads)))
     full_grads = states.grads
     candidates.append(MemoryBreakdown(params=states.params, grads=full_grads,
                                       optimizer=states.optimizer, temporaries=states.comm_buffers,
                                       phase="optimizer") + MemoryBreakdown(optimizer=states.optimizer_step_temp))
-    return max(candidates, key=lambda m: m.total)
+    return candidates

@@ -9,7 +9,7 @@ overlapped with compute: a conservative bound, stated in the Plan.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Mapping
 
@@ -17,13 +17,15 @@ from costmodels import comm
 from costmodels.graph import Poly, Region
 from costmodels.memory import (MemoryBreakdown, RegionMemory, model_state_bytes, simulate_region,
                                step_peak)
-from costmodels.remat import POLICIES, is_checkpointed
+from costmodels.remat import CheckpointSet, resolve, saved_nodes, sets_from_mapping
 from hardware_profiles import HardwareProfile
 
 PRECISIONS = {
     # name: (weight bytes, grad bytes, master bytes, compute dtype for the profile's peak)
     "fp32": (4, 4, 0, "fp32"),
-    "bf16-mixed": (2, 2, 4, "bf16"),
+    # torch.autocast: fp32 parameters and gradients, bf16 matmuls (16 bytes/param with Adam,
+    # as ZeRO's 2 + 2 + 12 split, Rajbhandari et al. 2020 Sec. 3.1, with other categories)
+    "bf16-mixed": (4, 4, 0, "bf16"),
     "bf16": (2, 2, 0, "bf16"),
 }
 
@@ -37,10 +39,28 @@ class Choice:
     micro_batch: int
     seq_len: int
     policies: tuple[str, ...]
-    """Checkpoint policy per transformer block."""
+    """Checkpoint menu entry per transformer block: a built-in name (`none`, `full`, ...) or
+    the name of one of `sets`."""
     precision: str
     optimizer_bits: int
     devices: int
+    sets: tuple[CheckpointSet, ...] = field(default=())
+    """Solved entries (`remat:k`) that `policies` may name."""
+
+    @classmethod
+    def from_decisions(cls, d) -> "Choice":
+        """The choice a Plan's `Decisions` (`planner.plan`) fixes, its solved entries included."""
+        return cls(sp_degree=d.sp_degree, zero_stage=d.zero_stage, micro_batch=d.micro_batch,
+                   seq_len=d.seq_len, policies=tuple(d.checkpoint), precision=d.precision,
+                   optimizer_bits=d.optimizer_bits, devices=d.devices,
+                   sets=tuple(sets_from_mapping(getattr(d, "checkpoint_sets", None)).values()))
+
+    def entry(self, policy: str | CheckpointSet) -> CheckpointSet:
+        """The CheckpointSet a policy name stands for in this choice.
+
+        Raises:
+            TrainplanError: unknown name."""
+        return resolve(policy, {x.name: x for x in self.sets})
 
 
 def flops_at(p: Poly, b: float, s_local: float, sp: int) -> float:
@@ -71,13 +91,15 @@ def _node_s(attrs: Mapping, b: float, s: float, sp: int, hw: HardwareProfile, dt
     return f, max(t_flop, t_mem)
 
 
-def region_cost(region: Region, b: int, s_local: int, sp: int, policy: str,
+def region_cost(region: Region, b: int, s_local: int, sp: int, policy: str | CheckpointSet,
                 hw: HardwareProfile, dtype: str) -> RegionCost:
     """Per-rank FLOPs and roofline time of `region` at micro-batch b, local sequence s_local.
 
-    Recompute under a checkpoint policy re-runs every forward op whose output is not saved."""
+    Recompute under a checkpoint entry re-runs every forward op whose output is not saved, up
+    to the early stop (`Region.recompute_horizon`)."""
     g = region.graph
-    keep = POLICIES[policy]
+    entry = resolve(policy)
+    saved = saved_nodes(region, entry)
     horizon = region.recompute_horizon()
     out = dict(fwd_flops=0.0, bwd_flops=0.0, recompute_flops=0.0, fwd_s=0.0, bwd_s=0.0, recompute_s=0.0,
                n_ops=0)
@@ -87,7 +109,7 @@ def region_cost(region: Region, b: int, s_local: int, sp: int, policy: str,
         out[f"{ph}_flops"] += f
         out[f"{ph}_s"] += t
         out["n_ops"] += 1
-        if ph == "fwd" and keep is not None and a["op"] not in keep and a["order"] <= horizon:
+        if ph == "fwd" and entry.checkpointed and n not in saved and a["order"] <= horizon:
             out["recompute_flops"] += f
             out["recompute_s"] += t
             out["n_ops"] += 1
@@ -133,18 +155,52 @@ class StepModel:
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self._mem = lru_cache(maxsize=None)(self._region_memory)
         self._cost = lru_cache(maxsize=None)(self._region_cost)
+        self._menus: dict[tuple, object] = {}
 
-    def _region_memory(self, name: str, b: int, s: int, policy: str) -> RegionMemory:
-        keep = POLICIES[policy]
+    def _region_memory(self, name: str, b: int, s: int, policy: str | CheckpointSet) -> RegionMemory:
+        entry = resolve(policy)
         region = self.regions[name]
-        saved = () if keep is None else [n for n, a in region.graph.nodes(data=True) if a["op"] in keep]
-        return simulate_region(region, b, s, checkpoint=is_checkpointed(policy), saved_ops=saved)
+        return simulate_region(region, b, s, checkpoint=entry.checkpointed,
+                               saved_ops=saved_nodes(region, entry))
 
-    def _region_cost(self, name: str, b: int, s: int, sp: int, policy: str, dtype: str) -> RegionCost:
+    def _region_cost(self, name: str, b: int, s: int, sp: int, policy: str | CheckpointSet,
+                     dtype: str) -> RegionCost:
         return region_cost(self.regions[name], b, s, sp, policy, self.hw, dtype)
 
-    def block_memory(self, c: Choice, i: int, policy: str) -> RegionMemory:
-        return self._mem(self.blocks[i], c.micro_batch, c.seq_len // c.sp_degree, policy)
+    def block_memory(self, c: Choice, i: int, policy: str | CheckpointSet) -> RegionMemory:
+        """Lifetime summary of block i under checkpoint entry `policy` at `c`'s shape."""
+        return self._mem(self.blocks[i], c.micro_batch, c.seq_len // c.sp_degree, c.entry(policy))
+
+    def block_cost(self, c: Choice, i: int, policy: str | CheckpointSet) -> RegionCost:
+        """FLOPs and roofline seconds of block i under entry `policy` at `c`'s shape."""
+        return self._cost(self.blocks[i], c.micro_batch, c.seq_len // c.sp_degree, c.sp_degree,
+                          c.entry(policy), PRECISIONS[c.precision][3])
+
+    def block_time(self, c: Choice, i: int, policy: str | CheckpointSet) -> float:
+        """Seconds of block i per step: forward, backward, recompute and per-op overhead."""
+        x = self.block_cost(c, i, policy)
+        return x.fwd_s + x.bwd_s + x.recompute_s + x.n_ops * self.hw.op_overhead_s
+
+    def block_case(self, c: Choice, i: int = 0):
+        """Block i's rematerialization problem at `c`'s shape (`costmodels.remat_solver`); its
+        stack is the number of layers that run the same region."""
+        from costmodels.remat_solver import BlockCase
+
+        name = self.blocks[i]
+        return BlockCase(region=self.regions[name], b=c.micro_batch, s=c.seq_len // c.sp_degree,
+                         sp=c.sp_degree, hw=self.hw, dtype=PRECISIONS[c.precision][3],
+                         stack=self.blocks.count(name))
+
+    def menu(self, c: Choice, i: int = 0, targets: tuple[tuple[float, float], ...] = ()):
+        """Block i's Pareto menu at `c`'s shape (`costmodels.remat_solver.pareto_menu`, with
+        extra (stacked peak, retained) caps `targets`), solved once per distinct region, shape
+        and targets."""
+        from costmodels.remat_solver import pareto_menu
+
+        key = (self.blocks[i], c.micro_batch, c.seq_len // c.sp_degree, c.sp_degree, c.precision, targets)
+        if key not in self._menus:
+            self._menus[key] = pareto_menu(self.block_case(c, i), targets=targets)
+        return self._menus[key]
 
     def evaluate(self, c: Choice) -> StepCost:
         """Memory, FLOPs and time of one step under `c`, per device."""
@@ -157,8 +213,18 @@ class StepModel:
         tail = self._mem("tail", b, s, "none")
         blocks = [self.block_memory(c, i, p) for i, p in enumerate(c.policies)]
         memory = step_peak(head, blocks, tail, states, unsharded_block_param_bytes=self.unsharded_bytes(c))
+        return self._with_runtime(c, memory)
+
+    def runtime(self, c: Choice) -> StepCost:
+        """FLOPs and time of one step under `c`, without the memory replay (its `memory` is an
+        empty breakdown with phase `not evaluated`): what a solver needs per candidate."""
+        return self._with_runtime(c, MemoryBreakdown(phase="not evaluated"))
+
+    def _with_runtime(self, c: Choice, memory: MemoryBreakdown) -> StepCost:
+        b, s, sp = c.micro_batch, c.seq_len // c.sp_degree, c.sp_degree
+        dtype = PRECISIONS[c.precision][3]
         costs = [self._cost("head", b, s, sp, "none", dtype), self._cost("tail", b, s, sp, "none", dtype)]
-        costs += [self._cost(self.blocks[i], b, s, sp, p, dtype) for i, p in enumerate(c.policies)]
+        costs += [self.block_cost(c, i, p) for i, p in enumerate(c.policies)]
         model_flops = sum(x.fwd_flops + x.bwd_flops for x in costs)
         recompute_flops = sum(x.recompute_flops for x in costs)
         compute_s = sum(x.fwd_s + x.bwd_s for x in costs)

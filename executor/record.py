@@ -1,5 +1,5 @@
 """`RunRecord`: what a real training run measured. Written as JSON as the run goes, so an
-interrupted run keeps what it measured."""
+interrupted run keeps what it measured; a resumed run appends to it."""
 
 from __future__ import annotations
 
@@ -34,7 +34,13 @@ class RunRecord:
     flops_per_step: float = 0.0
     """FLOPs of one step on this rank, by `FlopCounterMode`."""
     stop_reason: str = ""
+    """Why the run ended: `budget` (all planned steps), `interrupted` (SIGINT/SIGTERM; resume
+    with `trainplan run --out DIR --resume`), `nan`, `out_of_memory` or `error`; empty while
+    it runs."""
     wall_s: float = 0.0
+    """Training wall time, all segments of a resumed run together."""
+    checkpoint: str = ""
+    """The newest checkpoint directory of the run (`RUN_DIR/checkpoint/step-N`), if any."""
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -63,4 +69,5 @@ class RunRecord:
         raw = json.loads(src)
         raw["train_loss"] = [tuple(x) for x in raw.get("train_loss", [])]
         raw["heldout_loss"] = [tuple(x) for x in raw.get("heldout_loss", [])]
-        return cls(**raw)
+        known = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in raw.items() if k in known})  # newer fields are skipped

@@ -5,13 +5,15 @@ selective checkpointing per block, its optimizer bits an optimizer (bitsandbytes
 its data fraction and token budget the sampler and the step count; `sp_degree`/`zero_stage`
 above one device go through `executor.parallel` under torchrun. Measured: peak tensor memory by
 category (MemTracker, one step after warm-up), FLOPs of one step (FlopCounterMode), every
-step's wall time, train loss, held-out loss.
+step's wall time, train loss, held-out loss. Interrupts, checkpoints and resuming:
+`executor.checkpoint`; the measurement helpers: `executor.measure`.
 """
 
 from __future__ import annotations
 
 import math
 import signal
+import threading
 import time
 from contextlib import nullcontext
 from functools import partial
@@ -20,15 +22,20 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from costmodels.remat import POLICIES, is_checkpointed, op_is_saved
+from costmodels.remat import CheckpointSet, KeyCounter, resolve, sets_from_mapping
+from executor.checkpoint import (OutOfMemoryRunError, check_resume_plan, is_out_of_memory,
+                                 latest_checkpoint, load_checkpoint, out_of_memory_message,
+                                 remove_checkpoints, save_checkpoint)
 from executor.data import TokenBatches, TokenCorpus, heldout_batches, load_corpus
+from executor.measure import (WARMUP_STEPS_UNMEASURED, _measure_memory,  # noqa: F401 (re-exported)
+                              any_rank, device_name, gather_floats, heldout_loss, measured_step,
+                              progress_bar)
 from executor.record import RunRecord
 from hardware_profiles import load as load_profile
 from hardware_profiles.errors import PlanMismatchError, TrainingDivergedError, TrainplanError
-from planner.capture import CPU_ATTENTION_FLOP_FORMULAS, lm_loss
+from planner.capture import lm_loss
 from planner.plan import Plan
 
-WARMUP_STEPS_UNMEASURED = 2  # optimizer states exist from step 1 on; measure after that
 EVAL_BATCHES = 4
 
 
@@ -40,6 +47,8 @@ def resolve_device(plan: Plan, override: str | None = None) -> torch.device:
     """
     if override:
         return torch.device(override)
+    if plan.hw == "cpu":  # no need to load (and maybe measure) the cpu profile in every rank
+        return torch.device("cpu")
     kind = load_profile(plan.hw).device_type
     if kind == "cuda" and not torch.cuda.is_available():
         raise TrainplanError(
@@ -64,31 +73,52 @@ def build_optimizer(params, bits: int, lr: float) -> torch.optim.Optimizer:
     raise TrainplanError(f"optimizer_bits={bits} cannot run here: use 32 or 8")
 
 
-def _sac_forward(orig, policy: str, *args, **kwargs):
+def _sac_forward(orig, entry: CheckpointSet, *args, **kwargs):
+    """Run `orig` under torch's selective activation checkpointing with `entry`'s saved set.
+
+    The policy function names each op call of this forward by its node key (`KeyCounter`: the
+    overload and its call count, as `costmodels.remat.node_keys` names the captured forward's
+    nodes) and answers MUST_SAVE for the keys `entry` keeps, MUST_RECOMPUTE otherwise (views
+    and other ops that make no storage are never kept). torch calls the policy in the forward
+    only and replays by call index, so a fresh counter per forward is the whole state."""
     from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                         create_selective_checkpoint_contexts)
 
-    def policy_fn(ctx, op, *a, **kw):
-        return CheckpointPolicy.MUST_SAVE if op_is_saved(policy, str(op)) else CheckpointPolicy.PREFER_RECOMPUTE
+    def context_fn():
+        counter = KeyCounter()
 
-    context_fn = partial(create_selective_checkpoint_contexts, policy_fn)
+        def policy_fn(ctx, op, *a, **kw):
+            if entry.saves(counter.key(str(op))):
+                return CheckpointPolicy.MUST_SAVE
+            return CheckpointPolicy.MUST_RECOMPUTE
+
+        return create_selective_checkpoint_contexts(policy_fn)
+
     return checkpoint(orig, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
 
-def apply_checkpointing(model: nn.Module, policies: tuple[str, ...]) -> None:
-    """Wrap each transformer layer's forward in the checkpoint its policy names (parameter
-    names are unchanged).
+def apply_checkpointing(model: nn.Module, policies: tuple[str, ...],
+                        sets: dict[str, list[str]] | None = None) -> None:
+    """Wrap each transformer layer's forward in the checkpoint its entry names (parameter
+    names are unchanged). `sets`: the plan's `Decisions.checkpoint_sets`, the saved node keys of
+    each solved entry (`remat:k`) that `policies` names.
 
     Raises:
-        PlanMismatchError: the model has a different number of layers than the plan.
+        PlanMismatchError: the model has a different number of layers than the plan, or the
+            plan names an entry it does not define.
     """
     layers = model.model.layers
     if len(layers) != len(policies):
         raise PlanMismatchError(f"plan has checkpoint choices for {len(policies)} layers, "
                                 f"the model has {len(layers)}")
+    known = sets_from_mapping(sets)
     for layer, policy in zip(layers, policies):
-        if is_checkpointed(policy):
-            layer.forward = partial(_sac_forward, layer.forward, policy)
+        try:
+            entry = resolve(policy, known)
+        except TrainplanError as e:
+            raise PlanMismatchError(str(e)) from None
+        if entry.checkpointed:
+            layer.forward = partial(_sac_forward, layer.forward, entry)
 
 
 def lr_at(step: int, plan: Plan) -> float:
@@ -102,30 +132,6 @@ def lr_at(step: int, plan: Plan) -> float:
     start = d.max_steps - cool
     return peak if step < start else peak * max(0.05, (d.max_steps - step) / cool)
 
-
-def _measure_memory(step_fn, model, opt) -> dict[str, float]:
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    mt = MemTracker()
-    mt.track_external(model, opt)
-    with mt:
-        step_fn()
-    snap = next(iter(mt.get_tracker_snapshot("peak").values()))
-    by = {str(k).split(".")[-1]: float(v) for k, v in snap.items()}
-    return {"params": by.get("PARAM", 0.0) + by.get("BUFFER", 0.0), "grads": by.get("GRAD", 0.0),
-            "optimizer": by.get("OPT", 0.0), "activations": by.get("ACT", 0.0),
-            "temporaries": by.get("TEMP", 0.0) + by.get("OTH", 0.0) + by.get("INP", 0.0),
-            "total": by.get("Total", 0.0)}
-
-
-@torch.no_grad()
-def heldout_loss(model: nn.Module, batches, forward_loss) -> float:
-    """Mean cross-entropy (nats/token) over fixed held-out batches (same on every rank)."""
-    was = model.training
-    model.eval()
-    losses = [forward_loss(x, y).item() for x, y in batches]
-    model.train(was)
-    return sum(losses) / len(losses)
 
 
 def _forward_loss(model, dev, sp: int, sp_rank: int, world: int, x, y) -> torch.Tensor:
@@ -159,38 +165,14 @@ def _init_world(plan: Plan, dev: torch.device) -> tuple[int, int]:
     return init_distributed(dev)
 
 
-def _gather_floats(value: float, world: int) -> list[float]:
-    if world == 1:
-        return [value]
-    import torch.distributed as dist
-
-    out: list = [None] * world
-    dist.all_gather_object(out, value)
-    return [float(v) for v in out]
-
-
-def run(plan: Plan, model: nn.Module | None = None, data: TokenCorpus | None = None, *,
-        out: str | Path, device: str | None = None, progress: bool = True,
-        eval_every: int | None = None) -> RunRecord:
-    """Run `plan` for real on one process; returns and writes `out/record.json`.
-
-    The record is rewritten at every evaluation, so an interrupted run (SIGINT/SIGTERM) keeps
-    what it measured; its `stop_reason` says why it ended: `budget`, `interrupted` or `nan`.
-
-    Raises:
-        PlanMismatchError: model or corpus do not match the plan.
-        TrainingDivergedError: the loss became NaN or infinite (the record is written first).
-    """
+def _build(plan: Plan, model: nn.Module | None, data: TokenCorpus, dev: torch.device, world: int):
+    """The model (built from the preset when None), checkpointed per the plan and sharded per
+    its ZeRO stage, and its optimizer."""
     from planner.presets import build_model
 
     d = plan.decisions
-    dev = resolve_device(plan, device)
-    rank, world = _init_world(plan, dev)
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    data = data or load_corpus(vocab_size=plan.vocab_size)
     if model is None:
-        dtype = torch.float32 if d.precision == "fp32" else torch.bfloat16
+        dtype = torch.bfloat16 if d.precision == "bf16" else torch.float32  # bf16-mixed: autocast
         model = build_model(plan.model, device=dev, dtype=dtype, vocab_size=data.vocab_size, seed=d.seed)
     n_params = sum(p.numel() for p in model.parameters())
     if n_params != plan.model_n_params:
@@ -199,14 +181,68 @@ def run(plan: Plan, model: nn.Module | None = None, data: TokenCorpus | None = N
     apply_checkpointing(model, d.checkpoint)
     model.train()
     factory = partial(build_optimizer, bits=d.optimizer_bits, lr=d.lr)
-    if world > 1:
-        from executor.parallel import apply_zero, enable_ulysses, new_sequence_parallel_group
+    if world == 1:
+        return model, factory(model.parameters())
+    from executor.parallel import apply_zero, enable_ulysses, new_sequence_parallel_group
 
-        new_sequence_parallel_group(d.sp_degree)
-        enable_ulysses(model, seq_len=d.seq_len)
-        model, opt = apply_zero(model, factory, stage=d.zero_stage, device=dev)
-    else:
-        opt = factory(model.parameters())
+    new_sequence_parallel_group(d.sp_degree)
+    enable_ulysses(model, seq_len=d.seq_len)
+    return apply_zero(model, factory, stage=d.zero_stage, device=dev)
+
+
+def _catch_signals(stop: dict) -> dict:
+    """SIGINT/SIGTERM set `stop["reason"]` (the loop checkpoints at the next step boundary); a
+    second SIGINT raises KeyboardInterrupt at once (the record is written, no checkpoint).
+    Returns the old handlers ({} off the main thread, where signals cannot be caught)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def on_signal(signum, frame):
+        if stop["reason"] and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        stop["reason"], stop["by"] = "interrupted", signal.Signals(signum).name
+
+    return {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+
+
+def run(plan: Plan, model: nn.Module | None = None, data: TokenCorpus | None = None, *,
+        out: str | Path, device: str | None = None, progress: bool = True,
+        eval_every: int | None = None, checkpoint_every: int | None = None,
+        resume: bool = False, stop_after_steps: int | None = None) -> RunRecord:
+    """Run `plan` for real on one process; returns and writes `out/record.json`.
+
+    The record is rewritten at every evaluation and when the run ends, however it ends; its
+    `stop_reason` says why: `budget`, `interrupted` (SIGINT/SIGTERM, acted on at the next step
+    boundary), `nan`, `out_of_memory` or `error`. A checkpoint (`executor.checkpoint`) is written
+    at the end, on an interrupt and every `checkpoint_every` steps.
+
+    checkpoint_every: also checkpoint every this many steps; None: only at the end and on an
+        interrupt; 0: never.
+    resume: continue the run in `out` from its latest checkpoint: model, optimizer, RNG states
+        and record restored, steps from the next one on with the same batches
+        (`TokenBatches.batch(step)`) and learning rates, the record appended to. Without it a
+        run in a used `out` starts over and deletes the old checkpoints.
+    stop_after_steps: for tests: act as if SIGINT arrived once this many steps are done in all.
+
+    Raises:
+        PlanMismatchError: model or corpus do not match the plan; on resume, a plan or corpus
+            that differs from the run's.
+        TrainplanError: resume without a checkpoint in `out`.
+        OutOfMemoryRunError: a step ran out of memory (the record is written first).
+        TrainingDivergedError: the loss became NaN or infinite (the record is written first).
+    """
+    d = plan.decisions
+    if checkpoint_every is not None and (not isinstance(checkpoint_every, int) or checkpoint_every < 0):
+        raise TrainplanError(f"checkpoint_every={checkpoint_every!r} must be None or a whole "
+                             "number >= 0")
+    out = Path(out)
+    if resume:
+        check_resume_plan(plan, out)
+    dev = resolve_device(plan, device)
+    rank, world = _init_world(plan, dev)
+    out.mkdir(parents=True, exist_ok=True)
+    data = data or load_corpus(vocab_size=plan.vocab_size)
+    model, opt = _build(plan, model, data, dev, world)
     dp_rank, sp_rank = rank // d.sp_degree, rank % d.sp_degree
     batches = TokenBatches(data.train_tokens, seq_len=d.seq_len, micro_batch=d.micro_batch,
                            fraction=d.data_fraction, seed=d.seed, rank=dp_rank, world_size=d.dp_degree)
@@ -214,8 +250,21 @@ def run(plan: Plan, model: nn.Module | None = None, data: TokenCorpus | None = N
                            max_batches=EVAL_BATCHES)
     forward_loss = partial(_forward_loss, model, dev, d.sp_degree, sp_rank, world)
     eval_every = eval_every or max(1, d.max_steps // 10)
-    rec = RunRecord(model=plan.model, hw_planned=plan.hw, device=_device_name(dev),
-                    same_hardware=(plan.hw == "cpu" and dev.type == "cpu"))
+    corpus = {"name": data.name, "sha256": data.sha256}
+    ckpt = dict(out=out, plan=plan, corpus=corpus, dev=dev, rank=rank, world=world)
+    if resume:
+        meta = load_checkpoint(latest_checkpoint(out), model, opt, corpus=corpus, dev=dev,
+                               rank=rank, world=world)
+        rec, start = meta["record"], meta["steps"]
+        rec.stop_reason, rec.device = "", device_name(dev)
+        rec.notes.append(f"resumed at step {start} from {rec.checkpoint}")
+    else:
+        if rank == 0:
+            remove_checkpoints(out)
+            plan.to_json(out / "plan.json")
+        rec = RunRecord(model=plan.model, hw_planned=plan.hw, device=device_name(dev),
+                        same_hardware=(plan.hw == "cpu" and dev.type == "cpu"))
+        start = 0
     autocast = (torch.autocast(dev.type, dtype=torch.bfloat16) if d.precision == "bf16-mixed"
                 else nullcontext())
 
@@ -230,63 +279,53 @@ def run(plan: Plan, model: nn.Module | None = None, data: TokenCorpus | None = N
         opt.zero_grad(set_to_none=True)
         return loss.item()
 
-    stop = {"reason": ""}
-
-    def on_signal(signum, frame):
-        stop["reason"] = "interrupted"
-
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    t_start = time.perf_counter()
-    bar = _progress(d.max_steps, progress)
+    stop = {"reason": "", "by": ""}
+    old = _catch_signals(stop)
+    t_start, wall_before = time.perf_counter(), rec.wall_s
+    bar = progress_bar(d.max_steps, progress, initial=start)
+    step, failure = start, None
     try:
-        for step in range(d.max_steps):
-            if stop["reason"]:
+        for step in range(start, d.max_steps):
+            if any_rank(bool(stop["reason"]), world):
+                stop["reason"] = "interrupted"
                 break
-            if step == WARMUP_STEPS_UNMEASURED and dev.type == "cpu":
-                losses = []
-                rec.peak_memory_bytes = _measure_memory(lambda: losses.append(train_step(step)), model, opt)
-                loss = losses[0]
-            elif step == WARMUP_STEPS_UNMEASURED + 1:
-                from torch.utils.flop_counter import FlopCounterMode
-
-                fc = FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOP_FORMULAS)
-                with fc:
-                    loss = train_step(step)
-                rec.flops_per_step = float(fc.get_total_flops())
-            else:
-                if dev.type == "cuda":
-                    torch.cuda.synchronize(dev)
-                t0 = time.perf_counter()
-                loss = train_step(step)
-                if dev.type == "cuda":
-                    torch.cuda.synchronize(dev)
-                rec.step_times_s.append(time.perf_counter() - t0)
+            loss = measured_step(step, train_step, rec, dev, model, opt)
             rec.steps = step + 1
             rec.tokens = rec.steps * d.micro_batch * d.seq_len * d.dp_degree
             rec.train_loss.append((step, loss))
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.3f}")
+            if stop_after_steps is not None and rec.steps >= stop_after_steps:
+                stop["reason"], stop["by"] = "interrupted", f"stop_after_steps={stop_after_steps}"
             if not math.isfinite(loss):
                 stop["reason"] = "nan"
                 break
-            if (step + 1) % eval_every == 0 or step + 1 == d.max_steps:
-                rec.heldout_loss.append((step + 1, rec.tokens, heldout_loss(model, held, forward_loss)))
-                rec.wall_s = time.perf_counter() - t_start
+            if rec.steps % eval_every == 0 or rec.steps == d.max_steps:
+                rec.heldout_loss.append((rec.steps, rec.tokens, heldout_loss(model, held, forward_loss)))
+                rec.wall_s = wall_before + time.perf_counter() - t_start
                 if rank == 0:
                     rec.to_json(out / "record.json")
-        if dev.type == "cuda":
-            rec.peak_memory_bytes = {"total": float(torch.cuda.max_memory_allocated(dev))}
-            rec.notes.append(f"reserved {torch.cuda.max_memory_reserved(dev)} bytes")
+            if checkpoint_every and rec.steps % checkpoint_every == 0 and rec.steps < d.max_steps:
+                save_checkpoint(model=model, opt=opt, record=rec, **ckpt)
+    except (Exception, KeyboardInterrupt) as e:  # the record is written, then it is raised again
+        failure = e
     finally:
         bar.close()
         for s, h in old.items():
             signal.signal(s, h)
-        rec.stop_reason = stop["reason"] or "budget"
-        rec.wall_s = time.perf_counter() - t_start
-        rec.world_size = world
-        rec.per_rank_peak_bytes = _gather_floats(rec.peak_memory_bytes.get("total", 0.0), world)
-        if rank == 0:
-            rec.to_json(out / "record.json")
+    rec.wall_s = wall_before + time.perf_counter() - t_start
+    if failure is None:
+        _finish(rec, stop, plan, model, opt, checkpoint_every, ckpt)
+    else:
+        rec.stop_reason = ("out_of_memory" if is_out_of_memory(failure) else "interrupted"
+                           if isinstance(failure, KeyboardInterrupt) else "error")
+        rec.notes.append(f"{type(failure).__name__} in step {step}: {str(failure).strip()[:300]}")
+    if rank == 0 or failure is not None:
+        rec.to_json(out / ("record.json" if rank == 0 else f"record-rank{rank}.json"))
+    if failure is not None:
+        if is_out_of_memory(failure):
+            raise OutOfMemoryRunError(out_of_memory_message(plan, step, dev, failure, out)) from failure
+        raise failure
     if rec.stop_reason == "nan":
         raise TrainingDivergedError(f"loss became {rec.train_loss[-1][1]} at step {rec.steps - 1}; "
                                     f"record kept in {out / 'record.json'}; lower the learning rate "
@@ -294,13 +333,22 @@ def run(plan: Plan, model: nn.Module | None = None, data: TokenCorpus | None = N
     return rec
 
 
-def _device_name(dev: torch.device) -> str:
+def _finish(rec: RunRecord, stop: dict, plan: Plan, model, opt, checkpoint_every, ckpt: dict) -> None:
+    """After the last step on every rank: stop reason, peak memory of all ranks, the final
+    checkpoint (collectives when world > 1)."""
+    dev, world = ckpt["dev"], ckpt["world"]
+    reason = stop["reason"] or "budget"
+    if reason == "interrupted" and rec.steps == plan.decisions.max_steps:
+        reason = "budget"  # the signal came during the last step: nothing left to resume
+    rec.stop_reason = reason
+    if reason == "interrupted":
+        rec.notes.append(f"interrupted ({stop['by']}) after {rec.steps} of "
+                         f"{plan.decisions.max_steps} steps")
     if dev.type == "cuda":
-        return f"{dev} ({torch.cuda.get_device_name(dev)})"
-    return str(dev)
-
-
-def _progress(total: int, enabled: bool):
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, disable=not enabled, desc="train", unit="step", leave=False)
+        peak = float(torch.cuda.max_memory_allocated(dev))
+        rec.peak_memory_bytes = {"total": max(peak, rec.peak_memory_bytes.get("total", 0.0))}
+        rec.notes.append(f"reserved {torch.cuda.max_memory_reserved(dev)} bytes")
+    rec.world_size = world
+    rec.per_rank_peak_bytes = gather_floats(rec.peak_memory_bytes.get("total", 0.0), world)
+    if reason in ("budget", "interrupted") and checkpoint_every != 0:
+        save_checkpoint(model=model, opt=opt, record=rec, **ckpt)

@@ -4,7 +4,9 @@ torchrun; each worker runs `executor.train.run` on its rank."""
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from executor.launch import run_torchrun
@@ -13,25 +15,66 @@ from planner.plan import Plan
 LAUNCH_MARGIN_S = 300.0
 
 
-def launch(plan_path: str | Path, out: Path, data: list[str] | None, device: str | None) -> None:
+def launch(plan_path: str | Path, out: Path, data: list[str] | None, device: str | None, *,
+           resume: bool = False, checkpoint_every: int | None = None,
+           stop_after_steps: int | None = None) -> bool:
     """Run the plan at `plan_path` on `decisions.devices` processes; rank 0 writes
-    `out/record.json`.
+    `out/record.json`. `resume`, `checkpoint_every`, `stop_after_steps`: as in
+    `executor.train.run`, on every rank.
+
+    SIGINT (Ctrl-C) or SIGTERM to this process stops the job: torchrun passes SIGTERM on to
+    the workers, which agree on the step, checkpoint and write the record (within
+    `executor.launch.KILL_GRACE_S`, after which they are killed). Returns True when the run
+    was interrupted that way, False when it ended by itself.
 
     Raises:
+        PlanMismatchError: with `resume`, the plan differs from `out/plan.json`.
         WorkerFailedError: a rank failed or the run exceeded 3x its predicted time plus a margin;
             the message names the rank and ends with its stderr.
     """
     plan = Plan.from_json(plan_path)
     out.mkdir(parents=True, exist_ok=True)
-    plan.to_json(out / "plan.json")
+    if resume:
+        from executor.checkpoint import check_resume_plan
+
+        check_resume_plan(plan, out)
+    else:
+        plan.to_json(out / "plan.json")
     args = [str(out / "plan.json"), "--out", str(out)]
     if data:
         args += ["--data", *data]
     if device:
         args += ["--device", device]
+    if resume:
+        args.append("--resume")
+    if checkpoint_every is not None:
+        args += ["--checkpoint-every", str(checkpoint_every)]
+    if stop_after_steps is not None:
+        args += ["--stop-after-steps", str(stop_after_steps)]
     predicted = plan.predictions.step_time_s * plan.decisions.max_steps
-    run_torchrun("executor.worker", args, plan.decisions.devices,
-                 timeout_s=3 * predicted + LAUNCH_MARGIN_S, log_dir=out / "logs")
+    old = _sigterm_as_keyboard_interrupt()
+    try:
+        run_torchrun("executor.worker", args, plan.decisions.devices,
+                     timeout_s=3 * predicted + LAUNCH_MARGIN_S, log_dir=out / "logs")
+    except KeyboardInterrupt:  # run_torchrun has stopped the job (workers checkpoint on SIGTERM)
+        return True
+    finally:
+        if old is not None:
+            signal.signal(signal.SIGTERM, old)
+    return False
+
+
+def _sigterm_as_keyboard_interrupt():
+    """SIGTERM raises KeyboardInterrupt (so that `run_torchrun` stops the job, which it does
+    for KeyboardInterrupt) instead of killing this process and orphaning torchrun. Returns
+    the old handler (None off the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    return signal.signal(signal.SIGTERM, handler)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,10 +86,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--data", nargs="*")
     ap.add_argument("--device")
+    ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--checkpoint-every", type=int)
+    ap.add_argument("--stop-after-steps", type=int, help="for tests: act as if interrupted then")
     a = ap.parse_args(argv)
     plan = Plan.from_json(a.plan)
     data = load_corpus(a.data or None, vocab_size=plan.vocab_size)
-    run(plan, data=data, out=a.out, device=a.device, progress=False)
+    run(plan, data=data, out=a.out, device=a.device, progress=False, resume=a.resume,
+        checkpoint_every=a.checkpoint_every, stop_after_steps=a.stop_after_steps)
     return 0
 
 

@@ -32,7 +32,9 @@ def capture_model(model: nn.Module | str, precision: str, *, vocab_size: int | N
     """Build (if a preset name) and capture `model` on the meta device.
 
     Returns the graph, the model's name and its parameter tensor sizes."""
-    dtype = torch.float32 if precision == "fp32" else torch.bfloat16
+    # bf16-mixed is torch.autocast over fp32 parameters; bf16 keeps parameters in bf16 too
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    autocast = torch.bfloat16 if precision == "bf16-mixed" else None
     if isinstance(model, str):
         get_preset(model)  # typed error for unknown names
         module = build_model(model, device="meta", dtype=dtype, vocab_size=vocab_size)
@@ -41,7 +43,7 @@ def capture_model(model: nn.Module | str, precision: str, *, vocab_size: int | N
         module, name = model, getattr(model, "trainplan_preset", type(model).__name__)
     else:
         raise TrainplanError(f"model must be an nn.Module or a preset name, got {type(model).__name__}")
-    graph = capture(module, dtype=dtype, name=name)
+    graph = capture(module, dtype=dtype, name=name, autocast_dtype=autocast)
     return graph, name, tuple(p.numel() for p in module.parameters())
 
 
@@ -72,7 +74,7 @@ def _check_seq_len(seq_len) -> None:
 def solve(model: nn.Module | str, hw: str | HardwareProfile, budget: Budget, *, seq_len: int = 2048,
           data_tokens: int | None = None, vocab_size: int | None = None, precision: str | None = None,
           law: LossLaw | None = None, micro_batches=(1, 2, 4, 8, 16), optimizer_bits=(32, 8),
-          policies=("none", "save_matmuls", "save_attention", "full"),
+          policies=("none", "save_matmuls", "save_attention", "full", "remat"),
           data_fractions=(0.25, 0.5, 0.75, 1.0), memory_limit_bytes: float | None = None,
           time_limit_s: float = 10.0, seed: int = 0, lr: float = 3e-3,
           export_path: str | None = None) -> Plan:
@@ -122,7 +124,8 @@ def solve(model: nn.Module | str, hw: str | HardwareProfile, budget: Budget, *, 
 
 
 def plan_for_choice(model: nn.Module | str, hw: str | HardwareProfile, *, seq_len: int,
-                    micro_batch: int, checkpoint: tuple[str, ...] | str = "none", sp_degree: int = 1,
+                    micro_batch: int, checkpoint: tuple[str, ...] | str = "none",
+                    checkpoint_sets: dict[str, list[str]] | None = None, sp_degree: int = 1,
                     devices: int = 1, zero_stage: int = 0, optimizer_bits: int = 32,
                     precision: str | None = None, data_fraction: float = 1.0, max_steps: int = 10,
                     data_tokens: int | None = None, vocab_size: int | None = None,
@@ -135,7 +138,7 @@ def plan_for_choice(model: nn.Module | str, hw: str | HardwareProfile, *, seq_le
             unknown policy; ZeRO stage; bits).
     """
     from costmodels import comm
-    from costmodels.remat import check_policy
+    from costmodels.remat import check_policy, sets_from_mapping
     from costmodels.step import Choice
 
     _check_seq_len(seq_len)
@@ -144,8 +147,9 @@ def plan_for_choice(model: nn.Module | str, hw: str | HardwareProfile, *, seq_le
     policies = (checkpoint,) * graph.n_layers if isinstance(checkpoint, str) else tuple(checkpoint)
     if len(policies) != graph.n_layers:
         raise TrainplanError(f"checkpoint has {len(policies)} entries; {name} has {graph.n_layers} layers")
+    sets = sets_from_mapping(checkpoint_sets)
     for p in policies:
-        check_policy(p)
+        check_policy(p, sets)
     valid = [p for p in comm.valid_sp_degrees(seq_len, graph.n_heads, graph.n_kv_heads) if devices % p == 0]
     if sp_degree not in valid:
         raise TrainplanError(f"sp_degree={sp_degree} is not valid for devices={devices}, seq_len={seq_len} "
@@ -153,7 +157,8 @@ def plan_for_choice(model: nn.Module | str, hw: str | HardwareProfile, *, seq_le
     if not isinstance(max_steps, int) or max_steps < 1:
         raise TrainplanError(f"max_steps={max_steps!r} must be a whole number >= 1")
     choice = Choice(sp_degree=sp_degree, zero_stage=zero_stage, micro_batch=micro_batch, seq_len=seq_len,
-                    policies=policies, precision=precision, optimizer_bits=optimizer_bits, devices=devices)
+                    policies=policies, precision=precision, optimizer_bits=optimizer_bits, devices=devices,
+                    sets=tuple(x for x in sets.values() if x.name in policies))
     law = _law_for(law, profile, name, graph)
     unique = data_tokens if data_tokens is not None else UNLIMITED_DATA_TOKENS
     tokens = max_steps * micro_batch * seq_len * (devices // sp_degree)
@@ -175,6 +180,7 @@ def _make_plan(step_model, profile, graph, name, c, *, budget, data_fraction, ma
     decisions = Decisions(
         devices=c.devices, sp_degree=c.sp_degree, dp_degree=c.devices // c.sp_degree,
         zero_stage=c.zero_stage, micro_batch=c.micro_batch, seq_len=c.seq_len, checkpoint=c.policies,
+        checkpoint_sets={x.name: sorted(x.saved) for x in c.sets if x.name in c.policies},
         precision=c.precision, optimizer_bits=c.optimizer_bits, data_fraction=data_fraction,
         data_method="random", max_tokens=max_steps * tokens_per_step, max_steps=max_steps,
         governor_threshold=0.0, lr=lr, warmup_steps=max(1, min(20, max_steps // 10)), seed=seed)

@@ -146,18 +146,28 @@ def _tensors(val):
 
 
 def trace_region(name: str, fn, inputs: dict, *, kinds: dict[str, str], b0: int, s0: int,
-                 block: int | None) -> Region:
-    """Trace `fn(**inputs)` (returning (forward_output, *grads)) and summarise it as a Region.
+                 block: int | None, autocast_dtype: torch.dtype | None = None) -> Region:
+    """Trace `fn(**inputs)` and summarise it as a Region. `fn` returns
+    (forward_output, [parameter gradients], [other outputs]).
 
     `kinds` maps each input name to "param", "act" (activation input, e.g. hidden states),
     "grad" (the incoming gradient) or "const" (e.g. token ids)."""
     names = list(inputs)
-    gm = make_fx(lambda *a: fn(**dict(zip(names, a))), tracing_mode="real")(
+    def run(*a):
+        if autocast_dtype is None:
+            return fn(**dict(zip(names, a)))
+        with torch.autocast("cpu", dtype=autocast_dtype):
+            return fn(**dict(zip(names, a)))
+
+    gm = make_fx(run, tracing_mode="real")(
         *[inputs[n] for n in names])
     nodes = list(gm.graph.nodes)
     out_node = nodes[-1]
-    fwd_out = out_node.args[0][0]
-    grad_outputs = {n.name for n in out_node.args[0][1:] if isinstance(n, torch.fx.Node)}
+    fwd_out, param_grads, _ = out_node.args[0]
+    grad_vals = [g.meta["val"] for g in param_grads if isinstance(g, torch.fx.Node)]
+    # a weight gradient is a view (t) of an mm's output: its category goes with the storage
+    grad_keys = {StorageWeakRef(v.untyped_storage()).cdata for v in grad_vals}
+    copied = {StorageWeakRef(v.untyped_storage()).cdata for v in grad_vals if not v.is_contiguous()}
     order = {n: i for i, n in enumerate(nodes)}
     boundary = order[fwd_out]
     placeholders = [n for n in nodes if n.op == "placeholder"]
@@ -179,14 +189,14 @@ def trace_region(name: str, fn, inputs: dict, *, kinds: dict[str, str], b0: int,
             coef = sympy.Rational(nbytes, numel_at) if numel_at else sympy.Integer(nbytes)
             if n.op == "placeholder":
                 category = "param" if ph_kind[n] == "param" else "input"
-            elif n.name in grad_outputs:
+            elif key in grad_keys:
                 category = "grad"
             else:
                 category = "act" if phase == "fwd" else "temp"
             storages[key] = dict(creator=n.name, created=order[n], category=category,
                                  input_kind=ph_kind[n] if n.op == "placeholder" else "",
                                  bytes=sympy.expand(coef * numel_expr), uses=[order[n]],
-                                 fwd_out=n is fwd_out)
+                                 fwd_out=n is fwd_out, copied=key in copied)
         if n.op != "call_function":
             continue
         out_bytes = _nbytes(n.meta.get("val"), b0, s0)
@@ -209,7 +219,8 @@ def trace_region(name: str, fn, inputs: dict, *, kinds: dict[str, str], b0: int,
         StorageRecord(creator=s["creator"], category=s["category"], input_kind=s["input_kind"],
                       bytes=to_poly(s["bytes"]), created=s["created"],
                       last_fwd_use=max([u for u in s["uses"] if u <= boundary], default=s["created"]),
-                      last_use=max(s["uses"]), is_fwd_output=s["fwd_out"])
+                      last_use=max(s["uses"]), is_fwd_output=s["fwd_out"],
+                      copied_on_accumulate=s["copied"])
         for s in storages.values())
     return Region(name=name, graph=graph, storages=records, boundary=boundary, n_nodes=len(nodes))
 
@@ -250,11 +261,15 @@ def _block_signature(block: nn.Module) -> tuple:
                                            for k, v in block.named_parameters())
 
 
-def capture(model: nn.Module, *, dtype: torch.dtype | None = None, name: str | None = None) -> ModelGraph:
+def capture(model: nn.Module, *, dtype: torch.dtype | None = None, name: str | None = None,
+            autocast_dtype: torch.dtype | None = None) -> ModelGraph:
     """Capture `model` (a HF-style causal LM: `.model.embed_tokens`, `.model.layers`,
     `.model.norm`, `.model.rotary_emb`, `.lm_head`) as a ModelGraph, on fake tensors.
 
-    `dtype` is the training dtype of parameters and activations (default: the model's).
+    `dtype` is the dtype of parameters (default: the model's). `autocast_dtype` traces under
+    `torch.autocast` (mixed precision: fp32 parameters, bf16 matmuls), so the casts autocast
+    inserts and the dtypes of saved activations are those that run. CPU autocast's op lists
+    stand in for CUDA's (both run matmuls and attention in bf16, reductions in fp32).
 
     Raises:
         TrainplanError: the module is not a causal LM of that layout; the message says what
@@ -292,14 +307,14 @@ def capture(model: nn.Module, *, dtype: torch.dtype | None = None, name: str | N
         fake_rot = {k: torch.empty(v.shape, dtype=v.dtype) for k, v in rot_buffers.items()}
         cos, sin = torch.func.functional_call(rot, fake_rot, (h, pos))
         (gw,) = torch.autograd.grad(h, [weight], g)
-        return h, gw, cos, sin
+        return h, [gw], [cos, sin]
 
     ep = _fake_params(emb, mode, dtype)
     with mode:
         regions["head"] = trace_region(
             "head", head_fn, {"weight": ep["weight"], "ids": ids, "pos": pos, "g": g},
             kinds={"weight": "param", "ids": "const", "pos": "const", "g": "grad"},
-            b0=b0, s0=s0, block=None)
+            b0=b0, s0=s0, block=None, autocast_dtype=autocast_dtype)
         cos = torch.empty(1, s0, head_dim, dtype=dtype)
         sin = torch.empty(1, s0, head_dim, dtype=dtype)
 
@@ -321,15 +336,15 @@ def capture(model: nn.Module, *, dtype: torch.dtype | None = None, name: str | N
                 _layer, params, (x,),
                 {"position_embeddings": (cos, sin), "position_ids": pos, "attention_mask": None})
             out = out[0] if isinstance(out, tuple) else out
-            grads = torch.autograd.grad(out, [x] + [params[p] for p in _pnames], g)
-            return (out, *grads)
+            dx, *grads = torch.autograd.grad(out, [x] + [params[p] for p in _pnames], g)
+            return out, grads, [dx]
 
         with mode:
             regions[rname] = trace_region(
                 rname, block_fn, {"x": x, "cos": cos, "sin": sin, "pos": pos, "g": g, **lp},
                 kinds={"x": "act", "cos": "shared", "sin": "shared", "pos": "const", "g": "grad",
                        **{p: "param" for p in pnames}},
-                b0=b0, s0=s0, block=i)
+                b0=b0, s0=s0, block=i, autocast_dtype=autocast_dtype)
 
     tail_mods = {"norm": core.norm, "lm_head": model.lm_head}
     tp = {f"{m}.{k}": v for m, mod in tail_mods.items()
@@ -342,14 +357,14 @@ def capture(model: nn.Module, *, dtype: torch.dtype | None = None, name: str | N
         logits = torch.func.functional_call(model.lm_head, {k[8:]: v for k, v in params.items()
                                                             if k.startswith("lm_head.")}, (h,))
         loss = lm_loss(logits, labels)
-        grads = torch.autograd.grad(loss, [x] + [params[p] for p in tnames])
-        return (loss, *grads)
+        dx, *grads = torch.autograd.grad(loss, [x] + [params[p] for p in tnames])
+        return loss, grads, [dx]
 
     with mode:
         regions["tail"] = trace_region(
             "tail", tail_fn, {"x": x, "labels": labels, **tp},
             kinds={"x": "act", "labels": "const", **{p: "param" for p in tnames}},
-            b0=b0, s0=s0, block=None)
+            b0=b0, s0=s0, block=None, autocast_dtype=autocast_dtype)
 
     if getattr(cfg, "tie_word_embeddings", False):
         warnings.warn("tied embeddings: the LM head's weight is counted once in model states",

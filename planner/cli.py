@@ -75,20 +75,49 @@ def _run_and_report(plan, out: Path, data_paths, device, progress=True) -> int:
 
 
 def cmd_run(args) -> int:
+    """Run (or with --resume continue) a plan; an interrupted run prints one line and exits
+    130, an out-of-memory or mismatched plan one `trainplan: error:` line and exits 2."""
+    from executor.checkpoint import check_resume_plan
     from planner.plan import Plan
 
-    plan = Plan.from_json(args.plan)
+    out = Path(args.out)
+    if args.plan is None and not args.resume:
+        raise TrainplanError("give a PLAN to run, or --resume to continue the run in --out")
+    plan_path = Path(args.plan) if args.plan else out / "plan.json"
+    if not args.plan and not plan_path.exists():
+        raise TrainplanError(f"cannot resume: no plan at {plan_path}; is {out} a trainplan run "
+                             "directory?")
+    plan = Plan.from_json(plan_path)
+    if args.resume:
+        check_resume_plan(plan, out)
+    opts = dict(resume=args.resume, checkpoint_every=args.checkpoint_every)
     if plan.decisions.devices > 1:
+        from executor.report import load_run
         from executor.worker import launch
 
-        launch(args.plan, Path(args.out), args.data, args.device)
-        from executor.report import compare, format_table, load_run, report
+        launch(plan_path, out, args.data, args.device, **opts)
+        plan, record = load_run(out)
+    else:
+        from executor.data import load_corpus
+        from executor.train import run
 
-        plan, record = load_run(args.out)
-        report(plan, record, args.out)
-        print(format_table(compare(plan, record)))
-        return 0
-    return _run_and_report(plan, Path(args.out), args.data, args.device)
+        data = load_corpus(args.data or None, vocab_size=plan.vocab_size,
+                           progress=sys.stderr.isatty())
+        record = run(plan, data=data, out=out, device=args.device, **opts)
+    if record.stop_reason != "budget":
+        where = f"checkpoint in {record.checkpoint}" if record.checkpoint else "no checkpoint"
+        print(f"trainplan: {record.stop_reason or 'stopped'} after {record.steps} of "
+              f"{plan.decisions.max_steps} steps; record in {out / 'record.json'}, {where}; "
+              f"continue with: trainplan run --out {out} --resume", file=sys.stderr)
+        return 130
+    from executor.report import compare, format_table, report
+
+    files = report(plan, record, out)
+    print(format_table(compare(plan, record)))
+    print(f"stopped: {record.stop_reason} after {record.steps} steps ({record.wall_s:.0f} s)")
+    print(f"files in {files['html'].parent}: {', '.join(p.name for p in files.values())}")
+    print(f"report: {files['html']} (self-contained HTML: open it in a browser)")
+    return 0
 
 
 def cmd_report(args) -> int:
@@ -167,10 +196,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_solve)
 
     r = sub.add_parser("run", help="run a saved plan for real and report prediction vs measurement")
-    r.add_argument("plan", help="plan JSON from `trainplan solve --json`")
+    r.add_argument("plan", nargs="?", help="plan JSON from `trainplan solve --json` (with --resume "
+                                           "default: the run directory's plan.json)")
     r.add_argument("--out", required=True, help="run directory")
-    r.add_argument("--data", nargs="*", help=".txt/.jsonl files or folders (default: Shakespeare)")
+    r.add_argument("--data", nargs="*", help=".txt/.jsonl files or folders (default: Shakespeare); "
+                                              "with --resume the same as the first time")
     r.add_argument("--device", help="override the device, e.g. cpu")
+    r.add_argument("--resume", action="store_true",
+                   help="continue the interrupted run in --out from its latest checkpoint")
+    r.add_argument("--checkpoint-every", type=int, metavar="N",
+                   help="also checkpoint every N steps (default: at the end and on SIGINT/SIGTERM "
+                        "only; 0: never)")
     r.set_defaults(fn=cmd_run)
 
     p = sub.add_parser("report", help="rebuild the HTML report of run directories; with several, "

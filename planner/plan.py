@@ -29,8 +29,8 @@ class Decisions:
     seq_len: int
     """Tokens per sequence (the whole sequence; each SP rank holds seq_len / sp_degree)."""
     checkpoint: tuple[str, ...]
-    """Per transformer block, the checkpoint menu entry: `none`, `full`, or a selective
-    policy name (see `planner.remat.POLICIES`)."""
+    """Per transformer block, the checkpoint menu entry: `none`, `full`, a built-in selective
+    policy (`costmodels.remat.BUILTIN`) or a solved entry named in `checkpoint_sets`."""
     precision: str
     """`fp32`, `bf16-mixed` (bf16 compute, fp32 master) or `bf16`."""
     optimizer_bits: int
@@ -47,6 +47,10 @@ class Decisions:
     """Stop when the predicted loss drop per step falls below this (nats/step); 0 disables."""
     lr: float = 3e-3
     """Peak learning rate (AdamW)."""
+    checkpoint_sets: dict[str, list[str]] = field(default_factory=dict)
+    """Solved checkpoint entries (`remat:k`) -> the node keys whose outputs they keep
+    (`costmodels.remat`, e.g. `aten.mm.default#3`); the executor rebuilds each SAC policy
+    from these."""
     warmup_steps: int = 20
     seed: int = 0
 
@@ -131,7 +135,7 @@ class Plan:
             if not src.lstrip().startswith("{"):
                 src = Path(src).read_text()
             raw = json.loads(src)
-        except (OSError, json.JSONDecodeError) as e:
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise PlanMismatchError(f"cannot read plan {str(text_or_path)[:200]!r}: {e}") from None
         if not isinstance(raw, dict) or raw.get("format") != PLAN_FORMAT:
             raise PlanMismatchError(

@@ -21,15 +21,21 @@ from ortools.sat.python import cp_model
 from costmodels import comm
 from costmodels.loss import LossLaw, bits_loss_penalty
 from costmodels.memory import model_state_bytes
+from costmodels.remat import BUILTIN, MENU, resolve
 from costmodels.step import PRECISIONS, Choice, StepModel
 from hardware_profiles import HardwareProfile
 from hardware_profiles.errors import InfeasibleError
 from planner.budget import Budget
+from planner.remat import add_menus, by_recompute, entry_numbers, menu_index, named_entries
 
 BYTES_PER_UNIT = 2**16          # memory in 64 KiB units
 MICROS_PER_UNIT = 1e-6          # time in microseconds
 LOSS_PER_UNIT = 1e-5            # objective resolution, nats
 TOKEN_LEVELS = 48
+POLISH_LEVELS = 10**6            # resolution of the step cost in the polish solve
+POLISH_TIME_S = 1.0
+DEFAULT_POLICIES = ("none", "save_matmuls", "save_attention", "full", MENU)
+"""Checkpoint menu: the built-in entries plus each block shape's solved Pareto menu."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -63,8 +69,7 @@ class Solution:
 
 def default_space(*, devices: int, seq_len: int, n_heads: int, n_kv_heads: int,
                   precision: str, micro_batches=(1, 2, 4, 8, 16), optimizer_bits=(32, 8),
-                  policies=("none", "save_matmuls", "save_attention", "full"),
-                  data_fractions=(0.25, 0.5, 0.75, 1.0)) -> SearchSpace:
+                  policies=DEFAULT_POLICIES, data_fractions=(0.25, 0.5, 0.75, 1.0)) -> SearchSpace:
     """The search space for `devices` devices: SP degrees that divide the device count, the
     heads and the sequence; ZeRO stages 0-3 when there is more than one device."""
     sps = tuple(p for p in comm.valid_sp_degrees(seq_len, n_heads, n_kv_heads) if devices % p == 0)
@@ -90,49 +95,48 @@ def solve_joint(step_model: StepModel, hw: HardwareProfile, budget: Budget, *, s
     devices = budget.devices
     L = len(step_model.blocks)
     limit = hw.usable_bytes if memory_limit_bytes is None else min(memory_limit_bytes, hw.usable_bytes)
-    combos, smallest = [], None
+    named = named_entries(space.policies)
+    combos, dropped = [], []
     for sp, zero, mb, bits in itertools.product(space.sp_degrees, space.zero_stages,
                                                 space.micro_batches, space.optimizer_bits):
         base = Choice(sp_degree=sp, zero_stage=zero, micro_batch=mb, seq_len=seq_len,
                       policies=("none",) * L, precision=space.precision, optimizer_bits=bits,
                       devices=devices)
-        per = {}
-        for e in space.policies:
-            c = Choice(**{**_fields(base), "policies": (e,) * L})
-            cost = step_model.evaluate(c)
-            blk = step_model.block_memory(c, 0, e)
-            per[e] = (cost, blk)
         wb, gb, mb_bytes, _ = PRECISIONS[space.precision]
         states = model_state_bytes(step_model.param_numels, weight_bytes=wb, grad_bytes=gb,
                                    master_bytes=mb_bytes, optimizer_bits=bits, zero_stage=zero,
                                    shard_degree=devices, foreach=hw.device_type != "cpu")
         head = step_model._mem("head", mb, seq_len // sp, "none")
         tail = step_model._mem("tail", mb, seq_len // sp, "none")
-        lightest = min(per[e][0].memory.total for e in space.policies)
-        if smallest is None or lightest < smallest[0]:
-            smallest = (lightest, sp, zero, mb, bits)
+        grad_bytes = step_model.block_memory(base, 0, "none").grad_bytes
         opt_peak = (states.params + states.grads + states.optimizer + states.optimizer_step_temp
                     + states.comm_buffers)
-        head_bwd = (states.params + states.optimizer + states.comm_buffers + tail.grad_bytes
-                    + L * per[space.policies[0]][1].grad_bytes + head.bwd_peak.total)
+        head_bwd = (states.params + states.optimizer + states.comm_buffers
+                    + (tail.grad_bytes + L * grad_bytes) * states.grad_scale
+                    + head.bwd_peak.total)
         if max(opt_peak, head_bwd) > limit:
+            dropped.append(base)
             continue
-        none_cost = per[space.policies[0]][0]
-        fixed_time = none_cost.time_s - L * _block_time(step_model, base, 0, space.policies[0])
-        combos.append(dict(
-            sp=sp, zero=zero, mb=mb, bits=bits,
-            base=states.params + states.optimizer + states.comm_buffers + head.retained,
-            tail=max(tail.fwd_peak.total, tail.bwd_peak.total), tail_grads=tail.grad_bytes,
-            unsharded=step_model.unsharded_bytes(base),
-            R={e: per[e][1].retained for e in space.policies},
-            F={e: per[e][1].fwd_peak.total for e in space.policies},
-            T={e: per[e][1].bwd_peak.total for e in space.policies},
-            G=per[space.policies[0]][1].grad_bytes,
-            block_s={e: _block_time(step_model, base, 0, e) for e in space.policies},
-            fixed_s=fixed_time, tokens_per_step=mb * seq_len * (devices // sp),
-            flops={e: per[e][0].flops for e in space.policies}))
+        c = dict(sp=sp, zero=zero, mb=mb, bits=bits,
+                 base=states.params + states.optimizer + states.comm_buffers + head.retained,  # buckets: bound
+                 tail=max(tail.fwd_peak.total, tail.bwd_peak.total),
+                 tail_grads=tail.grad_bytes * states.grad_scale,
+                 unsharded=step_model.unsharded_bytes(base), G=grad_bytes * states.grad_scale,
+                 tokens_per_step=mb * seq_len * (devices // sp))
+        c.update(entry_numbers(step_model, base, {e: resolve(e) for e in named}), choice=base)
+        combos.append(c)
     if not combos:
-        raise _memory_infeasible(smallest, limit, hw, seq_len, capped=memory_limit_bytes is not None)
+        raise _memory_infeasible(_smallest(step_model, dropped, named), limit, hw, seq_len,
+                                 capped=memory_limit_bytes is not None)
+    if MENU in space.policies:
+        add_menus(step_model, combos, named, limit)
+    # checkpoint entries: the named ones, then solved `remat:k` (absent from a combo's menu: 0 blocks)
+    entries = named + sorted({e for c in combos for e in c["sets"]} - set(named), key=menu_index)
+    for c in combos:
+        for e in entries:
+            if e not in c["sets"]:
+                for key in ("R", "F", "T", "block_s", "flops"):
+                    c[key][e] = c[key]["full"]
     # token levels: from one step of the smallest batch to the most the budget could buy
     best_rate = max(c["tokens_per_step"] / (c["fixed_s"] + L * min(c["block_s"].values()))
                     for c in combos)
@@ -156,7 +160,7 @@ def solve_joint(step_model: StepModel, hw: HardwareProfile, budget: Budget, *, s
     # ---- variables --------------------------------------------------------------------
     m = cp_model.CpModel()
     z = [m.new_bool_var(f"combo_sp{c['sp']}_z{c['zero']}_mb{c['mb']}_b{c['bits']}") for c in combos]  # shape knobs
-    n = {e: m.new_int_var(0, L, f"blocks_{e}") for e in space.policies}  # blocks per checkpoint entry
+    n = {e: m.new_int_var(0, L, f"blocks_{e}") for e in entries}  # blocks per checkpoint entry
     y = [m.new_bool_var(f"tokens_{t}") for t in levels]  # stopping budget level
     x = {f: m.new_bool_var(f"fraction_{f}") for f in space.data_fractions}  # data fraction
     w = {kf: m.new_bool_var(f"loss_{kf[0]}_{kf[1]}") for kf in loss}  # y_k AND x_f
@@ -170,8 +174,8 @@ def solve_joint(step_model: StepModel, hw: HardwareProfile, budget: Budget, *, s
         m.add_implication(v, y[k])
         m.add_implication(v, x[f])
     m.add_exactly_one(w.values())
-    u = {e: m.new_bool_var(f"uses_{e}") for e in space.policies}  # some block takes entry e
-    for e in space.policies:
+    u = {e: m.new_bool_var(f"uses_{e}") for e in entries}  # some block takes entry e
+    for e in entries:
         m.add(n[e] >= u[e])
         m.add(n[e] <= L * u[e])
     mem_cap = int(limit // BYTES_PER_UNIT)
@@ -179,7 +183,10 @@ def solve_joint(step_model: StepModel, hw: HardwareProfile, budget: Budget, *, s
         # [Constraint] per-device memory <= HBM - reserve, at every phase of the step. Blocks are
         # ordered by retained bytes (smallest first: early blocks hold theirs longest), so the
         # bytes before and after the last / first block of entry e are linear in the counts.
-        order = sorted(space.policies, key=lambda e: c["R"][e])
+        for e in entries:  # [Constraint] only entries on this combo's menu
+            if e not in c["sets"]:
+                m.add(n[e] == 0).only_enforce_if(zc)
+        order = sorted(entries, key=lambda e: c["R"][e])
         mib = lambda v: _units(v, BYTES_PER_UNIT)  # noqa: E731
         held = {e: n[e] * mib(c["R"][e]) for e in order}
         m.add(mib(c["base"]) + sum(held.values()) + mib(c["tail"]) <= mem_cap).only_enforce_if(zc)
@@ -210,15 +217,16 @@ def solve_joint(step_model: StepModel, hw: HardwareProfile, budget: Budget, *, s
     loss_terms = [v * int(round((loss[kf]) / LOSS_PER_UNIT)) for kf, v in w.items()]
     pen_terms = [zc * int(round(bits_pen[c["bits"]] / LOSS_PER_UNIT)) for zc, c in zip(z, combos)]
     # ties, in order: fewer tokens (cost), more of the corpus (a random subset never helps),
-    # less recompute (policies are listed from least to most recomputing)
+    # less recompute (entries ranked from least to most recomputing; the polish below then
+    # takes the cheapest blocks at the chosen knobs)
     fr_rank = {f: i for i, f in enumerate(sorted(space.data_fractions, reverse=True))}
-    remat_rank = [n[e] * i for i, e in enumerate(_by_recompute(space.policies))]
-    w_remat = (len(space.policies) - 1) * L + 1
+    remat_rank = [n[e] * i for i, e in enumerate(by_recompute(entries))]
+    w_remat = (len(entries) - 1) * L + 1
     tie_terms = [y[k] * k * len(fr_rank) for k in range(len(levels))] + [v * fr_rank[f] for f, v in x.items()]
     w_ties = (len(levels) + 1) * len(fr_rank) * w_remat
     m.minimize(w_ties * (sum(loss_terms) + sum(pen_terms)) + w_remat * sum(tie_terms) + sum(remat_rank))
     # hint: the plain plan (no checkpointing, largest fitting batch) is a natural start
-    m.add_hint(n[space.policies[0]], L)
+    m.add_hint(n[entries[0]], L)
 
     # ---- solve ------------------------------------------------------------------------
     solver = cp_model.CpSolver()
@@ -234,29 +242,75 @@ def solve_joint(step_model: StepModel, hw: HardwareProfile, budget: Budget, *, s
             "raise the budget, add devices or shorten the sequence")
 
     # ---- read the solution ------------------------------------------------------------
-    c = combos[next(i for i, v in enumerate(z) if solver.value(v))]
+    ci = next(i for i, v in enumerate(z) if solver.value(v))
+    c = combos[ci]
     k = next(i for i, v in enumerate(y) if solver.value(v))
     f = next(fr for fr, v in x.items() if solver.value(v))
     counts = {e: solver.value(n[e]) for e in n}
+    objective, bound, status_name = solver.objective_value, solver.best_objective_bound, solver.status_name(status)
+    n_variables, n_constraints = len(m.proto.variables), len(m.proto.constraints)
+    # ---- polish: the token levels are a grid, so at the chosen token level and data fraction
+    # (and optimizer bits: the same loss) take the combo and entries with the least cost per
+    # token (seconds under a time budget, FLOPs under a FLOP budget)
+    def per_token(c2: dict) -> tuple[float, dict]:
+        if wall is not None:
+            return c2["fixed_s"] / c2["tokens_per_step"], {e: c2["block_s"][e] / c2["tokens_per_step"] for e in entries}
+        return 0.0, {e: c2["flops"][e] / L / c2["tokens_per_step"] for e in entries}
+
+    costs = [per_token(c2) for c2 in combos]
+    unit = max(fx + L * max(bl.values()) for fx, bl in costs) / POLISH_LEVELS
+    m.add(y[k] == 1)
+    m.add(x[f] == 1)
+    token_cost = m.new_int_var(0, POLISH_LEVELS + L + 1, "cost_per_token")  # units of `unit`
+    for zc, c2, (fx, bl) in zip(z, combos, costs):
+        if c2["bits"] != c["bits"]:
+            m.add(zc == 0)
+            continue
+        m.add(token_cost >= _units(fx, unit) + sum(n[e] * _units(bl[e], unit) for e in entries)
+              ).only_enforce_if(zc)
+    m.minimize(token_cost)
+    m.clear_hints()
+    for e in entries:
+        m.add_hint(n[e], counts[e])
+    for i, zc in enumerate(z):
+        m.add_hint(zc, i == ci)
+    solver.parameters.max_time_in_seconds = min(time_limit_s, POLISH_TIME_S)
+    if solver.solve(m) in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        c = combos[next(i for i, v in enumerate(z) if solver.value(v))]
+        counts = {e: solver.value(n[e]) for e in n}
     # most-saving entries on the earliest blocks: their activations live the longest
-    order = sorted(space.policies, key=lambda e: c["R"][e])
+    order = sorted(entries, key=lambda e: c["R"][e])
     policies = tuple(e for e in order for _ in range(counts[e]))
     choice = Choice(sp_degree=c["sp"], zero_stage=c["zero"], micro_batch=c["mb"], seq_len=seq_len,
                     policies=policies, precision=space.precision, optimizer_bits=c["bits"],
-                    devices=devices)
-    steps = math.ceil(levels[k] / c["tokens_per_step"])
+                    devices=devices,
+                    sets=tuple(c["sets"][e] for e in entries if counts[e] and e not in BUILTIN))
+    # the levels are a grid: spend the whole budget at the chosen knobs (loss falls with tokens)
+    if wall is not None:
+        step_cost = c["fixed_s"] + sum(counts[e] * c["block_s"][e] for e in counts)
+        affordable = int(wall // step_cost)
+    else:
+        affordable = int(budget.flops // (sum(counts[e] * c["flops"][e] for e in counts) / L * devices))
+    steps = max(math.ceil(levels[k] / c["tokens_per_step"]), affordable, 1)
     return Solution(choice=choice, data_fraction=f, total_tokens=steps * c["tokens_per_step"],
                     max_steps=steps, tokens_per_step=c["tokens_per_step"],
                     predicted_loss=law.predict(n_params, steps * c["tokens_per_step"],
                                                unique_tokens=max(1.0, f * data_tokens)) + bits_pen[c["bits"]],
-                    status=solver.status_name(status), objective=solver.objective_value,
-                    bound=solver.best_objective_bound, wall_s=time.perf_counter() - t0,
-                    n_variables=len(m.proto.variables), n_constraints=len(m.proto.constraints))
+                    status=status_name, objective=objective,
+                    bound=bound, wall_s=time.perf_counter() - t0,
+                    n_variables=n_variables, n_constraints=n_constraints)
 
 
-def _by_recompute(policies) -> list[str]:
-    order = ("none", "save_matmuls", "save_attention", "full")
-    return sorted(policies, key=lambda e: order.index(e) if e in order else len(order))
+def _smallest(sm: StepModel, combos: list[Choice], named: list[str]) -> tuple:
+    """(bytes, sp, zero, micro-batch, bits) of the lightest uniform plan over `combos`."""
+    best = None
+    for base in combos:
+        for e in named:
+            c = Choice(**{**_fields(base), "policies": (e,) * len(sm.blocks)})
+            need = sm.evaluate(c).memory.total
+            if best is None or need < best[0]:
+                best = (need, base.sp_degree, base.zero_stage, base.micro_batch, base.optimizer_bits)
+    return best
 
 
 def _fields(c: Choice) -> dict:
@@ -265,12 +319,6 @@ def _fields(c: Choice) -> dict:
 
 def _units(value: float, per_unit: float) -> int:
     return int(math.ceil(value / per_unit))
-
-
-def _block_time(sm: StepModel, c: Choice, i: int, policy: str) -> float:
-    b, s = c.micro_batch, c.seq_len // c.sp_degree
-    cost = sm._cost(sm.blocks[i], b, s, c.sp_degree, policy, PRECISIONS[c.precision][3])
-    return cost.fwd_s + cost.bwd_s + cost.recompute_s + cost.n_ops * sm.hw.op_overhead_s
 
 
 def _memory_infeasible(smallest, limit: float, hw: HardwareProfile, seq_len: int,

@@ -1,0 +1,291 @@
+"""Longest sequence each activation-checkpointing strategy trains under a fixed memory cap, on
+this machine's CPU with the real executor, and its step-time overhead against no checkpointing.
+
+    python benchmarks/remat.py [--quick] [--out DIR]
+
+Model: `tiny-llama` (4 layers, hidden 256, GQA 8/4 heads, fp32, AdamW) with a 2048-token BPE of
+the default corpus. The vocabulary matters: the LM head and the loss sit outside every block's
+checkpoint, so their logits bound how far block checkpointing can stretch a sequence. With the
+preset's 8192 tokens the logits of 4 layers of width 256 outweigh the blocks' activations and
+no strategy can reach 2 x no checkpointing's sequence; with 2048 tokens the blocks dominate, as
+they do in the large models the planner targets (80 layers against one LM head).
+
+Strategies, each at its best setting for the cap:
+- `no_ac`, `full_ac`, `autosp` (AutoSP's rule: keep attention outputs): one entry for every block;
+- `torch_knapsack`: PyTorch's `activation_memory_budget` knapsack (dp) on each block, the
+  budget tuned over 0, 0.05, ..., 1 to the least predicted step time that fits;
+- `trainplan`: `planner.solve` with the memory cap (the joint CP-SAT model over the blocks'
+  Pareto menus, the named entries included).
+
+For each (cap, micro-batch) case and strategy: the longest sequence of a x1.1 ladder from 128
+whose *predicted* peak fits the cap (bisection), then a real run (`executor.train.run`, 6 steps:
+2 warm-up, MemTracker, FlopCounterMode, 2 timed) at that sequence. It counts only when the
+*measured* peak fits; when a run overshoots its prediction, the search is repeated under the cap
+less the overshoot (at most 3 runs). The overhead is against no checkpointing at the same
+sequence (memory cap ignored): the plans at one sequence are built and stepped by the
+executor's own pieces one step of each in turn, so that other load on the machine hits them
+alike, and each plan's fastest of 4 steps after a warm-up counts (--quick times only trainplan). Writes DIR/remat.csv
+(one row per case and strategy) and DIR/remat.json (summary), prints the summary last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import inspect
+import json
+import platform
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+MODEL, VOCAB, STEPS = "tiny-llama", 2048, 6
+MIB = 2**20
+LADDER = tuple(sorted({int(round(128 * 1.1**k / 8)) * 8 for k in range(37)}))
+"""Sequence lengths tried: 128 to about 4096, x1.1 apart (multiples of 8)."""
+CASES = {True: [(80, 1)], False: [(80, 1), (112, 1), (160, 2)]}
+"""(memory cap MiB, micro-batch) per grid; --quick is the first."""
+STRATEGIES = {True: ("no_ac", "autosp", "trainplan"),
+              False: ("no_ac", "full_ac", "autosp", "torch_knapsack", "trainplan")}
+NAMED = {"no_ac": "none", "full_ac": "full", "autosp": "save_attention"}
+MAX_RUNS = 3
+ROUNDS = 4
+"""Real runs per case and strategy: a measured peak over the cap sends the search below it."""
+OVERHEAD_TARGET = 0.15
+
+
+class Planner:
+    """Predicted peak and step time of each strategy's plan at one (sequence, micro-batch)."""
+
+    def __init__(self):
+        from planner.api import _setup
+
+        _, self.precision, graph, _, self.sm = _setup(MODEL, "cpu", precision=None, vocab_size=VOCAB)
+        self.L = graph.n_layers
+
+    def _choice(self, seq, mb, policies, sets=()):
+        from costmodels.step import Choice
+
+        return Choice(sp_degree=1, zero_stage=0, micro_batch=mb, seq_len=seq, policies=policies,
+                      precision=self.precision, optimizer_bits=32, devices=1, sets=tuple(sets))
+
+    def plan(self, strategy: str, seq: int, mb: int, cap: float) -> dict | None:
+        """{policies, sets, peak, step_s} of the strategy's best fitting plan, or None."""
+        if strategy in NAMED:
+            c = self._choice(seq, mb, (NAMED[strategy],) * self.L)
+            return self._fits(c, cap)
+        if strategy == "torch_knapsack":
+            from planner.remat import BUDGETS, knapsack_set
+
+            case = self.sm.block_case(self._choice(seq, mb, ("none",) * self.L))
+            options = [self._fits(self._choice(seq, mb, ("none",) * self.L), cap)]
+            for entry in {knapsack_set(case, b, "dp") for b in BUDGETS}:
+                options.append(self._fits(self._choice(seq, mb, (entry.name,) * self.L, [entry]), cap))
+            options = [o for o in options if o]
+            return min(options, key=lambda o: o["step_s"]) if options else None
+        return self._solve(seq, mb, cap)
+
+    def _fits(self, c, cap):
+        cost = self.sm.evaluate(c)
+        if cost.memory.total > cap:
+            return None
+        return dict(policies=c.policies, sets={x.name: sorted(x.saved) for x in c.sets},
+                    peak=cost.memory.total, step_s=cost.time_s)
+
+    def _solve(self, seq, mb, cap):
+        from hardware_profiles.errors import InfeasibleError
+        from planner.api import solve
+        from planner.budget import Budget
+
+        try:
+            p = solve(MODEL, "cpu", Budget(wall_clock_s=10**7), seq_len=seq, vocab_size=VOCAB,
+                      micro_batches=(mb,), optimizer_bits=(32,), data_fractions=(1.0,),
+                      memory_limit_bytes=cap)
+        except InfeasibleError:
+            return None
+        d = p.decisions
+        return dict(policies=d.checkpoint, sets=d.checkpoint_sets, peak=p.predictions.memory_bytes["total"],
+                    step_s=p.predictions.step_time_s, solve_s=p.solver.wall_s)
+
+    def longest(self, strategy: str, mb: int, cap: float) -> int:
+        """Index in LADDER of the longest sequence whose predicted peak fits (-1: none)."""
+        lo, hi = -1, len(LADDER)  # fits at lo, not at hi (peaks grow with the sequence)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self.plan(strategy, LADDER[mid], mb, cap):
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+
+def _run(plan, data, out: Path):
+    """One real run; the plan's solved checkpoint sets go to `apply_checkpointing` (passed
+    here when `executor.train` does not pass `checkpoint_sets` itself yet)."""
+    import executor.train as train
+
+    shutil.rmtree(out, ignore_errors=True)
+    orig = train.apply_checkpointing
+    if "checkpoint_sets" not in inspect.getsource(train._build):
+        train.apply_checkpointing = lambda m, p, sets=None: orig(m, p, sets or plan.decisions.checkpoint_sets)
+    try:
+        rec = train.run(plan, data=data, out=out, progress=False, eval_every=STEPS, checkpoint_every=0)
+    finally:
+        train.apply_checkpointing = orig
+    timed = rec.step_times_s[2:] or rec.step_times_s
+    return rec.peak_memory_bytes.get("total", float("nan")), min(timed), rec.flops_per_step
+
+
+def _interleaved_times(plans: list, data, rounds: int = ROUNDS) -> list[float]:
+    """Step seconds of each of `plans` (same sequence and batch), all built and stepped by the
+    executor's own pieces (`apply_checkpointing`, `build_optimizer`, `lm_loss`), one step of
+    each in turn so that other load on the machine hits them alike: each plan's fastest step
+    after one warm-up round."""
+    from executor.data import TokenBatches
+    from executor.train import apply_checkpointing, build_optimizer
+    from planner.capture import lm_loss
+    from planner.presets import build_model
+
+    d = plans[0].decisions
+    batches = TokenBatches(data.train_tokens, seq_len=d.seq_len, micro_batch=d.micro_batch,
+                           fraction=1.0, seed=0, rank=0, world_size=1)
+    steppers = []
+    for p in plans:
+        model = build_model(MODEL, device="cpu", vocab_size=data.vocab_size, seed=0)
+        apply_checkpointing(model, p.decisions.checkpoint, p.decisions.checkpoint_sets)
+        model.train()
+        opt = build_optimizer(model.parameters(), 32, lr=1e-3)
+
+        def step(i, model=model, opt=opt):
+            x, y = batches.batch(i)
+            t0 = time.perf_counter()
+            lm_loss(model(input_ids=x).logits, y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return time.perf_counter() - t0
+
+        steppers.append(step)
+    times = [[] for _ in plans]
+    for i in range(rounds + 1):
+        for t, step in zip(times, steppers):
+            dt_ = step(i)
+            if i:  # round 0 warms up
+                t.append(dt_)
+    return [min(t) for t in times]
+
+
+def _plan_for(choice: dict, seq: int, mb: int):
+    from planner.api import plan_for_choice
+
+    return plan_for_choice(MODEL, "cpu", seq_len=seq, micro_batch=mb, checkpoint=tuple(choice["policies"]),
+                           checkpoint_sets=choice["sets"], vocab_size=VOCAB, max_steps=STEPS)
+
+
+def run_case(planner: Planner, cap_mib: int, mb: int, strategies, data, out: Path, timed) -> list[dict]:
+    cap = cap_mib * MIB
+    rows = []
+    for name in strategies:
+        t0 = time.perf_counter()
+        idx = planner.longest(name, mb, cap)
+        search_s = time.perf_counter() - t0
+        row = dict(cap_mib=cap_mib, micro_batch=mb, strategy=name, predicted_max_seq=LADDER[idx] if idx >= 0 else 0,
+                   search_s=search_s, max_seq=0, attempts="")
+        margin = 0.0
+        for _ in range(MAX_RUNS):
+            if idx < 0:
+                break
+            seq = LADDER[idx]
+            choice = planner.plan(name, seq, mb, cap - margin)
+            plan = _plan_for(choice, seq, mb)
+            peak, step_s, flops = _run(plan, data, out / "runs" / f"cap{cap_mib}_mb{mb}_{name}_s{seq}")
+            row.update(seq=seq, predicted_peak_mib=choice["peak"] / MIB, measured_peak_mib=peak / MIB,
+                       predicted_step_s=choice["step_s"], measured_step_s=step_s, measured_flops=flops,
+                       predicted_flops=plan.predictions.flops_per_step,
+                       checkpoint="+".join(sorted(set(choice["policies"]))))
+            row["attempts"] += f"{seq}:{peak / MIB:.2f}MiB "
+            if peak <= cap:
+                row["max_seq"], row["margin"] = seq, margin
+                break
+            # the run overshot its prediction: search again under the cap less the overshoot
+            margin += peak - choice["peak"]
+            idx = min(idx - 1, planner.longest(name, mb, cap - margin))
+        rows.append(row)
+        print(f"  cap {cap_mib} MiB mb {mb} {name:15s} predicted {row['predicted_max_seq']:5d} "
+              f"trained {row['max_seq']:5d} (measured {row.get('measured_peak_mib', 0):.1f} MiB)", flush=True)
+    by_seq: dict[int, list[dict]] = {}  # overhead against no checkpointing at the same sequence
+    for row in rows:
+        if row["max_seq"]:
+            base = planner.plan("no_ac", row["max_seq"], mb, float("inf"))
+            row["predicted_overhead"] = row["predicted_step_s"] / base["step_s"] - 1
+            if row["strategy"] == "no_ac":
+                row["overhead"] = 0.0
+            elif row["strategy"] in timed:
+                by_seq.setdefault(row["max_seq"], []).append(row)
+    for seq, group in by_seq.items():
+        plans = [_plan_for(planner.plan("no_ac", seq, mb, float("inf")), seq, mb)]
+        plans += [_plan_for(planner.plan(r["strategy"], seq, mb, cap - r["margin"]), seq, mb) for r in group]
+        base_s, *mine = _interleaved_times(plans, data)
+        for r, t in zip(group, mine):
+            r["timed_step_s"], r["timed_no_ac_step_s"], r["overhead"] = t, base_s, t / base_s - 1
+    return rows
+
+
+def summarize(df: pd.DataFrame, quick: bool) -> dict:
+    ours = df[df.strategy == "trainplan"].set_index(["cap_mib", "micro_batch"])
+    noac = df[df.strategy == "no_ac"].set_index(["cap_mib", "micro_batch"])
+    ratios = (ours["max_seq"] / noac["max_seq"]).replace([float("inf")], float("nan"))
+    losses = 0
+    for (cap, mb), r in ours.iterrows():
+        others = df[(df.cap_mib == cap) & (df.micro_batch == mb) & (df.strategy != "trainplan")]
+        losses += int((others["max_seq"] > r["max_seq"]).sum())
+    worst_ratio = float(ratios.min())
+    overhead = float(ours["overhead"].max())
+    ok = df[(df.strategy == "trainplan") & (df.overhead <= OVERHEAD_TARGET)]
+    return {
+        "cases": int(len(ours)),
+        "max_seq_ratio_vs_no_ac": worst_ratio,
+        "max_seq_ratio_vs_no_ac_by_case": {f"{c}MiB_mb{m}": float(v) for (c, m), v in ratios.items()},
+        "overhead_at_max_seq": overhead,
+        "cases_within_overhead_target": int(len(ok)),
+        "predicted_overhead_at_max_seq": float(ours["predicted_overhead"].max()),
+        "losses_to_baselines": losses,
+        "targets_met": bool(worst_ratio >= 2.7 and overhead <= OVERHEAD_TARGET and losses == 0),
+        "quick": quick,
+        "machine": f"{platform.node()} {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
+        "torch": torch.__version__,
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="one cap, three strategies: about two minutes")
+    ap.add_argument("--out", default="benchmarks/results")
+    a = ap.parse_args(argv)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    from executor.data import load_corpus
+
+    data = load_corpus(vocab_size=VOCAB)
+    planner = Planner()
+    rows = []
+    t0 = time.perf_counter()
+    for cap_mib, mb in CASES[a.quick]:
+        timed = ("trainplan",) if a.quick else STRATEGIES[a.quick]  # whose overhead is timed
+        rows += run_case(planner, cap_mib, mb, STRATEGIES[a.quick], data, out, timed)
+    df = pd.DataFrame(rows)
+    df.to_csv(out / "remat.csv", index=False)
+    summary = summarize(df, a.quick) | {"wall_s": time.perf_counter() - t0}
+    (out / "remat.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(df[["cap_mib", "micro_batch", "strategy", "max_seq", "measured_peak_mib", "measured_step_s",
+              "overhead", "checkpoint"]].to_string(index=False))
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

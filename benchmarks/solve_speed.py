@@ -1,0 +1,148 @@
+"""Solve time against graph size: the per-block rematerialization model and the joint plan.
+
+    python benchmarks/solve_speed.py [--quick] [--out DIR]
+
+Per block: one transformer block of each preset (tiny-llama, llama3-8b, llama3-70b,
+llama3.1-405b) and, to grow the graph past one layer, a "block" of k tiny-llama layers run as
+one checkpointed region (k = 2, 4, 8; 4, 8 only in the full grid). For each: the captured
+forward+backward graph's size, the CP-SAT model's size, the seconds of one solve at a cap
+halfway between full and no checkpointing (`block_solve_s`) and of the block's whole Pareto
+menu (`menu_s`). Joint: `planner.solve` for llama3-70b (80 layers) at 131,072 tokens on
+8 x mi300, end to end (capture, menus, joint CP-SAT model), in a process where torch and the
+transformers Llama module are already imported (`solve_s_llama3_70b`); the same solve's
+capture and solver parts are reported beside it. torch and CP-SAT use 2 threads.
+
+Writes DIR/solve_speed.csv (one row per graph) and DIR/solve_speed.json (summary), prints the
+summary last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+from torch import nn
+
+THREADS = 2
+
+
+class LayerStack(nn.Module):
+    """k decoder layers run as one block (one checkpointed region)."""
+
+    def __init__(self, layers):
+        super().__init__()
+        self.inner = nn.ModuleList(layers)
+
+    def forward(self, hidden_states, **kwargs):
+        for layer in self.inner:
+            out = layer(hidden_states, **kwargs)
+            hidden_states = out[0] if isinstance(out, tuple) else out
+        return hidden_states
+
+
+def stacked_tiny(k: int) -> nn.Module:
+    """tiny-llama with its 4 layers grouped into one block of k layers (repeated 4 // k times,
+    at least once)."""
+    from planner.presets import build_model
+
+    model = build_model("tiny-llama", device="meta", vocab_size=2048)
+    layers = list(model.model.layers)
+    while len(layers) < k:
+        layers += list(build_model("tiny-llama", device="meta", vocab_size=2048).model.layers)
+    model.model.layers = nn.ModuleList([LayerStack(layers[i:i + k]) for i in range(0, len(layers), k)])
+    model.model.config.num_hidden_layers = len(model.model.layers)
+    return model
+
+
+def block_row(name: str, region, hw: str, b: int, s: int, sp: int, stack: int) -> dict:
+    from costmodels.remat import BUILTIN
+    from costmodels.remat_solver import BlockCase, BlockModel, evaluate, pareto_menu
+    from hardware_profiles import load
+
+    case = BlockCase(region=region, b=b, s=s, sp=sp, hw=load(hw), dtype="bf16", stack=stack)
+    t0 = time.perf_counter()
+    bm = BlockModel(case)
+    build_s = time.perf_counter() - t0
+    lo, hi = (evaluate(case, BUILTIN[e]).peak_bytes for e in ("full", "none"))
+    sol = bm.solve(lo + 0.5 * (hi - lo))
+    t0 = time.perf_counter()
+    menu = pareto_menu(case)
+    menu_s = time.perf_counter() - t0
+    return dict(graph=name, hw=hw, micro_batch=b, seq_local=s, fwd_nodes=len(region.fwd_nodes()),
+                graph_nodes=region.graph.number_of_nodes(), candidates=len(bm.lm.candidates),
+                model_constraints=len(bm.model.proto.constraints), build_s=build_s,
+                block_solve_s=build_s + sol.wall_s, status=sol.status, menu_s=menu_s,
+                menu_entries=len(menu.entries), menu_solves=menu.solves)
+
+
+def joint_70b() -> dict:
+    from planner.api import solve
+    from planner.budget import Budget
+
+    t0 = time.perf_counter()
+    plan = solve("llama3-70b", "mi300", Budget(devices=8, device_hours=5000), seq_len=131072)
+    total = time.perf_counter() - t0
+    d = plan.decisions
+    return dict(graph="joint llama3-70b 128k 8xmi300", solve_s=total, capture_s=total - plan.solver.wall_s,
+                solver_s=plan.solver.wall_s, status=plan.solver.status,
+                joint_variables=plan.solver.n_variables, joint_constraints=plan.solver.n_constraints,
+                checkpoint=", ".join(f"{d.checkpoint.count(e)} x {e}" for e in dict.fromkeys(d.checkpoint)),
+                predicted_step_s=plan.predictions.step_time_s, predicted_loss=plan.predictions.final_loss)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer graphs, well under a minute")
+    ap.add_argument("--out", default="benchmarks/results")
+    a = ap.parse_args(argv)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(THREADS)
+    from planner.api import capture_model
+    from planner.capture import capture
+
+    capture_model("tiny-llama", "bf16-mixed")  # warm: imports and tracing machinery
+    joint = joint_70b()  # before the block rows, which capture llama3-70b too
+    print(f"  {joint['graph']}: {joint['solve_s']:.2f} s ({joint['checkpoint']})", flush=True)
+    rows = []
+    presets = [("tiny-llama", 1, 4096, 1, 4), ("llama3-8b", 1, 8192, 1, 32),
+               ("llama3-70b", 1, 16384, 8, 80), ("llama3.1-405b", 1, 16384, 8, 126)]
+    for name, b, s, sp, stack in presets[::3] if a.quick else presets:
+        region = capture_model(name, "bf16-mixed")[0].regions["block0"]
+        rows.append(block_row(name, region, "mi300", b, s, sp, stack))
+    for k in (2,) if a.quick else (2, 4, 8):
+        region = capture(stacked_tiny(k), dtype=torch.bfloat16).regions["block0"]
+        rows.append(block_row(f"tiny-llama x{k} layers", region, "mi300", 1, 4096, 1, max(1, 4 // k)))
+    for r in rows:
+        print(f"  {r['graph']:24s} {r['graph_nodes']:5d} nodes {r['candidates']:4d} decisions "
+              f"solve {r['block_solve_s']:.3f} s menu {r['menu_s']:.3f} s", flush=True)
+    df = pd.DataFrame(rows + [joint])
+    df.to_csv(out / "solve_speed.csv", index=False)
+    blocks = pd.DataFrame(rows)
+    summary = {
+        "solve_s_llama3_70b": joint["solve_s"],
+        "solve_s_llama3_70b_capture": joint["capture_s"],
+        "solve_s_llama3_70b_solver": joint["solver_s"],
+        "block_solve_s_max": float(blocks["block_solve_s"].max()),
+        "block_menu_s_max": float(blocks["menu_s"].max()),
+        "largest_block_graph_nodes": int(blocks["graph_nodes"].max()),
+        "targets_met": bool(joint["solve_s"] <= 5.0 and blocks["block_solve_s"].max() <= 2.0),
+        "quick": a.quick,
+        "machine": f"{platform.node()} {platform.processor() or platform.machine()}, {THREADS} threads",
+        "torch": torch.__version__,
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+    (out / "solve_speed.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""What `executor.train.run` measures besides the loss: which step is measured how
+(`measured_step`: peak tensor memory by category with MemTracker, FLOPs with FlopCounterMode,
+wall time), held-out loss, per-rank values gathered to every rank, and the progress bar."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+WARMUP_STEPS_UNMEASURED = 2  # optimizer states exist from step 1 on; measure after that
+
+
+def _measure_memory(step_fn, model, opt) -> dict[str, float]:
+    """Run `step_fn()` under `MemTracker`; bytes at its peak by category: params (with buffers),
+    grads, optimizer, activations, temporaries (with inputs and others), total."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    mt = MemTracker()
+    mt.track_external(model, opt)
+    with mt:
+        step_fn()
+    snap = next(iter(mt.get_tracker_snapshot("peak").values()))
+    by = {str(k).split(".")[-1]: float(v) for k, v in snap.items()}
+    return {"params": by.get("PARAM", 0.0) + by.get("BUFFER", 0.0), "grads": by.get("GRAD", 0.0),
+            "optimizer": by.get("OPT", 0.0), "activations": by.get("ACT", 0.0),
+            "temporaries": by.get("TEMP", 0.0) + by.get("OTH", 0.0) + by.get("INP", 0.0),
+            "total": by.get("Total", 0.0)}
+
+
+def measured_step(step: int, train_step, rec, dev: torch.device, model, opt) -> float:
+    """One training step: step 2 under MemTracker (CPU), step 3 under FlopCounterMode, every
+    other step timed into `rec.step_times_s`. Returns its loss."""
+    if step == WARMUP_STEPS_UNMEASURED and dev.type == "cpu":
+        losses = []
+        rec.peak_memory_bytes = _measure_memory(lambda: losses.append(train_step(step)), model, opt)
+        return losses[0]
+    if step == WARMUP_STEPS_UNMEASURED + 1:
+        from torch.utils.flop_counter import FlopCounterMode
+
+        from planner.capture import CPU_ATTENTION_FLOP_FORMULAS
+
+        fc = FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOP_FORMULAS)
+        with fc:
+            loss = train_step(step)
+        rec.flops_per_step = float(fc.get_total_flops())
+        return loss
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    t0 = time.perf_counter()
+    loss = train_step(step)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    rec.step_times_s.append(time.perf_counter() - t0)
+    return loss
+
+
+@torch.no_grad()
+def heldout_loss(model: nn.Module, batches, forward_loss) -> float:
+    """Mean cross-entropy (nats/token) over fixed held-out batches (same on every rank)."""
+    was = model.training
+    model.eval()
+    losses = [forward_loss(x, y).item() for x, y in batches]
+    model.train(was)
+    return sum(losses) / len(losses)
+
+
+def gather_floats(value: float, world: int) -> list[float]:
+    """`value` of every rank, in rank order (a collective when world > 1)."""
+    if world == 1:
+        return [value]
+    import torch.distributed as dist
+
+    out: list = [None] * world
+    dist.all_gather_object(out, value)
+    return [float(v) for v in out]
+
+
+def any_rank(flag: bool, world: int) -> bool:
+    """True on every rank when `flag` is true on any rank (a collective when world > 1; a CPU
+    tensor, so it goes through gloo also on accelerators)."""
+    if world == 1:
+        return flag
+    import torch.distributed as dist
+
+    t = torch.tensor([int(flag)], dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def device_name(dev: torch.device) -> str:
+    if dev.type == "cuda":
+        return f"{dev} ({torch.cuda.get_device_name(dev)})"
+    return str(dev)
+
+
+def progress_bar(total: int, enabled: bool, initial: int = 0):
+    """A tqdm bar on stderr; off when not `enabled` or when stderr is not a terminal (logs and
+    captured output stay free of carriage-return noise)."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, disable=None if enabled else True, desc="train",
+                unit="step", leave=False)

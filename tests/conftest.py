@@ -1,0 +1,93 @@
+"""Shared test fixtures: one hermetic trainplan cache per test session, tiny Llama configs.
+
+The `cpu` hardware profile is measured once per session (quick mode, about a second) and saved
+into a session temporary cache, so `load("cpu")`, `solve(..., "cpu", ...)` and the corpus
+cache never touch `~/.cache/trainplan` and never re-measure. `TRAINPLAN_CACHE_DIR` stays set
+for the whole session, so subprocesses (`python -m planner`, torchrun workers) use the same
+cache. The cache file is keyed by host, torch version and torch thread count
+(`hardware_profiles.cpu`); a torchrun worker with another thread count measures its own.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator
+
+import pytest
+
+from hardware_profiles import HardwareProfile
+
+TINY_LLAMA = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=512, max_position_embeddings=256)
+"""A Llama small enough to train a step in milliseconds: 157,952 parameters."""
+
+
+@pytest.fixture(scope="session", autouse=True)
+def trainplan_cache(tmp_path_factory) -> Iterator[Path]:
+    """Session cache root with the quick-measured cpu profile saved in it."""
+    from hardware_profiles import cpu
+
+    root = tmp_path_factory.mktemp("trainplan_cache")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TRAINPLAN_CACHE_DIR", str(root))
+    cpu.save_profile(cpu.measure_cpu(quick=True))
+    yield root
+    mp.undo()
+
+
+@pytest.fixture(scope="session")
+def cpu_profile(trainplan_cache) -> HardwareProfile:
+    """The session's cpu profile (what `load("cpu")` returns in this session)."""
+    from hardware_profiles import load
+
+    return load("cpu")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama() -> Callable:
+    """`tiny_llama(device="cpu", seed=0, **config_overrides)`: a `LlamaForCausalLM` built from
+    `TINY_LLAMA` (fp32, SDPA attention, no KV cache)."""
+    import torch
+    import transformers
+
+    def build(device: str = "cpu", seed: int = 0, **overrides):
+        cfg = transformers.LlamaConfig(**{**TINY_LLAMA, **overrides}, use_cache=False)
+        cfg._attn_implementation = "sdpa"
+        torch.manual_seed(seed)
+        with torch.device(device):
+            model = transformers.LlamaForCausalLM(cfg)
+        return model
+
+    return build
+
+
+@contextmanager
+def _torch_threads(n: int) -> Iterator[None]:
+    """torch intra-op threads set to `n` inside the block, restored after.
+
+    For real training steps in tests: the suite shares two cores with other work, and small
+    multi-threaded GEMMs under contention run up to 50x slower (spinning OpenMP workers); bytes
+    and FLOPs do not depend on the thread count. Do not load the `cpu` profile inside the
+    block: its cache is keyed by the thread count, so it would be measured again."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def torch_threads() -> Callable:
+    """`with torch_threads(n): ...` (see `_torch_threads`)."""
+    return _torch_threads
+
+
+@pytest.fixture(scope="module")
+def one_thread(cpu_profile) -> Iterator[None]:
+    """One torch thread for a whole module (the cpu profile is loaded before)."""
+    with _torch_threads(1):
+        yield

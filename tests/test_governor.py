@@ -1,0 +1,289 @@
+"""The compute governor on synthetic learning curves (no training): the curve fit recovers a
+known power law, the governor stops near the analytic stop step when the threshold is reachable
+and runs the budget out when it is not, stops at once on NaN, on divergence, and soon on a flat
+curve; a higher threshold never stops later (hypothesis). The last test runs a real governed
+tiny-llama run once `executor.train.run` takes a governor, and checks its record and checkpoint."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from costmodels.governor import (fit_curve, marginal_gain, predict_stop_step,
+                                 predict_stop_step_from_curve, threshold_from_value)
+from executor.governor import Governor, lr_multiplier
+from hardware_profiles.errors import TrainplanError
+
+EVERY = 5  # held-out evaluation every this many steps
+LAW = dict(E=3.0, A=20.0, alpha=0.5, t0=1.0)
+
+
+def law_loss(s, E, A, alpha, t0):
+    return E + A * (np.asarray(s, dtype=float) + t0) ** -alpha
+
+
+def analytic_stop(thr, E, A, alpha, t0):
+    """Where -dL/dt = alpha A (t + t0)^(-alpha-1) falls to thr."""
+    return (alpha * A / thr) ** (1.0 / (1.0 + alpha)) - t0
+
+
+def heldout_curve(max_steps, *, noise=0.005, seed=0, **law):
+    law = {**LAW, **law}
+    rng = np.random.default_rng(seed)
+    s = np.arange(EVERY, max_steps + 1, EVERY)
+    return list(zip(s.tolist(), (law_loss(s, **law) + rng.normal(0.0, noise, s.size)).tolist()))
+
+
+def governed(thr, max_steps=2000, **kw):
+    return Governor(threshold_nats_per_step=thr, max_steps=max_steps, refit_every=10, **kw)
+
+
+# -- the curve math -------------------------------------------------------------------------
+def test_fit_recovers_a_known_power_law():
+    pts = heldout_curve(400, noise=0.003)
+    t, y = np.array(pts).T
+    fit = fit_curve(t, y)
+    assert fit.success
+    assert fit.E == pytest.approx(LAW["E"], abs=0.1), fit
+    assert fit.alpha == pytest.approx(LAW["alpha"], rel=0.1), fit
+    truth = LAW["A"] * ((401.0) ** -0.5 - (411.0) ** -0.5)
+    mean, lo, hi = marginal_gain(fit, 400, 10, confidence=0.99)
+    assert lo <= truth * 1.02 and truth * 0.98 <= hi, (lo, truth, hi)
+    band_lo, band_hi = fit.band([100, 400, 4000])
+    assert np.all(band_lo <= fit.loss_at([100, 400, 4000])) and np.all(band_hi >= band_lo)
+    assert band_hi[2] - band_lo[2] > band_hi[1] - band_lo[1]  # wider when extrapolating
+    fitted_t0 = fit_curve(t, y, t0=None)
+    assert fitted_t0.param_names[-1] == "t0" and fitted_t0.E == pytest.approx(LAW["E"], abs=0.2)
+    json.dumps(fit.to_dict())
+
+
+def test_predicted_stop_step_matches_the_closed_form():
+    thr = 1e-3
+    exact = analytic_stop(thr, **LAW)
+    pts = heldout_curve(300, noise=0.002)
+    t, y = np.array(pts).T
+    assert predict_stop_step(fit_curve(t, y), thr) == pytest.approx(exact, rel=0.05)
+    from_curve = predict_stop_step_from_curve(lambda s: float(law_loss(s, **LAW)), thr, 10**6)
+    assert from_curve == pytest.approx(exact, abs=2)
+    assert predict_stop_step_from_curve(lambda s: float(law_loss(s, **LAW)), thr, 100) == 100
+    assert predict_stop_step_from_curve(lambda s: 5.0, thr, 100) == 0  # flat: stop at once
+
+
+def test_threshold_from_value_is_cost_over_value():
+    assert threshold_from_value(value_per_nat=10_000.0, cost_per_step=2.0) == pytest.approx(2e-4)
+    for bad in (0.0, -1.0, math.nan, math.inf):
+        with pytest.raises(TrainplanError, match="value_per_nat"):
+            threshold_from_value(bad, 1.0)
+
+
+@pytest.mark.parametrize("steps, losses, match", [
+    ([1, 2], [3.0, 2.0], "at least 3"),
+    ([1, 2, 3], [3.0, 2.0], "differ in length"),
+    ([1, 2, 3], [3.0, math.nan, 2.0], "finite"),
+    ([-1, 2, 3], [3.0, 2.5, 2.0], ">= 0"),
+])
+def test_fit_rejects_bad_points(steps, losses, match):
+    with pytest.raises(TrainplanError, match=match):
+        fit_curve(steps, losses)
+
+
+# -- the governor on synthetic curves ---------------------------------------------------------
+@pytest.mark.parametrize("thr", [1e-3, 3e-4])
+def test_stops_near_the_analytic_step_when_the_threshold_is_reachable(thr):
+    exact = analytic_stop(thr, **LAW)
+    gov = governed(thr)
+    dec = gov.replay(heldout_loss=heldout_curve(2000))
+    assert dec.reason == "marginal_gain" and dec.end_now
+    assert abs(dec.cooldown_start - exact) / exact < 0.15, (dec.cooldown_start, exact)
+    assert dec.cooldown_start >= exact - 2 * EVERY  # conservative: the upper bound, not the mean
+    assert dec.final_step == dec.cooldown_start + math.ceil(dec.cooldown_start / 4)
+    assert dec.predicted_stop_step == pytest.approx(exact, rel=0.15)
+    json.dumps(gov.summary())
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_noise_delays_the_stop_and_never_brings_it_forward(seed):
+    exact = analytic_stop(1e-3, **LAW)
+    dec = governed(1e-3, max_steps=1000).replay(heldout_loss=heldout_curve(1000, noise=0.05, seed=seed))
+    assert dec.reason == "marginal_gain" and exact <= dec.cooldown_start < 1.4 * exact, (exact, dec)
+
+
+def test_runs_the_budget_out_while_the_curve_still_drops_fast():
+    thr = 1e-6  # analytic stop near step 46,000; the budget is 1,000
+    dec = governed(thr, max_steps=1000).replay(heldout_loss=heldout_curve(1000))
+    assert dec.reason == "budget" and dec.final_step == 1000 and dec.cooldown_start is None
+
+
+def test_a_zero_threshold_disables_the_marginal_gain_rule():
+    dec = governed(0.0, max_steps=300).replay(heldout_loss=heldout_curve(300, E=5.0, A=0.0))
+    assert dec.reason == "budget" and dec.steps == 300
+
+
+def test_flat_curve_stops_on_marginal_gain_soon_after_min_points():
+    gov = governed(1e-4, min_points=8)
+    flat = [(s, 5.0 + e) for s, e in zip(range(EVERY, 2001, EVERY),
+                                          np.random.default_rng(1).normal(0, 0.01, 400))]
+    dec = gov.replay(heldout_loss=flat)
+    assert dec.reason == "marginal_gain"
+    # the first fit needs 8 points at steps >= fit_from x steps: step 55; allow a few refits
+    assert dec.cooldown_start <= 150, dec.cooldown_start
+    assert abs(dec.gain_per_step[0]) < 1e-4
+
+
+def test_a_rising_heldout_loss_stops_on_the_trend():
+    # overfitting on repeated data: down to a minimum near step 470, then up; the power law plus
+    # floor cannot rise, the straight-line trend through the last half of the steps sees it
+    rng = np.random.default_rng(2)
+    s = np.arange(EVERY, 1001, EVERY)
+    mean = law_loss(s, **LAW) + 2e-6 * np.maximum(s - 300, 0) ** 2
+    y = mean + rng.normal(0, 0.01, s.size)
+    dec = governed(1e-5, max_steps=1000).replay(heldout_loss=list(zip(s.tolist(), y.tolist())))
+    lowest = int(s[np.argmin(mean)])
+    assert dec.reason == "marginal_gain" and lowest < dec.cooldown_start < 1.6 * lowest, (lowest, dec)
+    assert dec.trend_per_step[2] < 1e-5
+
+
+def test_nan_train_loss_stops_at_once():
+    gov = governed(1e-4)
+    for s in range(1, 31):
+        gov.observe_train(s, 9.0 - 0.01 * s)
+        assert not gov.decide(s).stop
+    gov.observe_train(31, math.nan)
+    dec = gov.decide(31)
+    assert (dec.stop, dec.end_now, dec.reason, dec.final_step) == (True, True, "nan", 31)
+    assert gov.decide(32).reason == "nan"  # it stays stopped
+
+
+@pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan])
+def test_non_finite_heldout_loss_stops_with_nan(bad):
+    gov = governed(1e-4)
+    gov.observe_heldout(5, bad)
+    assert gov.decide(5).reason == "nan"
+
+
+def test_nan_during_the_cooldown_ends_the_run_at_once():
+    gov = governed(1e-3)
+    dec = gov.replay(heldout_loss=heldout_curve(2000), until=500)
+    assert dec.reason == "marginal_gain" and not dec.end_now
+    gov.observe_train(dec.steps + 1, math.nan)
+    dec = gov.decide(dec.steps + 1)
+    assert dec.reason == "nan" and dec.end_now
+
+
+def test_divergence_stops_after_patience_and_a_spike_does_not():
+    rng = np.random.default_rng(0)
+    down = [6.0 - 1.5 * (1 - math.exp(-s / 60)) + rng.normal(0, 0.02) for s in range(1, 201)]
+    spike = down[:150] + [30.0] + down[151:]  # one bad batch: the EMA returns at once
+    gov = governed(0.0, max_steps=10_000, divergence_factor=1.5, patience=10, window=10)
+    assert not gov.replay(train_loss=list(enumerate(spike))).stop
+    blowup = down + [down[-1] * math.exp(0.05 * k) for k in range(1, 200)]
+    gov = governed(0.0, max_steps=10_000, divergence_factor=1.5, patience=10, window=10)
+    dec = gov.replay(train_loss=list(enumerate(blowup)))
+    assert dec.reason == "diverged" and dec.end_now
+    first_above = next(s for s in range(200, 400) if blowup[s] > 1.5 * min(down))
+    assert first_above < dec.steps < first_above + 40, (first_above, dec.steps)
+
+
+def test_lr_multiplier_is_wsd_cooldown_triggered_by_the_stop():
+    gov = governed(1e-3)
+    assert gov.lr_multiplier(10) == 1.0
+    dec = gov.replay(heldout_loss=heldout_curve(2000), until=600)
+    s, n = dec.cooldown_start, dec.final_step
+    assert gov.lr_multiplier(s - 1) == 1.0 and gov.lr_multiplier(s) == 1.0
+    assert gov.lr_multiplier((s + n) // 2) == pytest.approx(0.5, abs=0.02)
+    assert gov.lr_multiplier(n - 1) == pytest.approx(max(0.05, 1 / (n - s)))
+    assert lr_multiplier(5, {"cooldown_start": None, "final_step": None}) == 1.0
+
+
+def test_for_plan_replay_of_a_record_and_the_report_frame():
+    from types import SimpleNamespace
+
+    from executor.governor import curve_frame, plot_governor
+
+    plan = SimpleNamespace(decisions=SimpleNamespace(governor_threshold=1e-3, max_steps=2000,
+                                                     warmup_steps=20))
+    gov = Governor.for_plan(plan, refit_every=10)
+    assert (gov.threshold_nats_per_step, gov.max_steps, gov.warmup_steps) == (1e-3, 2000, 20)
+    held = [(s, s * 1024, v) for s, v in heldout_curve(2000)]  # RunRecord.heldout_loss rows
+    train = [(s - 1, v + 0.1) for s, v in heldout_curve(2000)]  # 0-based step index
+    dec = gov.replay(train, held)
+    assert dec.reason == "marginal_gain" and gov.final_step == dec.final_step
+    summary = json.loads(json.dumps(gov.summary()))
+    assert summary["decided_at"] == dec.cooldown_start and summary["history"]
+    frame = curve_frame(held, summary, max_steps=2000)
+    assert list(frame.columns) == ["steps", "measured", "predicted", "lower", "upper"]
+    fitted = frame[frame["steps"] >= summary["fit"]["t_min"]]
+    assert fitted["predicted"].notna().all() and (fitted["lower"] <= fitted["upper"]).all()
+    assert frame.loc[frame["steps"] < summary["fit"]["t_min"], "predicted"].isna().all()
+    assert frame["measured"].notna().sum() == len(held)
+    from matplotlib.figure import Figure
+
+    ax = Figure().add_subplot()
+    plot_governor(ax, frame, summary, max_steps=2000)
+    assert {ln.get_label() for ln in ax.get_lines()} >= {"fitted curve", "planned budget (2000 steps)"}
+
+
+def test_rejects_bad_settings():
+    with pytest.raises(TrainplanError, match="threshold_nats_per_step"):
+        Governor(threshold_nats_per_step=-1.0, max_steps=10)
+    with pytest.raises(TrainplanError, match="min_points"):
+        Governor(threshold_nats_per_step=1e-3, max_steps=10, min_points=2)
+    with pytest.raises(TrainplanError, match="confidence"):
+        Governor(threshold_nats_per_step=1e-3, max_steps=10, confidence=1.0)
+
+
+@settings(max_examples=10, deadline=None)
+@given(alpha=st.floats(0.2, 1.5), A=st.floats(2.0, 50.0), seed=st.integers(0, 2**16),
+       thr_lo=st.floats(1e-5, 3e-3), factor=st.floats(1.0, 10.0))
+def test_a_higher_threshold_never_stops_later(alpha, A, seed, thr_lo, factor):
+    pts = heldout_curve(400, noise=0.005, seed=seed, A=A, alpha=alpha)
+    lo = Governor(threshold_nats_per_step=thr_lo, max_steps=400, refit_every=20).replay(heldout_loss=pts)
+    hi = Governor(threshold_nats_per_step=thr_lo * factor, max_steps=400,
+                  refit_every=20).replay(heldout_loss=pts)
+    assert hi.steps <= lo.steps and hi.final_step <= lo.final_step, (lo, hi)
+
+
+# -- a real governed run: record and checkpoint complete ----------------------------------------
+def _run_takes_a_governor() -> bool:
+    from executor.train import run
+
+    return "governor" in inspect.signature(run).parameters
+
+
+@pytest.mark.skipif(not _run_takes_a_governor(), reason="executor.train.run has no `governor` yet")
+def test_a_governed_run_ends_with_a_complete_record_and_checkpoint(tmp_path, cpu_profile):
+    import dataclasses
+
+    from executor.checkpoint import latest_checkpoint
+    from executor.data import load_corpus
+    from executor.record import RunRecord
+    from executor.train import run
+    from planner.api import plan_for_choice
+
+    import random
+
+    rng = random.Random(0)
+    words = "the king is dead long live the queen now is the winter of our discontent".split()
+    path = tmp_path / "tiny.txt"
+    path.write_text("\n".join(" ".join(rng.choice(words) for _ in range(15)) for _ in range(600)) + "\n",
+                    encoding="utf-8")
+    corpus = load_corpus([path], vocab_size=512)
+    plan = plan_for_choice("tiny-llama", "cpu", seq_len=32, micro_batch=2, max_steps=200,
+                           vocab_size=corpus.vocab_size, data_tokens=corpus.n_train_tokens)
+    plan = dataclasses.replace(plan, decisions=dataclasses.replace(plan.decisions, governor_threshold=1e-2))
+    gov = Governor.for_plan(plan, refit_every=2, min_points=4)
+    rec = run(plan, data=corpus, out=tmp_path / "run", progress=False, eval_every=2, governor=gov)
+    assert rec.stop_reason == "marginal_gain", rec.notes
+    dec = gov.decide(rec.steps)
+    assert rec.steps == dec.final_step < plan.decisions.max_steps
+    assert rec.heldout_loss[-1][0] == rec.steps  # the final loss is measured at the stop
+    again = RunRecord.from_json(tmp_path / "run" / "record.json")
+    assert again.stop_reason == "marginal_gain" and again.steps == rec.steps
+    ckpt = latest_checkpoint(tmp_path / "run")
+    assert ckpt is not None and ckpt.name.endswith(f"{rec.steps:06d}")

@@ -1,0 +1,149 @@
+"""executor.train.run: a solved tiny-llama plan run for real on this CPU (prediction against
+measurement, STYLE 11), the report folder, and one 2-process run through `trainplan run`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import random
+import subprocess
+import sys
+
+import pytest
+
+from executor.data import load_corpus
+from executor.record import RunRecord
+from executor.report import report
+from executor.train import run
+from planner.api import solve
+from planner.budget import Budget
+from planner.plan import Plan
+
+SEQ_LEN = 64
+STEPS = 6
+MICRO_BATCH = 4
+RTOL = 0.01
+WORDS = ("the king is dead long live the queen now is the winter of our discontent made glorious "
+         "summer by this sun of york and all the clouds that lowered upon our house in the deep "
+         "bosom of the ocean buried").split()
+
+
+@pytest.fixture(scope="module")
+def corpus_path(tmp_path_factory):
+    rng = random.Random(0)
+    path = tmp_path_factory.mktemp("corpus") / "tiny.txt"
+    lines = (" ".join(rng.choice(WORDS) for _ in range(15)) for _ in range(1500))
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def corpus(corpus_path):
+    return load_corpus([corpus_path], vocab_size=512)
+
+
+def _capped(plan: Plan, steps: int, **decisions) -> Plan:
+    d = dataclasses.replace(plan.decisions, max_steps=steps, warmup_steps=2, **decisions)
+    d = dataclasses.replace(d, max_tokens=steps * d.micro_batch * d.seq_len * d.dp_degree)
+    return dataclasses.replace(plan, decisions=d)
+
+
+@pytest.fixture(scope="module")
+def plan(corpus) -> Plan:
+    # micro-batch, policy and optimizer pinned so that the run (and its memory) is the same on
+    # every machine; the wall-clock budget then only sets the step count, capped here
+    solved = solve("tiny-llama", "cpu", Budget(wall_clock_s=600), seq_len=SEQ_LEN,
+                   vocab_size=corpus.vocab_size, data_tokens=corpus.n_train_tokens,
+                   micro_batches=(MICRO_BATCH,), policies=("none",), optimizer_bits=(32,))
+    return _capped(solved, STEPS)
+
+
+@pytest.fixture(scope="module")
+def ran(plan, corpus, tmp_path_factory, torch_threads):
+    out = tmp_path_factory.mktemp("run")
+    # device given: the run does not load the cpu profile, whose cache is keyed by threads
+    with torch_threads(1):
+        record = run(plan, data=corpus, out=out, device="cpu", progress=False)
+    return record, out
+
+
+def test_plan_matches_the_corpus(plan, corpus):
+    assert plan.vocab_size == corpus.vocab_size
+    d = plan.decisions
+    assert (d.devices, d.micro_batch, d.seq_len, d.checkpoint, d.optimizer_bits, d.precision) == \
+        (1, MICRO_BATCH, SEQ_LEN, ("none",) * 4, 32, "fp32"), d
+
+
+def test_run_trains_and_stops_at_the_budget(ran, plan):
+    record, out = ran
+    assert record.stop_reason == "budget", record.stop_reason
+    assert record.steps == STEPS and record.world_size == 1, (record.steps, record.world_size)
+    assert record.tokens == STEPS * plan.predictions.tokens_per_step, (record.tokens, plan.predictions)
+    assert [s for s, _ in record.train_loss] == list(range(STEPS))
+    assert all(math.isfinite(l) for _, l in record.train_loss), record.train_loss
+    assert record.heldout_loss and record.heldout_loss[-1][:2] == (STEPS, record.tokens), record.heldout_loss
+    first, held = record.train_loss[0][1], record.final_heldout_loss
+    assert math.isfinite(held) and held < first, \
+        f"held-out loss {held:.3f} after {STEPS} steps, first train loss {first:.3f}"
+    assert record.per_rank_peak_bytes == [record.peak_memory_bytes["total"]]
+    assert RunRecord.from_json(out / "record.json") == record
+
+
+def test_flops_per_step_exact(ran, plan):
+    record, _ = ran
+    pred, meas = plan.predictions.flops_per_step, record.flops_per_step
+    assert pred == meas, f"predicted {pred:.0f} FLOPs per step, FlopCounterMode {meas:.0f}"
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "known gap: the measured peak falls in the last block's backward, where MemTracker holds "
+    "one more MLP-weight-sized temporary (704,512 B) than the lifetime replay predicts: 1.2% "
+    "under; not yet explained (weight gradients are traced contiguous, so AccumulateGrad "
+    "should steal, not copy)"))
+def test_peak_memory_within_1_percent(ran, plan):
+    record, _ = ran
+    pred, meas = plan.predictions.memory_bytes["total"], record.peak_memory_bytes["total"]
+    assert math.isclose(pred, meas, rel_tol=RTOL), (
+        f"predicted peak {pred:.0f} B, MemTracker {meas:.0f} B ({(pred - meas) / meas:+.2%}); "
+        f"predicted {plan.predictions.memory_bytes}, measured {record.peak_memory_bytes}")
+
+
+def test_report_writes_four_files(ran, plan, tmp_path):
+    record, _ = ran
+    files = report(plan, record, tmp_path / "report")
+    assert {"comparison", "plan", "record", "figure"} <= set(files), files
+    assert [files[k].name for k in ("comparison", "plan", "record", "figure")] == \
+        ["comparison.csv", "plan.json", "record.json", "report.png"], files
+    for key, path in files.items():
+        assert path.exists() and path.stat().st_size > 0, (key, path)
+    assert Plan.from_json(files["plan"]) == plan
+    assert RunRecord.from_json(files["record"]) == record
+    assert "peak_memory" in files["comparison"].read_text()
+
+
+# ---------------------------------------------------------------- two processes
+
+
+@pytest.mark.slow
+def test_two_process_run_through_the_cli(corpus, corpus_path, tmp_path):
+    """sp_degree 2 x zero_stage 2 on two gloo processes, launched by `trainplan run`."""
+    solved = solve("tiny-llama", "cpu", Budget(devices=2, wall_clock_s=600), seq_len=SEQ_LEN,
+                   vocab_size=corpus.vocab_size, data_tokens=corpus.n_train_tokens,
+                   micro_batches=(2,), policies=("none",), optimizer_bits=(32,))
+    plan = _capped(solved, 4, sp_degree=2, dp_degree=1, zero_stage=2)
+    plan.to_json(tmp_path / "plan.json")
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "planner", "run", str(tmp_path / "plan.json"),
+                           "--out", str(out), "--data", str(corpus_path)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, \
+        f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    record = RunRecord.from_json(out / "record.json")
+    assert record.world_size == 2, record.world_size
+    assert len(record.per_rank_peak_bytes) == 2 and all(b > 0 for b in record.per_rank_peak_bytes), \
+        record.per_rank_peak_bytes
+    assert record.steps == 4 and record.stop_reason == "budget", (record.steps, record.stop_reason)
+    assert all(math.isfinite(l) for _, l in record.train_loss), record.train_loss
+    assert (out / "report.png").exists() and (out / "comparison.csv").exists()
+    assert json.loads((out / "plan.json").read_text())["decisions"]["sp_degree"] == 2
