@@ -123,10 +123,19 @@ class Planner:
         return lo
 
 
+_RUNS: dict[tuple, tuple] = {}
+
+
 def _run(plan, data, out: Path):
-    """One real run; the plan's solved checkpoint sets go to `apply_checkpointing` (passed
-    here when `executor.train` does not pass `checkpoint_sets` itself yet)."""
+    """(measured peak bytes, fastest timed step s, FLOPs) of one real run, once per distinct
+    plan (strategies often land on the same sets). The plan's solved checkpoint sets go to
+    `apply_checkpointing` (passed here when `executor.train` does not pass them itself yet)."""
     import executor.train as train
+
+    d = plan.decisions
+    key = (d.seq_len, d.micro_batch, tuple(frozenset(d.checkpoint_sets.get(e, [e])) for e in d.checkpoint))
+    if key in _RUNS:
+        return _RUNS[key]
 
     shutil.rmtree(out, ignore_errors=True)
     orig = train.apply_checkpointing
@@ -137,7 +146,8 @@ def _run(plan, data, out: Path):
     finally:
         train.apply_checkpointing = orig
     timed = rec.step_times_s[2:] or rec.step_times_s
-    return rec.peak_memory_bytes.get("total", float("nan")), min(timed), rec.flops_per_step
+    _RUNS[key] = rec.peak_memory_bytes.get("total", float("nan")), min(timed), rec.flops_per_step
+    return _RUNS[key]
 
 
 def _interleaved_times(plans: list, data, rounds: int = ROUNDS) -> list[float]:

@@ -513,9 +513,22 @@ def calibrate(run_dirs: list[str | Path], *, cache_dir: str | Path | None = None
         step_time=step["rows"], step_time_method=step["method"], ratio=step["ratio"],
         compute_scale=step["compute"], memory_scale=step["memory"], scaled_fields=step["fields"],
         profile=step["profile"], profile_path=profile_path, laws=tuple(laws), notes=tuple(notes))
+    _record_history(result, cache_dir)
     if verbose:
         print(format_result(result))
     return result
+
+
+def _record_history(result: "CalibrationResult", cache_dir) -> None:
+    """Append this calibration's before/after errors to the history the HTML report plots."""
+    from executor.figures import append_calibration_history
+
+    rows = [{"term": "step_time", "rel_err_before": r.rel_err_before, "rel_err_after": r.rel_err_after}
+            for r in result.step_time]
+    rows += [{"term": "final_loss", "rel_err_before": f.rms_rel_err_before,
+              "rel_err_after": f.rms_rel_err_after} for f in result.laws]
+    if rows:
+        append_calibration_history(rows, cache_dir)
 
 
 def _pct(x: float) -> str:

@@ -263,7 +263,8 @@ def score_windows(tokens: torch.Tensor | np.ndarray, *, seq_len: int, method: st
     if method == "random":
         settings = {"seed": int(seed)}
     elif method == "dsir":
-        settings = {"buckets": buckets, "target": _sha(target.tobytes()), "ngrams": [1, 2]}
+        settings = {"buckets": buckets, "target": _sha(target.tobytes()), "ngrams": [1, 2],
+                    "smoothing": "raw add-one, target Dirichlet toward raw (m = N_t)"}
     else:
         model, ref_flops, fp = _reference(tok, reference, seq_len=seq_len, windows=win,
                                           windows_sha=windows_sha, tokens_sha=tokens_sha,

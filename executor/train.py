@@ -178,7 +178,7 @@ def _build(plan: Plan, model: nn.Module | None, data: TokenCorpus, dev: torch.de
     if n_params != plan.model_n_params:
         raise PlanMismatchError(f"plan was made for {plan.model} with {plan.model_n_params:,} "
                                 f"parameters; this model has {n_params:,}")
-    apply_checkpointing(model, d.checkpoint)
+    apply_checkpointing(model, d.checkpoint, d.checkpoint_sets)
     model.train()
     factory = partial(build_optimizer, bits=d.optimizer_bits, lr=d.lr)
     if world == 1:

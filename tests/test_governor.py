@@ -257,16 +257,21 @@ def _run_takes_a_governor() -> bool:
 
 
 @pytest.mark.skipif(not _run_takes_a_governor(), reason="executor.train.run has no `governor` yet")
-def test_a_governed_run_ends_with_a_complete_record_and_checkpoint(tmp_path, cpu_profile):
+def test_a_governed_run_ends_with_a_complete_record_and_checkpoint(tmp_path, cpu_profile, torch_threads):
+    """A real tiny-llama run whose governor stops it (a threshold of 1 nat per step: the first
+    fit stops it) ends after its cooldown with the held-out loss measured at the stop, the
+    record says `marginal_gain`, and the checkpoint at the final step loads."""
     import dataclasses
+    import random
 
-    from executor.checkpoint import latest_checkpoint
+    import torch
+
+    from executor.checkpoint import CHECKPOINT_DIR, LATEST, latest_checkpoint, load_checkpoint
     from executor.data import load_corpus
     from executor.record import RunRecord
-    from executor.train import run
+    from executor.train import build_optimizer, run
     from planner.api import plan_for_choice
-
-    import random
+    from planner.presets import build_model
 
     rng = random.Random(0)
     words = "the king is dead long live the queen now is the winter of our discontent".split()
@@ -274,16 +279,24 @@ def test_a_governed_run_ends_with_a_complete_record_and_checkpoint(tmp_path, cpu
     path.write_text("\n".join(" ".join(rng.choice(words) for _ in range(15)) for _ in range(600)) + "\n",
                     encoding="utf-8")
     corpus = load_corpus([path], vocab_size=512)
-    plan = plan_for_choice("tiny-llama", "cpu", seq_len=32, micro_batch=2, max_steps=200,
-                           vocab_size=corpus.vocab_size, data_tokens=corpus.n_train_tokens)
-    plan = dataclasses.replace(plan, decisions=dataclasses.replace(plan.decisions, governor_threshold=1e-2))
+    plan = plan_for_choice("tiny-llama", cpu_profile, seq_len=64, micro_batch=2, max_steps=40,
+                           vocab_size=corpus.vocab_size)
+    plan = dataclasses.replace(plan, decisions=dataclasses.replace(plan.decisions, governor_threshold=1.0))
     gov = Governor.for_plan(plan, refit_every=2, min_points=4)
-    rec = run(plan, data=corpus, out=tmp_path / "run", progress=False, eval_every=2, governor=gov)
-    assert rec.stop_reason == "marginal_gain", rec.notes
+    with torch_threads(1):
+        rec = run(plan, data=corpus, out=tmp_path / "run", progress=False, eval_every=2, governor=gov)
     dec = gov.decide(rec.steps)
-    assert rec.steps == dec.final_step < plan.decisions.max_steps
+    assert rec.stop_reason == "marginal_gain" and dec.reason == "marginal_gain", (rec.stop_reason, rec.notes)
+    assert rec.steps == dec.final_step == gov.final_step < plan.decisions.max_steps
+    assert dec.cooldown_start < dec.final_step  # the cooldown ran
     assert rec.heldout_loss[-1][0] == rec.steps  # the final loss is measured at the stop
-    again = RunRecord.from_json(tmp_path / "run" / "record.json")
-    assert again.stop_reason == "marginal_gain" and again.steps == rec.steps
+    assert [s for s, _ in rec.train_loss] == list(range(rec.steps))
+    assert RunRecord.from_json(tmp_path / "run" / "record.json") == rec
     ckpt = latest_checkpoint(tmp_path / "run")
-    assert ckpt is not None and ckpt.name.endswith(f"{rec.steps:06d}")
+    assert ckpt is not None and ckpt.name == f"step-{rec.steps:06d}", ckpt
+    assert (tmp_path / "run" / CHECKPOINT_DIR / LATEST).read_text().strip() == ckpt.name
+    fresh = build_model(plan.model, device="cpu", vocab_size=corpus.vocab_size, seed=123)
+    opt = build_optimizer(fresh.parameters(), bits=plan.decisions.optimizer_bits, lr=plan.decisions.lr)
+    meta = load_checkpoint(ckpt, fresh, opt, dev=torch.device("cpu"))
+    assert meta["steps"] == rec.steps and meta["record"].stop_reason == "marginal_gain"
+    assert len(opt.state) == len(list(fresh.parameters())), "optimizer state missing"
