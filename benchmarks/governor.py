@@ -1,13 +1,16 @@
 """The compute governor against running the step budget out, on this machine's CPU.
 
-    python benchmarks/governor.py [--quick] [--out DIR] [--live] [--threads N]
+    python benchmarks/governor.py [--quick] [--out DIR] [--live] [--no-confirm] [--reuse]
+                                  [--threads N]
 
 1. Baseline: tiny-llama (seq_len 128, micro-batch 8, vocab 8192) planned with a fixed step budget
    (`planner.api.plan_for_choice`) and run for real to the end (`executor.train.run`, held-out
    loss every `eval_every` steps, warmup-stable-decay learning rate with the planned cooldown
    over the last 20%). The scenario is data-constrained, the case where a fixed budget is
    wasteful: a `data_fraction` subset of the corpus repeated for several epochs, so that the
-   held-out loss flattens (and then rises) well before the budget ends.
+   held-out loss flattens (and then rises) well before the budget ends. A control scenario
+   (full mode only) trains on fresh data, where the loss still falls at the end of the budget
+   and the governor should not stop.
 2. Governor: `executor.governor.Governor` replayed step by step over the baseline's recorded
    train and held-out losses, exactly as the live loop would feed it: until the stop decision
    the governed run and the baseline are the same run (same batches, same learning rates).
@@ -25,17 +28,20 @@ Figures: compute_saved_frac = 1 - (the governed run's steps, cooldown included) 
 loss_given_up = (governed final held-out loss - baseline final held-out loss) / baseline's;
 stop_step_rel_err = |predicted - actual decision step| / actual, predicted from the fit after
 the first 20% of the budget (also after 30% in the CSV, unless the governor has decided by
-then). compute_saved_frac_incl_evals also charges the governed run for its held-out evaluations
-(every `eval_every` steps, each costing `eval_cost_steps` training steps, measured) against the
-10 an ungoverned run makes. A threshold sweep is replayed.
+then; null when too few evaluations exist by then for a fit). compute_saved_frac_incl_evals
+also charges the governed run for its held-out evaluations (every `eval_every` steps, each
+costing `eval_cost_steps` training steps, measured) against the 10 an ungoverned run makes. A
+threshold sweep is replayed.
 
 The threshold comes from economics (`costmodels.governor.threshold_from_value`): a step costs 1
 step of compute, one nat of held-out loss is worth `value_steps_per_nat(max_steps)` steps (the
 issue's targets read as a price: 30% of the budget for 1% of a 6-nat loss), so a step is worth
 taking while it lowers the loss by at least 1 / value nats.
 
-Writes DIR/governor.csv (one row per threshold), DIR/governor.json (summary) and
-DIR/governor.png (held-out loss, fitted curve and band, budget, predicted and actual stop).
+Writes DIR/governor.csv (one row per scenario and threshold), DIR/governor.json (summary of the
+headline threshold; `fresh_*` keys for the control) and DIR/governor.png (held-out loss, the
+governor's fit at its decision with its band, budget, predicted and actual stop, final losses).
+Runs go to DIR/runs/ (`--reuse` takes finished runs whose plans match from there).
 """
 
 from __future__ import annotations
@@ -80,6 +86,10 @@ PREDICT_AT = (0.2, 0.3)
 """The stop step is predicted from the fit after these fractions of the budget; the first is
 the headline figure."""
 GOVERNOR = dict(refit_every=10, min_points=8, confidence=0.9)
+REUSED: list[str] = []
+"""Runs taken from an earlier invocation (`--reuse`), named in the summary."""
+RUN_WALL_S: list[float] = []
+"""Training wall time of every run the figures use, reused ones included."""
 DEFAULT_EVALS = 10
 """Held-out evaluations an ungoverned run makes (`executor.train.run`'s default: every
 max_steps // 10 steps): the baseline of `compute_saved_frac_incl_evals`, which charges the
@@ -194,16 +204,27 @@ def _stopped_by(dec, threshold: float) -> str:
     return "+".join(n for n, g in pairs if g is not None and g[2] < threshold)
 
 
-def figure(plan, record, gov: Governor, predicted: int | None, path: Path) -> None:
+def figure(plan, record, gov: Governor, head: dict, path: Path) -> None:
+    """The held-out curve of the baseline, the governor's fit at its decision and band, the
+    budget, the predicted and actual stops and both runs' final losses."""
     from matplotlib.figure import Figure
 
     n = plan.decisions.max_steps
-    summary = gov.summary() | {"predicted_stop_step": predicted}
-    fig = Figure(figsize=(7, 4.5))
+    predicted = head["stop_step_predicted"]
+    summary = gov.summary() | {"predicted_stop_step": None if math.isnan(predicted) else int(predicted)}
+    finals = {"budget run out": (n, head["baseline_final_loss"])}
+    if head["cooldown_measured"]:
+        finals = {"governed run, after its cooldown": (head["final_step"], head["governed_final_loss"]),
+                  **finals}
+    fig = Figure(figsize=(8, 6.5))
     ax = fig.add_subplot()
-    plot_governor(ax, curve_frame(record.heldout_loss, summary, max_steps=n), summary, max_steps=n)
+    plot_governor(ax, curve_frame(record.heldout_loss, summary, max_steps=n), summary, max_steps=n,
+                  final_losses=finals)
+    pred = "the budget" if summary["predicted_stop_step"] in (None, n) else f"step {int(predicted)}"
     ax.set_title(f"governor: tiny-llama, {n}-step budget, threshold "
-                 f"{summary['threshold_nats_per_step']:.2g} nats/step")
+                 f"{summary['threshold_nats_per_step']:.2g} nats/step\nstop decided at step "
+                 f"{head['stop_step_decided']}, predicted after {PREDICT_AT[0]:.0%} of the budget: "
+                 f"{pred}", fontsize="medium")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
@@ -267,6 +288,8 @@ def main(argv=None) -> int:
                     "fresh_max_steps": fresh["max_steps"]}
     summary |= {
         "wall_s": time.perf_counter() - t_start,
+        "runs_wall_s": sum(RUN_WALL_S),
+        "reused_runs": ", ".join(REUSED),
         "quick": a.quick,
         "machine": f"{platform.node()} {platform.processor() or platform.machine()}, "
                    f"{torch.get_num_threads()} threads",
@@ -278,6 +301,7 @@ def main(argv=None) -> int:
                            "it does not include the cooldown's loss drop (nor the baseline's "
                            "planned cooldown at the same point), so it is not what a live governed "
                            "run gives up; run without --quick/--no-confirm to measure it")
+    summary = {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in summary.items()}
     (out / "governor.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary, indent=2))
     return 0
@@ -296,6 +320,9 @@ def scenario(name: str, cfg: dict, data, out: Path, a, *, headline: bool):
     base = reused(plan, base_dir) if a.reuse else None
     if base is None:
         base = run_plan(plan, data, base_dir, cfg["eval_every"])
+    else:
+        REUSED.append(base_dir.name)
+    RUN_WALL_S.append(base.wall_s)
     base_loss = base.final_heldout_loss
     print(f"{name}: baseline {base.steps} steps, final held-out loss {base_loss:.4f}, "
           f"{base.wall_s:.0f} s", flush=True)
@@ -324,6 +351,7 @@ def scenario(name: str, cfg: dict, data, out: Path, a, *, headline: bool):
         gplan = with_decisions(plan, governor_threshold=threshold)
         rec = run_plan(gplan, data, out / "runs" / f"governor-{name}-live", cfg["eval_every"],
                        governor=Governor.for_plan(gplan, **GOVERNOR))
+        RUN_WALL_S.append(rec.wall_s)
         measured, mode = rec.final_heldout_loss, "live"
         head["final_step"] = rec.steps
         head["compute_saved_frac"] = 1.0 - rec.steps / n
@@ -333,8 +361,12 @@ def scenario(name: str, cfg: dict, data, out: Path, a, *, headline: bool):
         offset = next(s for s in range(cut.decisions.warmup_steps, dec.final_step)
                       if lr_at(s, cut) < cut.decisions.lr) - dec.cooldown_start
         confirm_dir = out / "runs" / f"governor-{name}-confirm"
-        rec = (reused(cut, confirm_dir) if a.reuse else None) or run_plan(cut, data, confirm_dir,
-                                                                            dec.final_step)
+        rec = reused(cut, confirm_dir) if a.reuse else None
+        if rec is None:
+            rec = run_plan(cut, data, confirm_dir, dec.final_step)
+        else:
+            REUSED.append(confirm_dir.name)
+        RUN_WALL_S.append(rec.wall_s)
         measured, mode = rec.final_heldout_loss, "emulated (plan cut at the final step, WSD cooldown)"
         print(f"{name}: governed run (emulated) {rec.steps} steps, final held-out loss "
               f"{measured:.4f}", flush=True)
@@ -345,7 +377,7 @@ def scenario(name: str, cfg: dict, data, out: Path, a, *, headline: bool):
     head["loss_given_up"] = (head["governed_final_loss"] - base_loss) / base_loss
     head["baseline_wall_s"] = base.wall_s
     if headline:
-        figure(plan, base, gov, head["stop_step_predicted"], out / "governor.png")
+        figure(plan, base, gov, head, out / "governor.png")
     return rows, head
 
 

@@ -214,9 +214,12 @@ def fit_curve(steps: Sequence[float], losses: Sequence[float], *, weights=None,
         robust: soft-L1 loss (default) or plain least squares.
 
     Returns: the `CurveFit`.
-    Raises: TrainplanError on mismatched, non-finite or too few points, or a negative t0.
+    Raises: TrainplanError on mismatched, non-finite, negative or too few points, or a negative
+    t0.
     """
     t, y, w = _check_xy(steps, losses, weights)
+    if np.any(y < 0):
+        raise TrainplanError(f"losses must be >= 0 (cross-entropy), got min {y.min()!r}")
     fit_t0 = t0 is None
     if not fit_t0 and (not math.isfinite(t0) or t0 < 0):
         raise TrainplanError(f"t0 must be None or a finite number >= 0, got {t0!r}")
@@ -230,7 +233,7 @@ def fit_curve(steps: Sequence[float], losses: Sequence[float], *, weights=None,
     (_, E0, D0), a0, c0 = best
     ymin, span = float(y.min()), float(y.max() - y.min())
     lo = [0.0, 0.0, ALPHA_BOUNDS[0]] + ([0.0] if fit_t0 else [])
-    hi = [ymin, max(10.0 * span + 10.0 * y.max(), 1.0), ALPHA_BOUNDS[1]]
+    hi = [max(ymin, 1e-9), max(10.0 * span + 10.0 * y.max(), 1.0), ALPHA_BOUNDS[1]]
     hi += [2.0 * t_ref + 10.0] if fit_t0 else []
     x0 = np.clip(np.array([E0, D0, a0] + ([c0] if fit_t0 else []), dtype=float),
                  np.array(lo) + 1e-12 * (np.array(hi) - np.array(lo)),
@@ -377,7 +380,7 @@ def predict_stop_step(fit: CurveFit, threshold: float, cost_per_step: float = 1.
 
 def predict_stop_step_from_curve(loss_at: Callable[[int], float], threshold: float,
                                  max_steps: int, *, cost_per_step: float = 1.0,
-                                 horizon_steps: int = 1, start: int = 0) -> int:
+                                 horizon_steps: int = 1, start: int = 1) -> int:
     """The same rule over any predicted curve, e.g. the planner's loss law along the run:
 
         tps = plan.predictions.tokens_per_step
@@ -385,7 +388,8 @@ def predict_stop_step_from_curve(loss_at: Callable[[int], float], threshold: flo
         predict_stop_step_from_curve(loss_at, threshold, plan.decisions.max_steps)
 
     `loss_at(step)` (nats/token) must be non-increasing with a non-increasing drop per step (a
-    convex curve, as every power law plus floor is): the first crossing is found by bisection.
+    convex curve, as every power law plus floor is) for steps >= `start` (default 1: a law in
+    tokens has no value at step 0): the first crossing is found by bisection.
 
     Returns: the first step in [start, max_steps] with a drop per unit cost below `threshold`,
     or max_steps (the budget binds first).

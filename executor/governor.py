@@ -45,6 +45,7 @@ No torch here: the governor sees floats only, so it runs the same in a replay of
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -260,7 +261,14 @@ class Governor:
         if t.size < self.min_points:
             return
         self._fit_step = steps
-        fit = fit_curve(t, y, t0=self.t0)
+        try:
+            fit = fit_curve(t, y, t0=self.t0)
+        except (TrainplanError, ValueError, np.linalg.LinAlgError) as e:
+            # a failed fit must not end a training run: keep the last one, say so in the history
+            warnings.warn(f"governor: curve fit at step {steps} failed ({e}); keeping the last fit",
+                          RuntimeWarning, stacklevel=3)
+            self.history.append({"steps": steps, "n_points": int(t.size), "error": str(e)[:200]})
+            return
         h = self.horizon
         mean, lo, hi = marginal_gain(fit, steps, h, self.confidence)
         self._fit, self._gain = fit, (mean / h, lo / h, hi / h)
@@ -305,9 +313,10 @@ class Governor:
         lo, hi = self._fit.band(s, self.confidence if confidence is None else confidence)
         return self._fit.loss_at(s), lo, hi
 
-    def summary(self) -> dict:
+    def summary(self, history: bool = True) -> dict:
         """JSON-ready facts for the record: reason, decision and final steps, threshold, the last
-        fit, the predicted stop step and the refit history."""
+        fit, the predicted stop step and (unless `history=False`: one entry per refit, long for
+        long runs) the refit history."""
         st = self._stopped
         return {"reason": st.reason if st else "", "decided_at": st.decided_at if st else None,
                 "cooldown_start": st.cooldown_start if st else None,
@@ -316,7 +325,8 @@ class Governor:
                 "confidence": self.confidence, "fit": self._fit.to_dict() if self._fit else None,
                 "gain_per_step": list(self._gain) if self._gain else None,
                 "trend_per_step": list(self._trend) if self._trend else None,
-                "predicted_stop_step": self._pred, "history": list(self.history)}
+                "predicted_stop_step": self._pred,
+                "history": list(self.history) if history else []}
 
     def replay(self, train_loss: Iterable[tuple[int, float]] = (),
                heldout_loss: Iterable[tuple] = (), *, until: int | None = None) -> Decision:
@@ -375,9 +385,12 @@ def curve_frame(heldout_loss: Iterable[tuple], summary: dict, *, max_steps: int,
     return frame
 
 
-def plot_governor(ax, frame, summary: dict, *, max_steps: int) -> None:
+def plot_governor(ax, frame, summary: dict, *, max_steps: int,
+                  final_losses: dict[str, tuple[int, float]] | None = None) -> None:
     """Draw `curve_frame` on a matplotlib Axes: the measured held-out loss, the fitted curve with
-    its band, the planned budget, the stop decision, the actual stop and the predicted stop."""
+    its band, the planned budget, the stop decision, the actual stop and the predicted stop
+    (`summary["predicted_stop_step"]`); `final_losses` adds labelled markers, e.g.
+    {"governed run": (225, 6.23), "budget run out": (400, 6.52)} (steps, nats/token)."""
     m = frame.dropna(subset=["measured"])
     ax.plot(m["steps"], m["measured"], "o", ms=3, color="C0", label="held-out loss (measured)")
     if frame["predicted"].notna().any():
@@ -391,6 +404,9 @@ def plot_governor(ax, frame, summary: dict, *, max_steps: int) -> None:
         v = summary.get(key)
         if v is not None and v < max_steps:
             ax.axvline(v, color=color, ls=ls, lw=1, label=f"{label} ({v})")
+    for i, (label, (steps, loss)) in enumerate((final_losses or {}).items()):
+        ax.plot([steps], [loss], marker="**D"[i % 3], ms=11, ls="none", color=f"C{4 + i}",
+                label=f"{label}: {loss:.3f} at step {steps}")
     ys = m["measured"]
     if len(ys):
         top = float(np.nanmax(np.concatenate([frame["upper"].dropna(), ys.iloc[len(ys) // 10:]])))
@@ -398,7 +414,7 @@ def plot_governor(ax, frame, summary: dict, *, max_steps: int) -> None:
         ax.set_ylim(float(ys.min()) - 0.1 * span, top + 0.1 * span)
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/token)")
-    ax.legend(fontsize="small")
+    ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
 
 
 def lr_multiplier(step: int, state: dict) -> float:

@@ -173,35 +173,40 @@ def _load(path: Path) -> tuple[np.ndarray, dict] | None:
         return None
 
 
-def _reference(tokens: np.ndarray, reference, *, seq_len: int, windows: np.ndarray,
-               windows_sha: str, tokens_sha: str, vocab_size: int | None, root: Path,
-               progress: bool) -> tuple[nn.Module, float, str]:
-    """(model, training FLOPs, fingerprint) of the reference: passed in, or trained per a
-    ReferenceConfig (default one for None), cached under `root/references`."""
+def _reference_fingerprint(reference, vocab: int) -> str:
+    """What identifies the reference in the cache keys: its weights when passed in, else its
+    training settings (training is deterministic given them and the data in the key)."""
     if isinstance(reference, nn.Module):
-        return reference, 0.0, model_fingerprint(reference)
+        return model_fingerprint(reference)
     config = reference if reference is not None else ReferenceConfig()
     if not isinstance(config, ReferenceConfig):
         raise TrainplanError(f"reference must be None, an nn.Module or a ReferenceConfig, got "
                              f"{type(reference).__name__}")
-    vocab = int(vocab_size or int(tokens.max()) + 1)
-    fp = config.fingerprint() + f"|v{vocab}"
-    key = _sha(json.dumps({"format": SCORES_FORMAT, "tokens": tokens_sha, "seq_len": seq_len,
-                           "windows": windows_sha, "reference": fp}, sort_keys=True).encode())
+    return config.fingerprint() + f"|v{vocab}"
+
+
+def _reference_model(tokens: np.ndarray, reference, fingerprint: str, *, seq_len: int,
+                     windows: np.ndarray, key_parts: dict, vocab: int, root: Path,
+                     progress: bool) -> tuple[nn.Module, float]:
+    """(model, training FLOPs) of the reference: passed in (0 FLOPs), or trained per its
+    ReferenceConfig and cached as `root/references/<key>.pt` with its FLOPs."""
+    if isinstance(reference, nn.Module):
+        return reference, 0.0
+    config = reference if reference is not None else ReferenceConfig()
+    key = _sha(json.dumps({**key_parts, "reference": fingerprint}, sort_keys=True).encode())
     path = root / "references" / f"{key}.pt"
-    model = scorers.build_reference(config, vocab, seq_len)
     if path.is_file():
         try:
             saved = torch.load(path, map_location="cpu", weights_only=True)
+            model = scorers.build_reference(config, vocab, seq_len)
             model.load_state_dict(saved["state"])
-            model.eval()
-            return model, float(saved["flops"]), fp
-        except (OSError, RuntimeError, KeyError, ValueError):
+            return model.eval(), float(saved["flops"])
+        except (OSError, RuntimeError, KeyError, ValueError):  # unreadable: train again
             pass
     model, flops = train_reference(tokens, seq_len=seq_len, vocab_size=vocab, config=config,
                                    windows=windows, progress=progress)
     _atomic_write(path, lambda f: torch.save({"state": model.state_dict(), "flops": flops}, f))
-    return model, flops, fp
+    return model, flops
 
 
 def score_windows(tokens: torch.Tensor | np.ndarray, *, seq_len: int, method: str,
@@ -259,17 +264,14 @@ def score_windows(tokens: torch.Tensor | np.ndarray, *, seq_len: int, method: st
     tokens_sha = _sha(tok.tobytes())
     root = cache_root(cache_dir)
     settings: dict = {}
-    model, ref_flops = None, 0.0
+    vocab = int(vocab_size or int(tok.max()) + 1)
     if method == "random":
         settings = {"seed": int(seed)}
     elif method == "dsir":
         settings = {"buckets": buckets, "target": _sha(target.tobytes()), "ngrams": [1, 2],
                     "smoothing": "raw add-one, target Dirichlet toward raw (m = N_t)"}
     else:
-        model, ref_flops, fp = _reference(tok, reference, seq_len=seq_len, windows=win,
-                                          windows_sha=windows_sha, tokens_sha=tokens_sha,
-                                          vocab_size=vocab_size, root=root, progress=progress)
-        settings = {"reference": fp}
+        settings = {"reference": _reference_fingerprint(reference, vocab)}
         if method == "influence":
             settings.update(target=_sha(target.tobytes()), rank=rank, seed=int(seed),
                             grad_blocks=grad_blocks, loss="mean-ce", projection="rademacher-kron")
@@ -279,9 +281,15 @@ def score_windows(tokens: torch.Tensor | np.ndarray, *, seq_len: int, method: st
     hit = _load(path) if use_cache else None
     if hit is not None and len(hit[0]) == len(win):
         raw, meta = hit
-        scoring_flops, cached = float(meta["scoring_flops"]), True
-        ref_flops = float(meta.get("reference_flops", ref_flops))
+        scoring_flops, ref_flops = float(meta["scoring_flops"]), float(meta["reference_flops"])
+        cached = True
     else:
+        model, ref_flops = None, 0.0
+        if method in ("loss", "influence"):
+            model, ref_flops = _reference_model(
+                tok, reference, settings["reference"], seq_len=seq_len, windows=win,
+                key_parts={"format": SCORES_FORMAT, "tokens": tokens_sha, "seq_len": seq_len,
+                           "windows": windows_sha}, vocab=vocab, root=root, progress=progress)
         scorer = scorers.SCORERS[method]
         raw, scoring_flops = scorer(tok, win * seq_len, seq_len=seq_len, model=model,
                                     target_tokens=target, seed=seed, batch_size=batch_size,

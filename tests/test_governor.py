@@ -72,7 +72,17 @@ def test_predicted_stop_step_matches_the_closed_form():
     from_curve = predict_stop_step_from_curve(lambda s: float(law_loss(s, **LAW)), thr, 10**6)
     assert from_curve == pytest.approx(exact, abs=2)
     assert predict_stop_step_from_curve(lambda s: float(law_loss(s, **LAW)), thr, 100) == 100
-    assert predict_stop_step_from_curve(lambda s: 5.0, thr, 100) == 0  # flat: stop at once
+    assert predict_stop_step_from_curve(lambda s: 5.0, thr, 100) == 1  # flat: stop at once
+
+
+def test_predicted_stop_step_from_the_planner_loss_law():
+    from costmodels.loss import LossLaw, learning_curve
+
+    law, n, tps = LossLaw.besiroglu2024(), 7.1e6, 1024
+    loss_at = lambda s: float(learning_curve([s * tps], law=law, n_params=n)[0])  # noqa: E731
+    stop = predict_stop_step_from_curve(loss_at, 1e-4, 10**7)
+    assert 1 < stop < 10**7
+    assert loss_at(stop) - loss_at(stop + 1) < 1e-4 <= loss_at(stop - 1) - loss_at(stop)
 
 
 def test_threshold_from_value_is_cost_over_value():
@@ -87,6 +97,7 @@ def test_threshold_from_value_is_cost_over_value():
     ([1, 2, 3], [3.0, 2.0], "differ in length"),
     ([1, 2, 3], [3.0, math.nan, 2.0], "finite"),
     ([-1, 2, 3], [3.0, 2.5, 2.0], ">= 0"),
+    ([1, 2, 3], [3.0, -2.5, 2.0], ">= 0"),
 ])
 def test_fit_rejects_bad_points(steps, losses, match):
     with pytest.raises(TrainplanError, match=match):

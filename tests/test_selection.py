@@ -272,6 +272,12 @@ def test_trained_reference_is_cached_and_shared(tmp_path, monkeypatch):
     assert len(trained) == 1
     assert a.reference_flops == b.reference_flops > 0
     assert a.flops == a.scoring_flops + a.reference_flops
+    # cached scores need no reference at all, and report the FLOPs they cost
+    for f in (tmp_path / "references").glob("*.pt"):
+        f.unlink()
+    c = score_windows(toks, seq_len=SEQ, method="loss", reference=cfg, vocab_size=VOCAB,
+                      cache_dir=tmp_path)
+    assert len(trained) == 1 and c.cached and c.flops == a.flops
 
 
 def test_counted_flops_match_analytic(ref):
