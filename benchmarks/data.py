@@ -7,7 +7,8 @@ Setup: tiny-llama (7.1M parameters), seq_len 128, micro-batch 8, the default cor
 BPE 8192). The candidate corpus is a fixed random pool of training windows (1,024; quick: 512),
 a quarter of which are overwritten with uniformly random tokens: a stand-in for the low-quality
 share of a crawled corpus, which is what pruning studies remove (Marion et al. 2023; Ankner et
-al. 2024); `--junk 0` benchmarks the clean corpus. Every method keeps a fraction f of the pool.
+al. 2024); `--junk 0` benchmarks the clean corpus. Every method keeps a fraction f of the pool,
+f on the solver's default grid {0.25, 0.5, 0.75, 1.0} (so f = 0.75 can drop exactly the junk).
 Evaluation: the first 64 held-out windows (`heldout_batches`, 8 batches). Target set of
 influence/DSIR: the next 64 held-out windows (after a one-window gap: no shared token).
 
@@ -80,11 +81,11 @@ class Grid:
     """Held-out evaluations of the random runs in the constant-rate phase (law fit)."""
 
 
-FULL = Grid(pool=1024, junk=0.25, steps=80, fractions=(0.1, 0.25, 0.5, 1.0),
-            sel_fractions=(0.1, 0.25, 0.5), pilot=(0.1, 0.5),
+FULL = Grid(pool=1024, junk=0.25, steps=80, fractions=(0.25, 0.5, 0.75, 1.0),
+            sel_fractions=(0.25, 0.5, 0.75), pilot=(0.25, 0.75),
             methods=("random", "loss", "influence", "dsir"))
-QUICK = Grid(pool=512, junk=0.25, steps=30, fractions=(0.5, 1.0), sel_fractions=(0.5,),
-             pilot=(0.5,), methods=("random", "loss", "influence", "dsir"), curve_points=3)
+QUICK = Grid(pool=512, junk=0.25, steps=30, fractions=(0.75, 1.0), sel_fractions=(0.75,),
+             pilot=(0.75,), methods=("random", "loss", "influence", "dsir"), curve_points=3)
 
 
 @dataclass(frozen=True)

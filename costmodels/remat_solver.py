@@ -18,10 +18,14 @@ The model, per block shape (micro-batch b, per-rank sequence s):
   `retained` is what the block holds between its forward and backward and `stack` the number of
   identical blocks whose retained bytes add up below it: the block's real contribution to the
   step peak, not the sum of saved sizes;
+- [Constraint] optionally retained <= a second cap (a caller's budget for what each block
+  holds while the others run: the step peak at the LM head is the sum of the blocks' retained);
 - objective: minimise recompute seconds, the roofline time of every forward op replayed
   (`costmodels.step.region_cost`'s node times plus the profile's per-op overhead).
 
-Bytes are exact integers; time is in picoseconds. Solving it for a ladder of caps gives the
+Bytes are exact integers; time is in picoseconds. Each solve starts from a complete greedy hint
+(most recompute time saved per retained byte first) and has a time limit; identical rows are
+merged, so a Llama block is 46 decisions and 79 constraints. Solving it for a ladder of caps gives the
 block's Pareto menu of (peak bytes, recompute seconds); sizes are polynomials in (b, s), so the
 menu depends on the shape: at long sequence attention's s**2 FLOPs make its output the cheapest
 to keep per second of recompute saved, and linear and elementwise outputs the cheapest to
@@ -207,8 +211,18 @@ class BlockSolution:
     saved: frozenset[str]
     """Forward nodes whose outputs are kept."""
     status: str
-    """CP-SAT status name (OPTIMAL, FEASIBLE) or INFEASIBLE when nothing fits the cap."""
+    """CP-SAT's status (OPTIMAL; FEASIBLE: the time limit ended the search), GREEDY (the time
+    limit passed before CP-SAT found a solution; the greedy hint's), INFEASIBLE (nothing fits
+    the cap) or UNKNOWN (no solution found in time)."""
     wall_s: float
+    avoided_ps: int = 0
+    """Replay picoseconds the solution avoids (the objective, maximised)."""
+    bound_ps: int = 0
+    """CP-SAT's bound on it: equal to `avoided_ps` when OPTIMAL."""
+
+    @property
+    def found(self) -> bool:
+        return self.status in ("OPTIMAL", "FEASIBLE", "GREEDY")
 
 
 def greedy_hint(lm: LinearMemory, stack: int, cap: float, retained_cap: float | None = None) -> np.ndarray:
@@ -243,12 +257,13 @@ class BlockModel:
         uniq, inv = np.unique(coef[moving], axis=0, return_inverse=True)
         top = np.full(len(uniq), np.iinfo(np.int64).min)
         np.maximum.at(top, inv.ravel(), const[moving])
+        self.rows_int = (uniq, top)
         upper = int(max(self.floor, (top + np.maximum(uniq, 0).sum(axis=1)).max(initial=0)))
         # ---- variables
         m = self.model = cp_model.CpModel()
         self.save = [m.new_bool_var(f"save_{v}") for v in self.lm.candidates]  # keep v's output
         self.peak = m.new_int_var(0, upper, "stacked_peak_units")  # (stack-1)*retained + live, max
-        ret_coef = np.rint(self.lm.ret_coef / BYTES_PER_UNIT).astype(np.int64)
+        ret_coef = self.ret_coef = np.rint(self.lm.ret_coef / BYTES_PER_UNIT).astype(np.int64)
         self.ret_const = int(math.ceil(self.lm.ret_const / BYTES_PER_UNIT))
         self.ret_upper = self.ret_const + int(np.maximum(ret_coef, 0).sum())
         self.retained = m.new_int_var(0, self.ret_upper, "retained_units")  # held from forward to backward
@@ -280,23 +295,38 @@ class BlockModel:
         m.proto.variables[self.retained.index].domain[1] = ret_cap
         m.clear_hints()
         hint = greedy_hint(self.lm, self.case.stack, cap * BYTES_PER_UNIT,
-                           None if retained_cap_bytes is None else ret_cap * BYTES_PER_UNIT)
-        for x, h in zip(self.save, hint):
-            m.add_hint(x, bool(h))
+                           None if retained_cap_bytes is None else ret_cap * BYTES_PER_UNIT).astype(np.int64)
+        uniq, top = self.rows_int
+        hint_peak = int(max(self.floor, (top + uniq @ hint).max(initial=0)))
+        hint_ret = int(self.ret_const + self.ret_coef @ hint)
+        hint_fits = hint_peak <= cap and hint_ret <= ret_cap
+        if hint_fits:  # a complete, feasible hint
+            for x, h in zip(self.save, hint):
+                m.add_hint(x, bool(h))
+            m.add_hint(self.peak, max(hint_peak, 0))
+            m.add_hint(self.retained, max(hint_ret, 0))
         solver = cp_model.CpSolver()
         solver.parameters.max_time_in_seconds = time_limit_s
         solver.parameters.random_seed = seed
         solver.parameters.num_workers = workers
-        solver.parameters.cp_model_presolve = False  # a small model solved many times: presolve costs more than it saves
+        # solved many times from a complete feasible hint: presolve costs more than it saves
+        # (measured: 2-5x slower to optimality up to 150 decisions, no solution in 1 s at 300)
+        solver.parameters.cp_model_presolve = False
         if export_path:
             m.export_to_file(export_path)
         status = solver.solve(m)
-        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-            return BlockSolution(saved=frozenset(), status="INFEASIBLE", wall_s=time.perf_counter() - t0)
-        # ---- read the solution
-        chosen = frozenset(v for v, x in zip(self.lm.candidates, self.save) if solver.value(x))
-        return BlockSolution(saved=chosen, status=solver.status_name(status),
-                             wall_s=time.perf_counter() - t0)
+        wall = time.perf_counter() - t0
+        if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):  # ---- read the solution
+            chosen = frozenset(v for v, x in zip(self.lm.candidates, self.save) if solver.value(x))
+            return BlockSolution(saved=chosen, status=solver.status_name(status), wall_s=wall,
+                                 avoided_ps=int(solver.objective_value),
+                                 bound_ps=int(solver.best_objective_bound))
+        if status == cp_model.UNKNOWN and hint_fits:
+            chosen = frozenset(v for v, h in zip(self.lm.candidates, hint) if h)
+            return BlockSolution(saved=chosen, status="GREEDY", wall_s=wall,
+                                 avoided_ps=int(self.lm.time_ps @ hint))
+        return BlockSolution(saved=frozenset(), wall_s=wall,
+                             status="INFEASIBLE" if status == cp_model.INFEASIBLE else "UNKNOWN")
 
 def solve_block(case: BlockCase, cap_bytes: float, **options) -> BlockSolution:
     """Least recompute time for `case`'s block with its stacked peak at most `cap_bytes`
@@ -345,7 +375,7 @@ def pareto_menu(case: BlockCase, *, size: int = MENU_SIZE, baselines=("save_atte
     for cap, ret_cap in ladder + [(min(p, hi), r) for p, r in targets if p > lo]:
         sol = bm.solve(cap, retained_cap_bytes=ret_cap, time_limit_s=time_limit_s, seed=seed)
         solves += 1
-        if sol.status == "INFEASIBLE" or sol.saved in found:
+        if not sol.found or sol.saved in found:
             continue
         entry = CheckpointSet(name="remat", saved=keys_of(region, sol.saved))
         found[sol.saved] = MenuEntry(entry=entry, cost=evaluate(case, entry))

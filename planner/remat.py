@@ -16,8 +16,9 @@ set is judged by the same exact cost (`costmodels.remat_solver.evaluate`).
   = each output's retained bytes as a fraction of all of them, runtime = its recompute seconds,
   max_memory = the budget. Its model is the sum of saved sizes; the budget is tuned as a user
   would, the least-recompute set over budgets 0, 0.05, ..., 1 whose real peak fits the cap.
-  (torch's own partitioner runs under `torch.compile`, which builds no graph on this CPU setup
-  without a C++ toolchain; the knapsack solvers are the part that decides what to save.)
+  (torch's own partitioner applies these solvers to the graph `torch.compile` traces; here
+  they run on our captured block, with our sizes and times, so that every strategy is judged
+  by the same memory model and run by the same eager executor.)
 - `optimal`: no checkpointing where it fits, else the CP-SAT model of
   `costmodels.remat_solver` (least recompute under the real stacked peak).
 
@@ -107,7 +108,7 @@ def optimal(case: BlockCase, cap_bytes: float) -> CheckpointSet | None:
     if plain is not None:
         return plain
     sol = BlockModel(case).solve(cap_bytes)
-    if sol.status == "INFEASIBLE":
+    if not sol.found:
         return None
     return CheckpointSet(name="optimal", saved=keys_of(case.region, sol.saved))
 
