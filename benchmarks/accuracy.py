@@ -8,7 +8,11 @@ memory (MemTracker), FLOPs (FlopCounterMode) and step time (median after warm-up
     python benchmarks/accuracy.py [--quick] [--out DIR]
 
 Writes DIR/accuracy.csv (one row per configuration) and DIR/accuracy.json (summary: median and
-maximum relative error of each term). Step time is reported twice: with the cpu profile as
+maximum relative error of each term). Single-process runs use `--threads` torch threads
+(default 1), multi-process runs one per rank. A single-process step at one thread is measured
+by its process CPU time (`RunRecord.step_cpu_times_s`): on a machine other jobs share, wall time
+measures their load too, CPU time does not; multi-process steps (which wait on each other) by
+wall time. Both are in the CSV (`step_time_wall_measured`, `step_time_cpu_measured`). Step time is reported twice: with the cpu profile as
 measured, and after calibrating it (`trainplan calibrate`'s method, in a scratch cache) on the
 even-numbered single-process cases, then predicting the odd-numbered ones (held out).
 """
@@ -102,6 +106,17 @@ def run_case(case: dict, data, out: Path) -> dict:
             row[f"{term}_predicted"] = df.loc[term, "predicted"]
             row[f"{term}_measured"] = df.loc[term, "measured"]
             row[f"{term}_rel_err"] = df.loc[term, "rel_err"]
+    # step time: a one-thread single-process step's process CPU time is its time without the
+    # other jobs of a shared machine; multi-process steps wait on each other, so wall time
+    row["step_time_wall_measured"] = record.median_step_time_s
+    row["step_time_cpu_measured"] = record.median_step_cpu_time_s
+    on_cpu = record.device.startswith("cpu")
+    if on_cpu and case["devices"] == 1 and torch.get_num_threads() == 1 and "step_time_predicted" in row:
+        row["step_time_basis"] = "cpu"
+        row["step_time_measured"] = record.median_step_cpu_time_s
+        row["step_time_rel_err"] = row["step_time_predicted"] / row["step_time_measured"] - 1
+    else:
+        row["step_time_basis"] = "wall"
     row["per_rank_peak_bytes"] = json.dumps(record.per_rank_peak_bytes)
     row["run_dir"] = str(run_dir)
     return row
@@ -125,7 +140,8 @@ def calibrated_step_times(df: pd.DataFrame, out: Path) -> pd.DataFrame:
         shutil.copy(src, cache_path())
     df = df.copy()
     df["calibration_set"] = [i % 2 == 0 and d == 1 for i, d in enumerate(df["devices"])]
-    calibrate(list(df.loc[df["calibration_set"], "run_dir"]), verbose=False)
+    calibrate(list(df.loc[df["calibration_set"], "run_dir"]), verbose=False,
+              time_basis="cpu" if (df.loc[df["calibration_set"], "step_time_basis"] == "cpu").all() else "wall")
     after = []
     for _, r in df.iterrows():
         if r["checkpoint"] == "planned":  # solved sets are not re-predicted here
@@ -149,7 +165,14 @@ def main(argv=None) -> int:
     ap.add_argument("--hw", default="cpu", help="profile the plans are made for (e.g. h200)")
     ap.add_argument("--device", help="where to run, e.g. cuda (default: the profile's device)")
     ap.add_argument("--precision", default="fp32", help="fp32, bf16-mixed or bf16")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads for single-process runs (default 1: a multi-threaded CPU step "
+                         "stalls whenever another process takes a core; the cpu profile is measured "
+                         "at the same thread count)")
     a = ap.parse_args(argv)
+    if a.threads < 1:
+        ap.error(f"--threads must be at least 1, got {a.threads}")
+    torch.set_num_threads(a.threads)
     global HW, DEVICE, PRECISION
     HW, DEVICE, PRECISION = a.hw, a.device, a.precision
     out = Path(a.out)

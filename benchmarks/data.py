@@ -1,7 +1,7 @@
 """Data selection at a fixed compute budget on this machine's CPU: held-out loss against kept
 fraction for each scoring method, measured beside the loss model's prediction.
 
-    python benchmarks/data.py [--quick] [--out DIR] [--jobs 2]
+    python benchmarks/data.py [--quick] [--out DIR] [--jobs 2] [--save-fits]
 
 Setup: tiny-llama (7.1M parameters), seq_len 128, micro-batch 8, the default corpus (Shakespeare,
 BPE 8192). The candidate corpus is a fixed random pool of training windows (1,024; quick: 512),
@@ -20,8 +20,9 @@ after scoring it is the same data with fewer steps.
 
 Training: the benchmark's own minimal loop (plan from `planner.api.plan_for_choice`, model
 `planner.presets.build_model`, `executor.train.build_optimizer` and `lr_at`, loss
-`planner.capture.lm_loss`, batches `TokenBatches(keep_indices=...)`), because
-`executor.train.run` does not take keep_indices yet. Cells run in `--jobs` processes of one
+`planner.capture.lm_loss`, batches `TokenBatches(keep_indices=...)`), because every cell selects
+from the same junk-laced candidate pool, not from a whole corpus as `executor.train.run`'s
+`PlannedBatches` does. Cells run in `--jobs` processes of one
 torch thread each (small GEMMs under contention run much slower with two threads a process).
 Scores (and the reference model) are cached in $TRAINPLAN_CACHE_DIR, so a rerun skips scoring
 but charges the same FLOPs.
@@ -30,7 +31,10 @@ Prediction (`costmodels.data_value`): E, B, beta and R_D* of the law are fitted 
 runs' held-out curves in the constant-learning-rate phase (`fit_local_law(fit_r_d_star=True)`),
 plus one offset for the final cooldown (mean final-minus-law of the random runs). Each selection
 method's quality q(f) = 1 + a (1 - f) (b pinned to 1) is fitted on its pilot fractions; the other
-fractions are predicted out of sample. Both errors are reported.
+fractions are predicted out of sample. Both errors are reported. `--save-fits` caches the fitted
+multipliers for tiny-llama (`costmodels.data_value.save_quality_fits`), where the planner's method
+choice (`planner.data_choice`) finds them: they describe this junk-laced pool, so save them only
+to plan for data like it.
 
 Writes DIR/data.csv (one row per cell) and DIR/data.json (summary); prints the summary last.
 """
@@ -314,7 +318,7 @@ def predict(grid: Grid, rows: list[dict], n_params: int) -> tuple[dict, dict]:
             "cooldown_offset": offset}, fits
 
 
-def run_grid(grid: Grid, jobs: int, log) -> tuple[list[dict], dict]:
+def run_grid(grid: Grid, jobs: int, log, save_fits: bool = False) -> tuple[list[dict], dict]:
     from planner.api import plan_for_choice
 
     t0 = time.perf_counter()
@@ -327,6 +331,18 @@ def run_grid(grid: Grid, jobs: int, log) -> tuple[list[dict], dict]:
     scored = score_all(grid, data, fps, log)
     rows = train_all(grid, data, scored, fps, jobs, log)
     law, fits = predict(grid, rows, n_params)
+    if save_fits:
+        # a multiplier at its bound says the law's floor is off, not how good the subset is
+        good = {m: f for m, f in fits.items() if f.a < 0.99e3}
+        if len(good) < len(fits):
+            log(f"not saving the fits of {', '.join(sorted(set(fits) - set(good)))}: a at its bound")
+        if good:
+            from costmodels.data_value import save_quality_fits
+
+            path = save_quality_fits(good, model=MODEL, vocab_size=data.vocab_size,
+                                     corpus=f"{data.name} pool of {grid.pool} windows, "
+                                            f"{grid.junk:.0%} junk (benchmarks/data.py)")
+            log(f"quality fits of {', '.join(good)} saved to {path}")
 
     rand = [r for r in rows if r["method"] == "random"]
     best_rand = min(rand, key=lambda r: r["measured_loss"])
@@ -356,7 +372,7 @@ def run_grid(grid: Grid, jobs: int, log) -> tuple[list[dict], dict]:
         **law,
         **{f"scoring_steps_{m}": scored[m][1] for m in grid.methods},
         **{f"quality_a_{m}": fits[m].a for m in fits},
-        "train_loop": "benchmark's own loop (executor.train.run takes no keep_indices yet)",
+        "train_loop": "benchmark's own loop over the shared candidate pool",
         "jobs": jobs,
         "wall_s": time.perf_counter() - t0,
     }
@@ -372,6 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--methods", help="comma-separated methods (random is always run)")
     ap.add_argument("--junk", type=float, help="override the junk share of the pool")
     ap.add_argument("--jobs", type=int, default=2, help="cells trained in parallel (processes)")
+    ap.add_argument("--save-fits", action="store_true",
+                    help="cache the fitted quality multipliers for the planner")
     args = ap.parse_args(argv)
     grid = QUICK if args.quick else FULL
     if args.steps or args.pool or args.methods or args.junk is not None:
@@ -384,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows, summary = run_grid(grid, max(1, args.jobs),
-                             lambda msg: print(msg, file=sys.stderr, flush=True))
+                             lambda msg: print(msg, file=sys.stderr, flush=True), args.save_fits)
     cols = ["method", "fraction", "kept_windows", "junk_share", "unique_tokens", "steps",
             "tokens_seen", "scoring_steps", "scoring_flops", "train_flops", "total_flops", "quality",
             "measured_loss", "predicted_loss", "rel_err", "role", "wall_s", "curve"]

@@ -22,5 +22,5 @@ python -c "import torch, json; print(json.dumps({'torch': torch.__version__, 'cu
 timeout 360 python benchmarks/accuracy.py --quick --hw h200 --device "$device" --out "$out" | tee "$out/accuracy.log"
 # 2. a plan for the h200 profile, solved and run for real on the device
 trainplan solve --model tiny-llama --hw h200 --seq-len 1024 --budget-seconds 45 --json "$out/plan-h200.json" | tee "$out/solve.log"
-timeout 150 trainplan run "$out/plan-h200.json" --out "$out/run-h200" --device "$device" | tee "$out/run.log"
+timeout 150 trainplan run "$out/plan-h200.json" --out "$out/run-h200" --device "$device" --overwrite | tee "$out/run.log"
 echo "gpu_check: results in $out"

@@ -123,7 +123,7 @@ class Planner:
         try:
             p = solve(MODEL, self.hw, Budget(wall_clock_s=10**7), seq_len=seq, vocab_size=VOCAB,
                       micro_batches=(mb,), optimizer_bits=(32,), data_fractions=(1.0,),
-                      memory_limit_bytes=cap)
+                      memory_limit_bytes=cap, explain=False)  # a search probe: no explanation
         except InfeasibleError:
             return None
         d = p.decisions

@@ -197,6 +197,30 @@ def valid_sp_degrees(seq_len: int, n_heads: int, n_kv_heads: int) -> list[int]:
     return [p for p in _divisors(math.gcd(seq_len, n_heads)) if _kv_ok(p, n_kv_heads)]
 
 
+def sp_degrees_within_node(degrees, *, devices: int, devices_per_node: int) -> list[int]:
+    """The SP degrees of `degrees` whose groups stay inside one node: SP inside a node, data
+    parallelism (and ZeRO sharding) across nodes.
+
+    A run of `devices` ranks fills nodes of `devices_per_node` in rank order, and SP groups are
+    consecutive ranks. When the run fits in one node (devices <= devices_per_node) every degree
+    qualifies; otherwise a degree must divide `devices_per_node`, so that each node holds whole
+    SP groups (Ulysses all-to-alls on the intra-node link, NVLink / Infinity Fabric; Jacobs et
+    al. 2023 place SP groups the same way). Degrees that also divide `devices` are the caller's
+    concern. Returns them sorted.
+    Raises: TrainplanError if devices or devices_per_node is not an integer >= 1.
+    """
+    devices = _int_at_least_1("devices", devices)
+    per_node = _int_at_least_1("devices_per_node", devices_per_node)
+    return sorted(p for p in degrees if devices <= per_node or per_node % p == 0)
+
+
+def nodes_for(devices: int, devices_per_node: int) -> int:
+    """Nodes a run of `devices` ranks occupies: ceil(devices / devices_per_node).
+    Raises: TrainplanError if either is not an integer >= 1."""
+    devices = _int_at_least_1("devices", devices)
+    return -(-devices // _int_at_least_1("devices_per_node", devices_per_node))
+
+
 def ulysses_all_to_all_bytes(
     *,
     micro_batch: int,
@@ -318,7 +342,9 @@ __all__ = [
     "all_gather_s",
     "all_reduce_s",
     "all_to_all_s",
+    "nodes_for",
     "reduce_scatter_s",
+    "sp_degrees_within_node",
     "ulysses_all_to_all_bytes",
     "ulysses_comm_bytes_per_layer",
     "valid_sp_degrees",

@@ -401,8 +401,72 @@ def predict_stop_step_from_curve(loss_at: Callable[[int], float], threshold: flo
                         threshold, int(start), max_steps)
 
 
+def cooldown_steps(steps: int, fraction: float = 0.2) -> int:
+    """Cooldown length after a stop decided with `steps` done: c such that c is `fraction` of
+    the final run (warmup-stable-decay, Hu et al. 2024: the last 20%), c = ceil(f / (1 - f) x
+    steps), 25% of `steps` for f = 0.2; at least 1 when f > 0, 0 when f = 0.
+
+    Raises: TrainplanError unless 0 <= fraction < 1 and steps >= 0."""
+    if not 0.0 <= fraction < 1.0:
+        raise TrainplanError(f"cooldown fraction must be in [0, 1), got {fraction!r}")
+    if not steps >= 0:
+        raise TrainplanError(f"steps must be >= 0, got {steps!r}")
+    return 0 if fraction == 0 else max(1, math.ceil(fraction / (1.0 - fraction) * steps - 1e-9))
+
+
+def governed_stop_step(stop_step: int, max_steps: int, fraction: float = 0.2) -> int:
+    """The governor's rule applied to a predicted crossing: a stop whose cooldown would reach
+    the budget saves nothing and is not taken, so the predicted stop is `max_steps` when
+    stop_step + cooldown_steps(stop_step) >= max_steps, else `stop_step`."""
+    return max_steps if stop_step + cooldown_steps(stop_step, fraction) >= max_steps else int(stop_step)
+
+
+def predict_stop_from_law(law, *, n_params: float, tokens_per_step: float, threshold: float,
+                          max_steps: int, unique_tokens: float | None = None,
+                          cost_per_step: float = 1.0, horizon_steps: int = 1, start: int = 1,
+                          offset_nats: float = 0.0,
+                          cooldown_fraction: float = 0.2) -> tuple[int, int, float]:
+    """The planner's predicted stop: where the drop per step of its loss law along the run,
+
+        L(s) = law at (s x tokens_per_step tokens seen, `unique_tokens` unique)    (eq. 2 of
+        Hoffmann et al. 2022 with Muennighoff et al. 2023's effective data; `learning_curve`),
+
+    falls below `threshold` (per unit `cost_per_step`; `predict_stop_step_from_curve`), with the
+    governor's rule that a stop whose cooldown reaches the budget is not taken
+    (`governed_stop_step`). Repeated data makes the drop per step fall off exponentially after
+    the first epoch (the effective tokens' growth decays as exp(-repeats / R_D*)): the law
+    predicts the stop of a data-constrained run from the unique tokens alone.
+
+    `law`: a `costmodels.loss.LossLaw`; `offset_nats` is added to the loss (e.g. the optimizer
+    bits penalty): it moves the curve, not its slope.
+
+    Returns: (predicted stop step = the step the governor decides at, in steps done; the
+    step the run ends, its cooldown included: stop + `cooldown_steps(stop)`, `max_steps` when
+    the budget binds; the law's loss there + offset_nats: the governed run's final loss, the
+    law being a curve of end-of-run losses, cooldown included).
+    Raises: TrainplanError on bad counts, a negative threshold or a non-positive cost.
+    """
+    from costmodels.loss import learning_curve
+
+    if not (math.isfinite(tokens_per_step) and tokens_per_step > 0):
+        raise TrainplanError(f"tokens_per_step must be > 0, got {tokens_per_step!r}")
+
+    def loss_at(s: int) -> float:
+        return float(learning_curve([max(s, 1) * tokens_per_step], law=law, n_params=n_params,
+                                    unique_tokens=unique_tokens)[0])
+
+    crossing = predict_stop_step_from_curve(loss_at, threshold, max_steps, cost_per_step=cost_per_step,
+                                            horizon_steps=horizon_steps, start=start)
+    stop = governed_stop_step(crossing, max_steps, cooldown_fraction)
+    final = max_steps if stop >= max_steps else stop + cooldown_steps(stop, cooldown_fraction)
+    return stop, final, loss_at(final) + offset_nats
+
+
 __all__ = [
     "CurveFit",
+    "cooldown_steps",
+    "governed_stop_step",
+    "predict_stop_from_law",
     "fit_curve",
     "marginal_gain",
     "predict_stop_step",

@@ -3,7 +3,9 @@
 Model states follow the ZeRO accounting (Rajbhandari et al. 2020, Sec. 3.1 and Fig. 1): with
 mixed-precision Adam a parameter costs 2 (bf16 weight) + 2 (bf16 grad) + 12 (fp32 master, m, v)
 = 16 bytes, and stages 1/2/3 shard the optimizer states / gradients / parameters over the
-data-parallel x SP group. Activations are not a sum of saved sizes: each captured region is
+data-parallel x SP group; as the executor runs them (`model_state_bytes(as_executed=True)`)
+stage 1 shards whole tensors and stages 2/3 are FSDP2, whose all-gathered parameters and
+reduce-scatter buffers come from `costmodels.fsdp`. Activations are not a sum of saved sizes: each captured region is
 replayed op by op, a storage alive from the op that makes it to the last op that reads it
 (views share their base's storage), and regions compose in execution order (head, blocks,
 tail, blocks backward, head backward). With a checkpointed block, only the block input and the
@@ -21,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Iterable
 
+from costmodels.fsdp import FsdpLayout, root_gather_events  # noqa: F401 (re-exported)
 from costmodels.graph import Region, poly_at
 from hardware_profiles.errors import TrainplanError
 
@@ -103,13 +106,16 @@ class RegionMemory:
 
 
 def simulate_region(region: Region, b: int, s: int, *, checkpoint: bool = False,
-                    saved_ops: Iterable[str] = ()) -> RegionMemory:
+                    saved_ops: Iterable[str] = (),
+                    extra: Iterable[tuple[float, float, float, str]] = ()) -> RegionMemory:
     """Replay `region`'s storages at micro-batch `b` and per-rank sequence `s`.
 
     `checkpoint=False`: plain autograd (everything backward needs is kept). `checkpoint=True`:
     selective activation checkpointing keeping the outputs of `saved_ops` (FX node names) and
     the region's inputs; everything else is freed after its last forward use and recomputed
     at the start of the backward. `saved_ops=()` with `checkpoint=True` is full checkpointing.
+    `extra`: more storages as (made at, freed at, bytes, `act`|`temp`|`grad`|`param`), times on
+    the region's execution indices (e.g. `costmodels.fsdp.root_gather_events`).
     """
     saved = frozenset(saved_ops)
     bnd = region.boundary
@@ -156,14 +162,17 @@ def simulate_region(region: Region, b: int, s: int, *, checkpoint: bool = False,
             if r.created <= horizon:
                 live(t_re(r.created), last if r.last_use > bnd else t_re(min(r.last_fwd_use, horizon)),
                      nbytes, "act")
+    for t0, t1, nbytes, cat in extra:
+        live(t0, t1, nbytes, cat)
     events.sort(key=lambda e: (e[0], e[1]))
-    live = {"act": 0.0, "temp": 0.0, "grad": 0.0}
+    live = {"act": 0.0, "temp": 0.0, "grad": 0.0, "param": 0.0}
     fwd_peak = bwd_peak = MemoryBreakdown()
     retained = 0.0
     for t, kind, nbytes, cat in events:
         live[cat] += nbytes if kind == 0 else -nbytes
         if kind == 0:
-            snap = MemoryBreakdown(activations=live["act"], temporaries=live["temp"], grads=live["grad"])
+            snap = MemoryBreakdown(activations=live["act"], temporaries=live["temp"], grads=live["grad"],
+                                   params=live["param"])
             if t <= bnd and snap.total > fwd_peak.total:
                 fwd_peak = snap
             elif t > bnd and snap.total > bwd_peak.total:
@@ -179,6 +188,8 @@ class ModelStates:
     """Per-device bytes of parameters, gradients and optimizer states."""
 
     params: float
+    """Parameters a device holds at rest (at the optimizer step): sharded with ZeRO-3, and with
+    ZeRO-2 as FSDP2 runs it (`as_executed`); what FSDP2 all-gathers on top is `FsdpLayout`'s."""
     grads: float
     optimizer: float
     optimizer_step_temp: float
@@ -193,14 +204,35 @@ class ModelStates:
     with MemTracker by `benchmarks/sp.py`); counted as temporaries, as MemTracker labels them."""
 
 
+def zero1_partition(numels: list[int], shard_degree: int) -> list[int]:
+    """Indices into `numels` of the tensors the most loaded rank steps under ZeRO-1.
+
+    torch's `ZeroRedundancyOptimizer._partition_parameters` (torch 2.13,
+    `torch/distributed/optim/zero_redundancy_optimizer.py`) assigns whole tensors, largest
+    first, each to the rank with the fewest elements so far; ranks differ by up to one tensor,
+    and the per-device peak is that of the largest share."""
+    sizes = [0] * shard_degree
+    owned: list[list[int]] = [[] for _ in range(shard_degree)]
+    for i in sorted(range(len(numels)), key=lambda k: numels[k], reverse=True):
+        r = sizes.index(min(sizes))
+        owned[r].append(i)
+        sizes[r] += numels[i]
+    return owned[sizes.index(max(sizes))] if numels else []
+
+
 def model_state_bytes(param_numels: Iterable[int], *, weight_bytes: int, grad_bytes: int,
                       master_bytes: int, optimizer_bits: int, zero_stage: int, shard_degree: int,
-                      foreach: bool) -> ModelStates:
+                      foreach: bool, as_executed: bool = False) -> ModelStates:
     """Model-state bytes per device (ZeRO, Rajbhandari et al. 2020, Sec. 5: stage 1 shards
     optimizer states, 2 adds gradients, 3 adds parameters, over `shard_degree` ranks).
 
     `master_bytes` is 4 for bf16 mixed precision (an fp32 master copy, counted with the
-    optimizer states as ZeRO does) and 0 otherwise.
+    optimizer states as ZeRO does) and 0 otherwise. `as_executed=False` is the paper's
+    accounting (elementwise shards, stage-2 parameters replicated); `True` the stages as
+    `executor.parallel.apply_zero` runs them with torch: stage 1's `ZeroRedundancyOptimizer`
+    shards whole tensors (`zero1_partition`: the largest rank share is counted), stage 2's FSDP2
+    (`fully_shard`, `reshard_after_forward=False`) keeps parameters sharded at rest and
+    all-gathers them from forward to backward (`FsdpLayout`, not counted here).
 
     Raises:
         TrainplanError: zero_stage not in 0..3 or shard_degree < 1.
@@ -211,13 +243,19 @@ def model_state_bytes(param_numels: Iterable[int], *, weight_bytes: int, grad_by
         raise TrainplanError(f"shard_degree={shard_degree} must be at least 1")
     numels = list(param_numels)
     total = sum(numels)
-    opt = sum(adam_state_bytes(n, optimizer_bits) for n in numels) + master_bytes * total
-    if any(n >= MIN_QUANT_NUMEL for n in numels):
-        opt += quantization_map_bytes(optimizer_bits)
     d = shard_degree
-    params = total * weight_bytes / (d if zero_stage >= 3 else 1)
+
+    def opt_bytes(ns: list[int]) -> float:
+        b = sum(adam_state_bytes(n, optimizer_bits) for n in ns) + master_bytes * sum(ns)
+        return b + (quantization_map_bytes(optimizer_bits) if any(n >= MIN_QUANT_NUMEL for n in ns) else 0.0)
+    if zero_stage == 1 and d > 1 and as_executed:
+        mine = [numels[i] for i in zero1_partition(numels, d)]
+        optimizer, opt_numel = opt_bytes(mine), sum(mine)
+    else:
+        optimizer = opt_bytes(numels) / (d if zero_stage >= 1 else 1)
+        opt_numel = total / (d if zero_stage >= 1 else 1)
+    params = total * weight_bytes / (d if zero_stage >= 3 or (as_executed and zero_stage == 2) else 1)
     grads = total * grad_bytes / (d if zero_stage >= 2 else 1)
-    optimizer = opt / (d if zero_stage >= 1 else 1)
     # Adam's step scratch, labelled optimizer state by MemTracker. torch's per-tensor AdamW
     # (`_single_tensor_adam`) holds exp_avg_sq.sqrt() and its quotient by the bias correction
     # at once for the tensor being updated: two fp32 copies of the largest tensor. foreach Adam
@@ -226,7 +264,7 @@ def model_state_bytes(param_numels: Iterable[int], *, weight_bytes: int, grad_by
     if optimizer_bits < 32:
         step_temp = 0.0
     elif foreach:
-        step_temp = 4 * total / (d if zero_stage >= 1 else 1)
+        step_temp = 4 * opt_numel
     else:  # FSDP2 (ZeRO 2/3) steps each tensor's shard
         step_temp = 2 * 4 * max((-(-n // d) if zero_stage >= 2 else n for n in numels), default=0)
     buckets = total * grad_bytes if zero_stage <= 1 and shard_degree > 1 else 0.0
@@ -235,27 +273,39 @@ def model_state_bytes(param_numels: Iterable[int], *, weight_bytes: int, grad_by
 
 
 def step_peak(head: RegionMemory, blocks: list[RegionMemory], tail: RegionMemory,
-              states: ModelStates, *, unsharded_block_param_bytes: float = 0.0) -> MemoryBreakdown:
+              states: ModelStates, *, unsharded_block_param_bytes: float = 0.0,
+              fsdp: FsdpLayout | None = None) -> MemoryBreakdown:
     """Peak bytes per device over one training step, and the category split at that moment:
     the largest of `step_phases`."""
     return max(step_phases(head, blocks, tail, states,
-                           unsharded_block_param_bytes=unsharded_block_param_bytes),
+                           unsharded_block_param_bytes=unsharded_block_param_bytes, fsdp=fsdp),
                key=lambda m: m.total)
 
 
 def step_phases(head: RegionMemory, blocks: list[RegionMemory], tail: RegionMemory,
-                states: ModelStates, *, unsharded_block_param_bytes: float = 0.0) -> list[MemoryBreakdown]:
+                states: ModelStates, *, unsharded_block_param_bytes: float = 0.0,
+                fsdp: FsdpLayout | None = None) -> list[MemoryBreakdown]:
     """The highest bytes per device of each phase of one training step, in execution order.
 
     Composes region summaries in execution order: head forward; block i forward with the
     retained bytes of the head and blocks before it; the tail (logits and loss, forward and
     backward) with everything retained; block i backward with the gradients of the later
     blocks (sharded by `states.grad_scale` once their block is done); the head backward; then the
-    optimizer step. `unsharded_block_param_bytes` adds
-    the all-gathered parameters of FSDP (ZeRO-3) during a block's forward and backward.
+    optimizer step. `unsharded_block_param_bytes` adds all-gathered parameters during a block's
+    forward and backward; `fsdp` (ZeRO 2/3 under FSDP2) replaces it with `FsdpLayout`'s
+    all-gathered parameters per phase, keeps the root group's gradients whole until its
+    reduce-scatter at the end of the backward, and adds the reduce-scatters' buffers.
     """
     base = MemoryBreakdown(params=states.params, optimizer=states.optimizer)
     total_grads = tail.grad_bytes + sum(b.grad_bytes for b in blocks) + head.grad_bytes
+    n = len(blocks)
+    if fsdp is None:
+        u_head = u_tail = u_end = 0.0
+        u_fwd = u_bwd = [unsharded_block_param_bytes] * n
+        root_scale = states.grad_scale
+    else:
+        u_head, u_fwd, u_tail, u_bwd, u_end = fsdp.unsharded(n)
+        root_scale = 1.0
 
     def buckets(grads_done: float) -> float:  # DDP fills its gradient buckets during backward
         return states.comm_buffers * min(1.0, grads_done / total_grads) if total_grads else 0.0
@@ -265,24 +315,32 @@ def step_phases(head: RegionMemory, blocks: list[RegionMemory], tail: RegionMemo
         candidates.append(base + transient + MemoryBreakdown(
             activations=retained, grads=grads, params=extra, phase=phase))
 
-    at("fwd:head", 0.0, 0.0, head.fwd_peak)
+    at("fwd:head", 0.0, 0.0, head.fwd_peak, u_head)
     acc = head.retained
     prefix = [acc]
     for i, blk in enumerate(blocks):
-        at(f"fwd:block{i}", acc, 0.0, blk.fwd_peak, unsharded_block_param_bytes)
+        at(f"fwd:block{i}", acc, 0.0, blk.fwd_peak, u_fwd[i])
         acc += blk.retained
         prefix.append(acc)
-    at("tail", acc, 0.0, tail.fwd_peak)
+    at("tail", acc, 0.0, tail.fwd_peak, u_tail)
     grads = 0.0
-    at("tail", acc, grads, tail.bwd_peak)
-    grads += tail.grad_bytes * states.grad_scale
+    at("tail", acc, grads, tail.bwd_peak, u_tail)
+    grads += tail.grad_bytes * root_scale
     done = tail.grad_bytes
-    for i in reversed(range(len(blocks))):
+    for i in reversed(range(n)):
+        g = blocks[i].grad_bytes
         at(f"bwd:block{i}", prefix[i], grads, blocks[i].bwd_peak + MemoryBreakdown(
-            temporaries=buckets(done + blocks[i].grad_bytes)), unsharded_block_param_bytes)
-        grads += blocks[i].grad_bytes * states.grad_scale
-        done += blocks[i].grad_bytes
-    at("bwd:head", 0.0, grads, head.bwd_peak + MemoryBreakdown(temporaries=buckets(total_grads)))
+            temporaries=buckets(done + g)), u_bwd[i])
+        if fsdp is not None:  # its reduce-scatter, once its backward is done
+            at(f"bwd:block{i}", prefix[i], grads, MemoryBreakdown(temporaries=fsdp.reduce_bytes(g)), u_bwd[i])
+        grads += g * states.grad_scale
+        done += g
+    at("bwd:head", 0.0, grads, head.bwd_peak + MemoryBreakdown(temporaries=buckets(total_grads)), u_end)
+    if fsdp is not None:  # the root group's reduce-scatter in the backward's final callback; the
+        # head's gradients, the last made, are still referenced then (measured: one whole copy)
+        root = tail.grad_bytes + head.grad_bytes
+        at("bwd:root", 0.0, grads - tail.grad_bytes, MemoryBreakdown(
+            temporaries=head.grad_bytes + fsdp.reduce_bytes(root)))
     full_grads = states.grads
     candidates.append(MemoryBreakdown(params=states.params, grads=full_grads,
                                       optimizer=states.optimizer, temporaries=states.comm_buffers,

@@ -15,8 +15,8 @@ from typing import Mapping
 
 from costmodels import comm
 from costmodels.graph import Poly, Region
-from costmodels.memory import (MemoryBreakdown, RegionMemory, model_state_bytes, simulate_region,
-                               step_peak)
+from costmodels.fsdp import FsdpLayout, root_gather_events
+from costmodels.memory import MemoryBreakdown, RegionMemory, model_state_bytes, simulate_region, step_peak
 from costmodels.remat import CheckpointSet, resolve, saved_nodes, sets_from_mapping
 from hardware_profiles import HardwareProfile
 
@@ -155,6 +155,7 @@ class StepModel:
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self._mem = lru_cache(maxsize=None)(self._region_memory)
         self._cost = lru_cache(maxsize=None)(self._region_cost)
+        self._tail_root = lru_cache(maxsize=None)(self._tail_root_memory)
         self._menus: dict[tuple, object] = {}
 
     def _region_memory(self, name: str, b: int, s: int, policy: str | CheckpointSet) -> RegionMemory:
@@ -162,6 +163,10 @@ class StepModel:
         region = self.regions[name]
         return simulate_region(region, b, s, checkpoint=entry.checkpointed,
                                saved_ops=saved_nodes(region, entry))
+
+    def _tail_root_memory(self, b: int, s: int, root_bytes: float) -> RegionMemory:
+        region = self.regions["tail"]
+        return simulate_region(region, b, s, extra=root_gather_events(region, root_bytes))
 
     def _region_cost(self, name: str, b: int, s: int, sp: int, policy: str | CheckpointSet,
                      dtype: str) -> RegionCost:
@@ -206,14 +211,38 @@ class StepModel:
         """Memory, FLOPs and time of one step under `c`, per device."""
         b, s, sp = c.micro_batch, c.seq_len // c.sp_degree, c.sp_degree
         wb, gb, mb_, dtype = PRECISIONS[c.precision]
+        fsdp = self.fsdp_layout(c)
         states = model_state_bytes(self.param_numels, weight_bytes=wb, grad_bytes=gb, master_bytes=mb_,
                                    optimizer_bits=c.optimizer_bits, zero_stage=c.zero_stage,
-                                   shard_degree=c.devices, foreach=self.hw.device_type != "cpu")
+                                   shard_degree=c.devices, foreach=self.hw.device_type != "cpu",
+                                   as_executed=True)
         head = self._mem("head", b, s, "none")
-        tail = self._mem("tail", b, s, "none")
+        tail = self.tail_memory(c)
         blocks = [self.block_memory(c, i, p) for i, p in enumerate(c.policies)]
-        memory = step_peak(head, blocks, tail, states, unsharded_block_param_bytes=self.unsharded_bytes(c))
+        memory = step_peak(head, blocks, tail, states, fsdp=fsdp)
         return self._with_runtime(c, memory)
+
+    def tail_memory(self, c: Choice) -> RegionMemory:
+        """Lifetime summary of the tail (final norm, LM head, loss) at `c`'s shape; with ZeRO-3
+        over more than one device it includes FSDP2's root group, resharded during the loss
+        and all-gathered again for the backward (`costmodels.fsdp.root_gather_events`)."""
+        b, s = c.micro_batch, c.seq_len // c.sp_degree
+        fsdp = self.fsdp_layout(c)
+        if fsdp is not None and fsdp.reshard_after_forward:
+            return self._tail_root(b, s, fsdp.root_param_bytes)
+        return self._mem("tail", b, s, "none")
+
+    def fsdp_layout(self, c: Choice) -> FsdpLayout | None:
+        """FSDP2's all-gathered groups at `c` (ZeRO 2/3 over more than one device), else None.
+        The root group's bytes are all parameters' bytes at the weight width less the blocks'
+        (captured at the parameter dtype, which FSDP2 gathers without a mixed-precision policy)."""
+        if c.zero_stage < 2 or c.devices == 1:
+            return None
+        blocks = tuple(self.regions[name].param_bytes() for name in self.blocks)
+        whole = sum(self.param_numels) * PRECISIONS[c.precision][0]
+        return FsdpLayout(root_param_bytes=max(0.0, whole - sum(blocks)), block_param_bytes=blocks,
+                          shard_degree=c.devices, reshard_after_forward=c.zero_stage == 3,
+                          reduce_scatter_copy=self.hw.device_type == "cpu")
 
     def runtime(self, c: Choice) -> StepCost:
         """FLOPs and time of one step under `c`, without the memory replay (its `memory` is an
@@ -233,8 +262,19 @@ class StepModel:
         hw = self.hw
         return StepCost(memory=memory, flops=model_flops + recompute_flops, model_flops=model_flops,
                         compute_s=compute_s, recompute_s=recompute_s, comm_s=self.comm_s(c),
-                        optimizer_s=opt_bytes / (hw.hbm_bandwidth_bytes_per_s * hw.memory_efficiency),
+                        optimizer_s=self.optimizer_s(c, opt_bytes),
                         overhead_s=(sum(x.n_ops for x in costs) + opt_ops) * hw.op_overhead_s)
+
+    def optimizer_s(self, c: Choice, traffic_bytes: float) -> float:
+        """Seconds of one optimizer step on this device: the profile's measured seconds per
+        parameter for these bits (`HardwareProfile.optimizer_s_per_param`, the cpu profile's
+        probe) times this device's share of the parameters, else the roofline of its traffic
+        (`optimizer_traffic`) at the profile's memory bandwidth."""
+        measured = self.hw.optimizer_s_per_param.get(str(c.optimizer_bits))
+        if measured is not None:
+            shard = c.devices if c.zero_stage >= 1 else 1
+            return measured * sum(self.param_numels) / shard
+        return traffic_bytes / (self.hw.hbm_bandwidth_bytes_per_s * self.hw.memory_efficiency)
 
     def optimizer_traffic(self, c: Choice) -> tuple[float, int]:
         """(bytes moved, ops) of one AdamW step on this device's share of the parameters.
@@ -252,11 +292,12 @@ class StepModel:
         return (3 * 4 + 4 * q) * n, 2 * tensors
 
     def unsharded_bytes(self, c: Choice) -> float:
-        """Parameters FSDP (ZeRO-3) holds all-gathered during a block's forward or backward:
-        the current block and the prefetched next one (FSDP2's default prefetch of one)."""
+        """Parameters FSDP (ZeRO-3) holds all-gathered during a block's forward or backward
+        beyond the root group (`fsdp_layout`): the block's whole parameters and its all-gather
+        buffer (forward) or the next block's, prefetched (backward)."""
         if c.zero_stage != 3 or c.devices == 1:
             return 0.0
-        return 2 * self.regions[self.blocks[0]].param_bytes()  # captured at the compute dtype
+        return 2 * self.regions[self.blocks[0]].param_bytes()  # captured at the parameter dtype
 
     def link(self, group: int) -> comm.Link:
         hw = self.hw

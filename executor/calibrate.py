@@ -59,13 +59,17 @@ from hardware_profiles.errors import TrainplanError, UnknownNameError
 from planner.plan import Plan
 
 __all__ = ["CalibrationResult", "LawFit", "StepTimeRow", "calibrate", "load_local_law",
-           "LSQ_MIN_GAIN", "MIN_POINTS", "PRIOR_WEIGHT", "SKIP_FRACTION"]
+           "LSQ_MIN_GAIN", "MIN_POINTS", "MIN_TIMED_STEPS", "PRIOR_WEIGHT", "SKIP_FRACTION"]
 
 SKIP_FRACTION = 0.2
 """Share of each run's held-out points (the first ones) left out of the law fit as warm-up."""
 
 MIN_POINTS = 4
 """Held-out points needed after the skip: one more than the free parameters E, B, beta."""
+
+MIN_TIMED_STEPS = 3
+"""Timed steps a cpu run needs before its step time calibrates the cpu profile: the first two
+are warm-up (`RunRecord.median_step_time_s` skips them), so at least one more."""
 
 LSQ_MIN_GAIN = 0.10
 """The two-factor step-time fit replaces the single ratio only when it lowers the RMS log
@@ -177,6 +181,20 @@ def _load(run_dir: str | Path) -> _Run:
                              f"finished trainplan run (`trainplan run` writes both)")
     plan, record = load_run(p)
     return _Run(str(p), plan, record)
+
+
+def _check_timed_steps(runs: list[_Run]) -> None:
+    """Refuse runs too short to time: a cpu run on this cpu with fewer than MIN_TIMED_STEPS
+    timed steps would rewrite the profile from warm-up steps alone (or from nothing)."""
+    for run in runs:
+        rec = run.record
+        n = len(rec.step_times_s)
+        if rec.same_hardware and run.plan.hw == "cpu" and n < MIN_TIMED_STEPS:
+            raise TrainplanError(
+                f"run folder {run.dir!r} has {n} timed step{'s' if n != 1 else ''}; calibrating "
+                f"the cpu profile needs runs of at least {MIN_TIMED_STEPS} (the first "
+                f"{MIN_TIMED_STEPS - 1} are warm-up): train longer, or leave this run out. "
+                "Nothing was written")
 
 
 @contextlib.contextmanager
@@ -293,6 +311,7 @@ def _scaled(hw: HardwareProfile, compute: float, memory: float, overhead: float 
     return dataclasses.replace(
         hw, peak_flops_per_s={k: v * compute for k, v in hw.peak_flops_per_s.items()},
         hbm_bandwidth_bytes_per_s=hw.hbm_bandwidth_bytes_per_s * memory,
+        optimizer_s_per_param={k: v / memory for k, v in hw.optimizer_s_per_param.items()},
         op_overhead_s=hw.op_overhead_s / overhead)
 
 
@@ -306,9 +325,7 @@ class _Predictor:
 
         self.run = run
         d = run.plan.decisions
-        self.choice = Choice(sp_degree=d.sp_degree, zero_stage=d.zero_stage, micro_batch=d.micro_batch,
-                             seq_len=d.seq_len, policies=tuple(d.checkpoint), precision=d.precision,
-                             optimizer_bits=d.optimizer_bits, devices=d.devices)
+        self.choice = Choice.from_decisions(d)  # solved checkpoint sets (remat:k) included
         key = (run.plan.model, d.precision, run.plan.vocab_size)
         if key not in captures:
             from planner.api import capture_model
@@ -374,7 +391,8 @@ def _source(old: str, text: str) -> str:
 def _apply(hw: HardwareProfile, compute: float, memory: float, overhead: float, text: str
            ) -> tuple[HardwareProfile, tuple[str, ...]]:
     """The profile with compute/memory throughput scaled: through the efficiencies when they
-    stay <= 1, else through the peaks / bandwidth (same predictions)."""
+    stay <= 1, else through the peaks / bandwidth (same predictions); the measured optimizer
+    seconds per parameter scale with memory throughput."""
     fields, sources = {}, {}
     curve = tuple((f, e * compute) for f, e in hw.matmul_efficiency)
     if max(e for _, e in curve) <= 1.0:
@@ -397,13 +415,22 @@ def _apply(hw: HardwareProfile, compute: float, memory: float, overhead: float, 
         sources["hbm_bandwidth_bytes_per_s"] = _source(
             hw.sources.get("hbm_bandwidth_bytes_per_s", ""),
             f"{text}: x{memory:.4g} (on the bandwidth: memory_efficiency would exceed 1)")
+    if hw.optimizer_s_per_param:  # the measured optimizer step is memory-bound work too
+        fields["optimizer_s_per_param"] = {k: v / memory for k, v in hw.optimizer_s_per_param.items()}
+        sources["optimizer_s_per_param"] = _source(hw.sources.get("optimizer_s_per_param", ""),
+                                                   f"{text}: /{memory:.4g}")
     fields["op_overhead_s"] = hw.op_overhead_s / overhead
     sources["op_overhead_s"] = _source(hw.sources.get("op_overhead_s", ""), f"{text}: /{overhead:.4g}")
     return hw.with_calibration(sources=sources, **fields), tuple(fields)
 
 
-def _calibrate_step_time(runs: list[_Run], notes: list[str]) -> dict:
-    """Fit the cpu profile to the runs' measured step times; nothing written."""
+def _step_s(rec, time_basis: str) -> float:
+    return rec.median_step_cpu_time_s if time_basis == "cpu" else rec.median_step_time_s
+
+
+def _calibrate_step_time(runs: list[_Run], notes: list[str], time_basis: str = "wall") -> dict:
+    """Fit the cpu profile to the runs' measured step times (median wall or process CPU
+    seconds, `time_basis`); nothing written."""
     from hardware_profiles import load as load_profile
 
     use = []
@@ -412,8 +439,9 @@ def _calibrate_step_time(runs: list[_Run], notes: list[str]) -> dict:
         if not (rec.same_hardware and run.plan.hw == "cpu"):
             notes.append(f"{run.dir}: step time not used (planned for {run.plan.hw!r}, ran on "
                          f"{rec.device!r}; only cpu runs on the cpu calibrate the cpu profile)")
-        elif not (math.isfinite(rec.median_step_time_s) and rec.median_step_time_s > 0):
-            notes.append(f"{run.dir}: step time not used (no timed steps in record.json)")
+        elif not (math.isfinite(_step_s(rec, time_basis)) and _step_s(rec, time_basis) > 0):
+            notes.append(f"{run.dir}: step time not used (no timed steps in record.json"
+                         + (", or no CPU times: recorded before they were measured)" if time_basis == "cpu" else ")"))
         else:
             use.append(run)
     empty = dict(rows=(), method="", ratio=math.nan, compute=1.0, memory=1.0, fields=(), profile=None)
@@ -426,7 +454,7 @@ def _calibrate_step_time(runs: list[_Run], notes: list[str]) -> dict:
             notes.append(f"{p.run.dir}: model {p.run.plan.model!r} is not a preset, so its step is "
                          f"not re-predicted: the plan's stored breakdown is taken as the current "
                          f"profile's prediction")
-    measured = np.array([r.record.median_step_time_s for r in use])
+    measured = np.array([_step_s(r.record, time_basis) for r in use])
     before = np.array([p.time(hw) for p in preds])
     ks = []
     for p, t in zip(preds, measured):
@@ -449,7 +477,8 @@ def _calibrate_step_time(runs: list[_Run], notes: list[str]) -> dict:
             notes.append(f"two-factor fit not better than the ratio (RMS log error {rms_lsq:.3g} vs "
                          f"{rms_ratio:.3g}): ratio kept")
     when = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-    text = (f"calibrated by trainplan calibrate ({method}) on {len(use)} run(s) "
+    text = (f"calibrated by trainplan calibrate ({method}"
+            f"{', process CPU time per step' if time_basis == 'cpu' else ''}) on {len(use)} run(s) "
             f"({', '.join(r.dir for r in use)}), {when}")
     new, fields = _apply(hw, compute, memory, overhead, text)
     after = [p.time(new) for p in preds]
@@ -464,7 +493,7 @@ def _calibrate_step_time(runs: list[_Run], notes: list[str]) -> dict:
 
 
 def calibrate(run_dirs: list[str | Path], *, cache_dir: str | Path | None = None,
-              verbose: bool = True) -> CalibrationResult:
+              verbose: bool = True, time_basis: str = "wall") -> CalibrationResult:
     """Refit the local cpu profile (step time) and loss law(s) from real runs; see the module
     docstring for the method.
 
@@ -473,6 +502,9 @@ def calibrate(run_dirs: list[str | Path], *, cache_dir: str | Path | None = None
         cache_dir: trainplan cache root for this call (cpu profile and laws); default
             $TRAINPLAN_CACHE_DIR, else ~/.cache/trainplan.
         verbose: print a before/after table.
+        time_basis: "wall" (default: the median step's wall time) or "cpu" (its process CPU
+            time, `RunRecord.step_cpu_times_s`: for one-thread runs on a machine other jobs
+            share, the step without their load; benchmarks/accuracy.py uses it).
 
     Writes the calibrated cpu profile (`hardware_profiles.save_profile`, when some run was a
     cpu run on this cpu) and one law file per (model, vocab_size) (`costmodels.loss_cache`).
@@ -481,20 +513,24 @@ def calibrate(run_dirs: list[str | Path], *, cache_dir: str | Path | None = None
     Raises:
         TrainplanError: no run folders; a folder missing, without plan.json/record.json or
             unreadable (named); fewer than `MIN_POINTS` usable held-out points for a law (the
-            message gives the count found and the count needed). Nothing is written then.
+            message gives the count found and the count needed); a cpu run with fewer than
+            `MIN_TIMED_STEPS` timed steps. Nothing is written then.
     """
+    if time_basis not in ("wall", "cpu"):
+        raise TrainplanError(f"time_basis={time_basis!r}: use 'wall' or 'cpu'")
     if isinstance(run_dirs, (str, Path)):
         run_dirs = [run_dirs]
     if not run_dirs:
         raise TrainplanError("calibrate needs at least one run folder")
     runs = [_load(d) for d in run_dirs]
+    _check_timed_steps(runs)
     notes: list[str] = []
     with _cache_env(cache_dir):
         groups: dict[tuple[str, int], list[_Run]] = {}
         for run in runs:
             groups.setdefault((run.plan.model, int(run.plan.vocab_size)), []).append(run)
         fitted = [(key, *_fit_law(*key, group)) for key, group in groups.items()]  # may raise
-        step = _calibrate_step_time(runs, notes)
+        step = _calibrate_step_time(runs, notes, time_basis)
         profile_path = None
         if step["profile"] is not None:
             from hardware_profiles import save_profile

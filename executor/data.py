@@ -27,7 +27,7 @@ from executor.corpus import cached_token_ids, load_tokenizer, read_documents
 from hardware_profiles.errors import DataError
 
 __all__ = ["TokenCorpus", "load_corpus", "count_corpus_tokens", "TokenBatches",
-           "heldout_batches", "load_tokenizer"]
+           "heldout_batches", "load_tokenizer", "check_corpus_for_plan"]
 
 DEFAULT_MIN_HELDOUT_TOKENS = 2 * (1024 + 1)
 """Held-out tokens kept at least (two windows of seq_len 1024) when the corpus has twice that."""
@@ -113,6 +113,25 @@ def count_corpus_tokens(paths: Sequence[str | Path] | None = None, *, vocab_size
     docs = read_documents(paths)
     ids, _ = cached_token_ids(docs, vocab_size, cache_dir=cache_dir)
     return _split_sizes(len(ids), heldout_frac, min_heldout_tokens)[0]
+
+
+def check_corpus_for_plan(corpus: TokenCorpus, *, seq_len: int, vocab_size: int) -> None:
+    """Check, before a run builds anything, that `corpus` can feed a plan of `seq_len` tokens
+    per sequence made for `vocab_size` tokens.
+
+    Raises:
+        DataError: fewer training tokens than one sequence needs (seq_len + 1), or a tokenizer
+            vocabulary other than the plan's (a byte-level BPE trained on a small corpus learns
+            fewer tokens than asked for, and the model's embedding would not match the plan).
+    """
+    if corpus.n_train_tokens < seq_len + 1:
+        raise DataError(f"corpus {corpus.name} has {corpus.n_train_tokens} training tokens, fewer "
+                        f"than one sequence needs (seq_len + 1 = {seq_len + 1}); use a larger "
+                        f"corpus or a plan with seq_len <= {max(1, corpus.n_train_tokens - 1)}")
+    if corpus.vocab_size != vocab_size:
+        raise DataError(f"corpus {corpus.name} gives a vocabulary of {corpus.vocab_size} tokens but "
+                        f"the plan was made for vocab_size={vocab_size}; a byte-level BPE learns "
+                        f"{vocab_size} tokens only from a larger corpus: use a larger corpus")
 
 
 def _check_window_args(n_tokens: int, seq_len: int, micro_batch: int) -> int:

@@ -4,6 +4,8 @@ frames and the plotted data, not pixels), plus the few readers that find their i
 - `rank_memory_frame` / `rank_memory_figure`: peak memory per rank, predicted vs measured.
 - `predicted_loss_frame` (pure) and `plan_loss_curves` (reads the local law file): the predicted
   loss curve with a band, drawn on the loss panel of `executor.report`.
+- `read_governor_summary` / `governor_figure`: a governed run's held-out loss with the
+  governor's fitted curve and band, the planned budget, the predicted and the actual stop.
 - `frontier_frame` / `frontier_figure`: the Pareto frontier of plans with the chosen one marked,
   from a run folder's `frontier.csv` (written by the planner when it computes a frontier).
 - `append_calibration_history` / `read_calibration_history` / `calibration_figure`: prediction
@@ -35,8 +37,9 @@ from planner.plan import Plan
 
 __all__ = ["CALIBRATION_COLUMNS", "CALIBRATION_HISTORY", "LOSS_BAND_REL", "append_calibration_history",
            "calibration_figure", "calibration_history_path", "error_figure", "frontier_figure",
-           "frontier_frame", "pct_text", "plan_loss_curves", "png_bytes", "predicted_loss_frame",
-           "rank_memory_figure", "rank_memory_frame", "read_calibration_history"]
+           "frontier_frame", "governor_figure", "pct_text", "plan_loss_curves", "png_bytes",
+           "predicted_loss_frame", "rank_memory_figure", "rank_memory_frame",
+           "read_calibration_history", "read_governor_summary"]
 
 MIB = 2**20
 GIB = 2**30
@@ -161,6 +164,49 @@ def plan_loss_curves(plan: Plan, cache_dir: str | Path | None = None) -> pd.Data
     if not curves:
         return pd.DataFrame(columns=["curve", "step", "tokens", "loss", "lower", "upper"])
     return pd.concat(curves, ignore_index=True)
+
+
+# --- the governor ---------------------------------------------------------------------------
+
+
+def read_governor_summary(run_dir: str | Path) -> dict | None:
+    """The run's `governor.json` (`executor.governor.GovernedLoop.write`), or None when the run
+    had no governor or the file cannot be read."""
+    import json
+
+    try:
+        summary = json.loads((Path(run_dir) / "governor.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return summary if isinstance(summary, dict) else None
+
+
+def governor_figure(plan: Plan, record: RunRecord, summary: dict) -> Figure:
+    """The governed run's loss figure: held-out loss as measured, the governor's last fitted
+    curve with its band, the planned budget, the stop decision, the actual stop and the plan's
+    predicted stop (`Predictions.predicted_stop_step`; the fit's own when the plan has none),
+    with the predicted and the actual final loss marked at their steps.
+
+    `summary`: `read_governor_summary` of the run's folder."""
+    from executor.governor import curve_frame, plot_governor
+
+    d, p = plan.decisions, plan.predictions
+    planned = getattr(p, "predicted_stop_step", None)
+    s = dict(summary) | ({"predicted_stop_step": planned} if planned is not None else {})
+    finals = {}
+    if math.isfinite(record.final_heldout_loss):
+        finals[f"actual end ({record.stop_reason or 'running'})"] = (record.steps,
+                                                                     record.final_heldout_loss)
+    if getattr(p, "predicted_end_step", None) is not None:
+        finals["predicted end (plan)"] = (p.predicted_end_step, p.predicted_end_loss)
+    fig = Figure(figsize=(8, 6), layout="constrained")
+    ax = fig.subplots()
+    plot_governor(ax, curve_frame(record.heldout_loss, s, max_steps=d.max_steps), s,
+                  max_steps=d.max_steps, final_losses=finals,
+                  predicted_label="predicted stop (plan)" if planned is not None else "predicted stop (fit)")
+    ax.set_title(f"compute governor: threshold {d.governor_threshold:.3g} nats/step, "
+                 f"stop: {s.get('reason') or 'none'}")
+    return fig
 
 
 # --- Pareto frontier --------------------------------------------------------------------------

@@ -1,27 +1,13 @@
-"""The compute governor: stop a run when its next steps are no longer worth their cost.
+"""The compute governor inside a training run: stop it when its next steps are no longer
+worth their cost.
 
-A training loop feeds the governor its losses and asks it, after every step, whether to go on.
-It stops the run for one of four reasons (`Decision.reason`, also the record's `stop_reason`):
-
-- `nan`: a train or held-out loss is NaN or infinite (at once);
-- `diverged`: the smoothed train loss (EMA over `window` steps) stays above `divergence_factor`
-  times its running minimum for `patience` consecutive steps;
-- `marginal_gain`: a learning curve L(t) = E + A (t + t0)^-alpha fitted to the held-out losses
-  (`costmodels.governor.fit_curve`, refitted every `refit_every` steps once `min_points`
-  evaluations exist) predicts that the next `horizon_steps` steps lower the loss by less than
-  `threshold_nats_per_step` each, *even at the upper `confidence` bound* (conservative: a noisy
-  fit delays the stop, it does not cause one); or the same bound on the drop per step of a
-  straight line through the recent evaluations (`trend_gain`, steps >= `trend_from` x steps
-  done) is below the threshold: the power law plus floor cannot rise, so a held-out loss that
-  rises (overfitting on repeated data) is caught by the trend. A stop whose cooldown would
-  reach the budget is not taken (it would save nothing). The run then cools down: the learning
-  rate decays linearly to 5% over `cooldown_steps(s)` more steps (`cooldown_fraction` of the
-  final run, 20% as `executor.train.lr_at`'s warmup-stable-decay schedule) and ends at
-  `Decision.final_step`;
-- `budget`: `max_steps` steps are done.
+The stopping rule (`Governor`, `Decision`, reasons `nan`, `diverged`, `marginal_gain`, `budget`)
+is pure and lives in `costmodels.stopping` (re-exported here); this module runs it in the loop
+(`GovernedLoop`, what `executor.train.run` calls) and draws it (`curve_frame`, `plot_governor`).
 
 Steps are counted as *steps done* (the record's `rec.steps`, 1 after the first optimizer step),
-the same axis as `RunRecord.heldout_loss`. In a loop over 0-based step indices:
+the same axis as `RunRecord.heldout_loss`. In a loop over 0-based step indices, which is what
+`GovernedLoop` does for `executor.train.run`:
 
     gov = Governor.for_plan(plan)                       # or Governor(threshold_nats_per_step=...)
     for step in range(start, d.max_steps):
@@ -31,329 +17,149 @@ the same axis as `RunRecord.heldout_loss`. In a loop over 0-based step indices:
         if rec.steps % eval_every == 0 or rec.steps == gov.final_step:   # the loss at the stop
             gov.observe_heldout(rec.steps, heldout)
         decision = gov.decide(rec.steps)
-        if any_rank(decision.end_now, world):          # ranks' train losses differ under DP
+        if decision.end_now:
             stop["reason"] = decision.reason; break
 
+The cooldown is the stop decision's: `lr_multiplier` decays the planned rate linearly to 5% from
+the decision to `gov.final_step` (warmup-stable-decay with the decay triggered by the stop).
 The fit needs `min_points` evaluations at steps >= `fit_from` x (steps done): evaluate every
-max_steps // 50 steps or more often (`run`'s default of max_steps // 10 leaves too few).
-On resume, `gov.replay(rec.train_loss, rec.heldout_loss)` rebuilds the state, cooldown included.
-
-No torch here: the governor sees floats only, so it runs the same in a replay of a record
-(`Governor.replay`) as live.
+max_steps // 50 steps or more often (`run`'s default of max_steps // 10 leaves too few; a
+governed `run` defaults to max_steps // GOVERNED_EVALS). Under data or sequence parallelism
+every rank feeds the governor the mean of the ranks' losses, so all decide alike. On resume,
+`gov.replay(rec.train_loss, rec.heldout_loss)` rebuilds the state, cooldown included.
 """
 
 from __future__ import annotations
 
-import math
-import warnings
-from dataclasses import dataclass, field
 from typing import Iterable
 
 import numpy as np
 
-from costmodels.governor import CurveFit, fit_curve, marginal_gain, predict_stop_step, trend_gain
-from hardware_profiles.errors import TrainplanError
+from costmodels.stopping import (COOLDOWN_FRACTION, GOVERNED_EVALS, LR_FLOOR, REASONS,  # noqa: F401
+                                 Decision, Governor, default_eval_every, lr_multiplier)
 
-#: Share of the final run spent in the cooldown, as `executor.train.lr_at` (last 20% of steps;
-#: Hu et al. 2024, MiniCPM, warmup-stable-decay).
-COOLDOWN_FRACTION = 0.2
-#: The cooldown ends at this fraction of the stable learning rate, as `lr_at`.
-LR_FLOOR = 0.05
-REASONS = ("", "budget", "marginal_gain", "nan", "diverged")
+#: The record's notes and `governor.json` name the governor's decisions with this prefix.
+NOTE = "governor: "
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Decision:
-    """What the governor says after a step (see the module docstring for the rules)."""
+class GovernedLoop:
+    """The governor inside `executor.train.run`'s loop, as the module docstring's loop shows
+    (`for_run` builds it; `lr`, `eval_due` and `after_step` are the loop's three calls).
 
-    stop: bool
-    """The run is to end: at once when `end_now`, else after the cooldown, at `final_step`."""
-    reason: str
-    """One of REASONS: "" (go on), `budget`, `marginal_gain`, `nan`, `diverged`."""
-    end_now: bool
-    """The loop must stop after the step just done (steps done >= `final_step`)."""
-    steps: int
-    """Steps done when this decision was made."""
-    cooldown_start: int | None = None
-    """Steps done when the stop on marginal gain was decided = 0-based index of the first
-    cooldown step; None when there is no cooldown."""
-    final_step: int | None = None
-    """Steps the run will have done when it ends; None while it goes on."""
-    fit: CurveFit | None = None
-    """The latest learning-curve fit (None before `min_points` held-out evaluations)."""
-    gain_per_step: tuple[float, float, float] | None = None
-    """Predicted loss drop per step over the next `horizon_steps` (mean, lower, upper),
-    nats/token/step, from `fit`."""
-    trend_per_step: tuple[float, float, float] | None = None
-    """Drop per step of the straight line through the recent evaluations (mean, lower,
-    upper), nats/token/step."""
-    predicted_stop_step: int | None = None
-    """Where the mean of `fit` crosses the threshold (steps done; `max_steps` if it does not)."""
+    Off (`for_run` without a governor and a plan threshold of 0) it is inert: `lr` is 1.0,
+    `eval_due` False, `after_step` "" and `end` the budget, so the loop runs as without it.
+    Under data or sequence parallelism every rank feeds it the mean of the ranks' losses
+    (one collective per step), so that all ranks decide alike and cool down alike."""
 
-
-@dataclass(kw_only=True, slots=True)
-class _Stopped:
-    reason: str
-    decided_at: int
-    cooldown_start: int | None
-    final_step: int
-
-
-@dataclass(kw_only=True, slots=True)
-class Governor:
-    """Online learning-curve fit and stopping rule for one run. Mutable; not thread-safe."""
-
-    threshold_nats_per_step: float
-    """Stop when the predicted held-out loss drop per step (upper bound) is below this,
-    nats/token per step (`Decisions.governor_threshold`); 0 disables the marginal-gain rule.
-    From economics: `costmodels.governor.threshold_from_value(value_per_nat, cost_per_step)`."""
-    max_steps: int
-    """Step budget: the run ends with reason `budget` when this many steps are done."""
-    refit_every: int = 10
-    """Refit the curve at most every this many steps (steps, >= 1)."""
-    min_points: int = 8
-    """Held-out evaluations needed before the first fit (>= 4)."""
-    confidence: float = 0.9
-    """Central confidence of the gain band; the stop waits for its upper end."""
-    horizon_steps: int | None = None
-    """Steps ahead over which the gain per step is averaged; None: `refit_every`."""
-    fit_from: float = 0.25
-    """Fit only evaluations at steps >= fit_from x (steps done) and after warm-up: the curve's
-    early, pre-power-law part (warm-up, unigram plateau) would bias the tail."""
-    trend_from: float = 0.5
-    """The straight-line check uses evaluations at steps >= trend_from x (steps done)."""
-    warmup_steps: int = 0
-    """Evaluations at or before this step are never fitted."""
-    t0: float | None = 1.0
-    """Step offset of the fitted law (None: fitted too)."""
-    cooldown_fraction: float = COOLDOWN_FRACTION
-    """Share of the final run spent cooling down after a marginal-gain stop (0: stop at once)."""
-    divergence_factor: float = 1.5
-    """`diverged` when the smoothed train loss exceeds this x its running minimum ..."""
-    patience: int = 10
-    """... for this many consecutive train observations."""
-    window: int = 10
-    """Span (steps) of the train loss EMA that the divergence rule watches."""
-    train: list[tuple[int, float]] = field(default_factory=list, init=False, repr=False)
-    """(steps done, train loss) observed."""
-    heldout: list[tuple[int, float]] = field(default_factory=list, init=False, repr=False)
-    """(steps done, held-out loss) observed (finite ones)."""
-    history: list[dict] = field(default_factory=list, init=False, repr=False)
-    """One entry per refit: steps, fit parameters, gain per step (mean, lower, upper),
-    predicted stop step (JSON-ready, for the record and the report)."""
-    _ema: float | None = field(default=None, init=False, repr=False)
-    _ema_min: float = field(default=math.inf, init=False, repr=False)
-    _above: int = field(default=0, init=False, repr=False)
-    _bad: str = field(default="", init=False, repr=False)
-    _fit: CurveFit | None = field(default=None, init=False, repr=False)
-    _fit_step: int = field(default=-(10**9), init=False, repr=False)
-    _gain: tuple[float, float, float] | None = field(default=None, init=False, repr=False)
-    _trend: tuple[float, float, float] | None = field(default=None, init=False, repr=False)
-    _pred: int | None = field(default=None, init=False, repr=False)
-    _stopped: _Stopped | None = field(default=None, init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        def bad(name, cond):
-            if not cond:
-                raise TrainplanError(f"Governor.{name}={getattr(self, name)!r} is invalid")
-
-        thr = self.threshold_nats_per_step
-        bad("threshold_nats_per_step", isinstance(thr, (int, float)) and math.isfinite(thr) and thr >= 0)
-        for name, lo in (("max_steps", 1), ("refit_every", 1), ("min_points", 4), ("patience", 1),
-                         ("window", 1), ("warmup_steps", 0)):
-            v = getattr(self, name)
-            bad(name, isinstance(v, int) and not isinstance(v, bool) and v >= lo)
-        bad("horizon_steps", self.horizon_steps is None or (isinstance(self.horizon_steps, int)
-                                                             and self.horizon_steps >= 1))
-        bad("confidence", 0.0 < self.confidence < 1.0)
-        bad("fit_from", 0.0 <= self.fit_from < 1.0)
-        bad("trend_from", 0.0 <= self.trend_from < 1.0)
-        bad("cooldown_fraction", 0.0 <= self.cooldown_fraction < 1.0)
-        bad("divergence_factor", self.divergence_factor > 1.0)
-        bad("t0", self.t0 is None or (math.isfinite(self.t0) and self.t0 >= 0))
+    def __init__(self, gov: Governor | None, *, out=None, rank: int = 0, world: int = 1,
+                 predicted_stop_step: int | None = None):
+        self.gov, self.out, self.rank, self.world = gov, out, rank, world
+        self.predicted_stop_step = predicted_stop_step
+        self.ended = ""
+        """The stop reason of a resumed run that the governor had already ended, else ""."""
+        self._noted = False
 
     @classmethod
-    def for_plan(cls, plan, **overrides) -> "Governor":
-        """A governor with the plan's threshold (`decisions.governor_threshold`), step budget
-        and warm-up; `overrides` set any other field. Reads the plan, never imports planner."""
-        d = plan.decisions
-        kw = dict(threshold_nats_per_step=float(d.governor_threshold), max_steps=int(d.max_steps),
-                  warmup_steps=int(d.warmup_steps))
-        return cls(**{**kw, **overrides})
+    def for_run(cls, plan, governor: Governor | None = None, *, record=None, out=None,
+                rank: int = 0, world: int = 1) -> "GovernedLoop":
+        """The loop's governor: `governor` if given, else `Governor.for_plan(plan)` when the
+        plan's `governor_threshold` is > 0, else none (inert). `record`: the resumed run's
+        record, replayed into the governor (`Governor.replay`: same observations, same
+        decisions, the cooldown included)."""
+        if governor is None and float(getattr(plan.decisions, "governor_threshold", 0.0)) > 0:
+            governor = Governor.for_plan(plan)
+        loop = cls(governor, out=out, rank=rank, world=world,
+                   predicted_stop_step=getattr(plan.predictions, "predicted_stop_step", None))
+        if governor is not None and record is not None:
+            dec = governor.replay(record.train_loss, record.heldout_loss, until=record.steps)
+            loop._noted = any(n.startswith(NOTE + "stop") for n in record.notes)
+            loop.ended = dec.reason if dec.end_now else ""
+        return loop
 
-    # -- observations ---------------------------------------------------------------------
-    def observe_train(self, steps: int, loss: float) -> None:
-        """A train loss (nats/token) after `steps` steps done: NaN/inf and divergence checks."""
-        loss = float(loss)
-        self.train.append((int(steps), loss))
-        if not math.isfinite(loss):
-            self._bad = self._bad or "nan"
-            return
-        a = 2.0 / (self.window + 1.0)
-        self._ema = loss if self._ema is None else a * loss + (1.0 - a) * self._ema
-        self._ema_min = min(self._ema_min, self._ema)
-        self._above = self._above + 1 if self._ema > self.divergence_factor * self._ema_min else 0
-        if self._above >= self.patience:
-            self._bad = self._bad or "diverged"
-
-    def observe_heldout(self, steps: int, loss: float) -> None:
-        """A held-out loss (nats/token) after `steps` steps done: the points the curve is fitted
-        to (NaN/inf stops the run with `nan`)."""
-        loss = float(loss)
-        if not math.isfinite(loss):
-            self._bad = self._bad or "nan"
-            return
-        self.heldout.append((int(steps), loss))
-
-    # -- the decision ---------------------------------------------------------------------
-    @property
-    def horizon(self) -> int:
-        return self.horizon_steps or self.refit_every
-
-    def cooldown_steps(self, steps: int) -> int:
-        """Cooldown length after a stop decided with `steps` done: c such that c is
-        `cooldown_fraction` of the final run, c = ceil(f / (1 - f) x steps) (25% of `steps`
-        for f = 0.2); at least 1 when f > 0."""
-        f = self.cooldown_fraction
-        return 0 if f == 0 else max(1, math.ceil(f / (1.0 - f) * steps - 1e-9))
-
-    def fit_points(self, steps: int, frac: float | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """The held-out (steps, losses) the fit at `steps` done uses (from `frac` x steps on;
-        default `fit_from`)."""
-        lo = max((self.fit_from if frac is None else frac) * steps, self.warmup_steps + 0.5)
-        pts = [(s, v) for s, v in self.heldout if s >= lo and s <= steps]
-        return np.array([p[0] for p in pts], dtype=float), np.array([p[1] for p in pts], dtype=float)
-
-    def decide(self, steps: int) -> Decision:
-        """The decision after `steps` steps done (call once per step, after the observations)."""
-        steps = int(steps)
-        if self._stopped is None:
-            if self._bad:
-                self._stop(self._bad, steps, None)
-            elif steps >= self.max_steps:
-                self._stop("budget", steps, None)
-            else:
-                self._maybe_refit(steps)
-                thr = self.threshold_nats_per_step
-                uppers = [g[2] for g in (self._gain, self._trend) if g is not None]
-                c = self.cooldown_steps(steps)
-                # a stop whose cooldown would reach the budget saves nothing: the budget decides
-                if thr > 0 and uppers and min(uppers) < thr and steps + c < self.max_steps:
-                    self._stop("marginal_gain", steps, steps if c else None, steps + c)
-        elif self._bad in ("nan", "diverged") and self._stopped.reason not in ("nan", "diverged"):
-            self._stop(self._bad, steps, None)  # a NaN during the cooldown ends the run at once
-        st = self._stopped
-        return Decision(stop=st is not None, reason=st.reason if st else "",
-                        end_now=st is not None and steps >= st.final_step, steps=steps,
-                        cooldown_start=st.cooldown_start if st else None,
-                        final_step=st.final_step if st else None, fit=self._fit,
-                        gain_per_step=self._gain, trend_per_step=self._trend,
-                        predicted_stop_step=self._pred)
-
-    def _stop(self, reason: str, steps: int, cooldown_start: int | None, final: int | None = None) -> None:
-        self._stopped = _Stopped(reason=reason, decided_at=steps, cooldown_start=cooldown_start,
-                                 final_step=steps if final is None else final)
-
-    def _maybe_refit(self, steps: int) -> None:
-        if steps - self._fit_step < self.refit_every:
-            return
-        t, y = self.fit_points(steps)
-        if t.size < self.min_points:
-            return
-        self._fit_step = steps
-        try:
-            fit = fit_curve(t, y, t0=self.t0)
-        except (TrainplanError, ValueError, np.linalg.LinAlgError) as e:
-            # a failed fit must not end a training run: keep the last one, say so in the history
-            warnings.warn(f"governor: curve fit at step {steps} failed ({e}); keeping the last fit",
-                          RuntimeWarning, stacklevel=3)
-            self.history.append({"steps": steps, "n_points": int(t.size), "error": str(e)[:200]})
-            return
-        h = self.horizon
-        mean, lo, hi = marginal_gain(fit, steps, h, self.confidence)
-        self._fit, self._gain = fit, (mean / h, lo / h, hi / h)
-        self._pred = (predict_stop_step(fit, self.threshold_nats_per_step, max_steps=self.max_steps,
-                                        horizon_steps=h) if self.threshold_nats_per_step > 0 else None)
-        tt, ty = self.fit_points(steps, self.trend_from)
-        self._trend = trend_gain(tt, ty, self.confidence) if np.unique(tt).size >= 4 else None
-        self.history.append({"steps": steps, "n_points": int(t.size), **fit.to_dict(),
-                             "gain_per_step": list(self._gain),
-                             "trend_per_step": list(self._trend) if self._trend else None,
-                             "predicted_stop_step": self._pred})
+    @staticmethod
+    def default_eval_every(plan, governor: Governor | None = None) -> int:
+        """Held-out evaluation period when `run` is given none: max_steps // 10 steps, or
+        max_steps // GOVERNED_EVALS when governed (the fit needs the points)."""
+        n = plan.decisions.max_steps
+        on = governor is not None or float(getattr(plan.decisions, "governor_threshold", 0.0)) > 0
+        return default_eval_every(n) if on else max(1, n // 10)
 
     @property
-    def final_step(self) -> int | None:
-        """Steps the run will have done when it ends, once a stop is decided (None before):
-        the loop evaluates the held-out loss when `rec.steps == gov.final_step`, so the record
-        ends with the loss at the stop."""
-        return self._stopped.final_step if self._stopped else None
+    def on(self) -> bool:
+        return self.gov is not None
 
-    # -- learning rate ----------------------------------------------------------------------
-    def lr_multiplier(self, step: int) -> float:
-        """Multiplier of the planned learning rate for the step with 0-based index `step`: 1
-        until a marginal-gain stop, then linear from 1 down to LR_FLOOR over the cooldown (the
-        shape of `lr_at`'s own decay). Use as `lr_at(step, plan) * gov.lr_multiplier(step)`."""
-        return lr_multiplier(step, self.state)
+    def lr(self, step: int) -> float:
+        """Multiplier of `lr_at(step, plan)` for the 0-based step `step` (the cooldown)."""
+        return self.gov.lr_multiplier(step) if self.gov is not None else 1.0
+
+    def eval_due(self, steps: int) -> bool:
+        """Whether the held-out loss must be measured after `steps` steps done: at the governor's
+        final step, so that the record ends with the loss at the stop."""
+        return self.gov is not None and steps == self.gov.final_step
+
+    def end(self, max_steps: int) -> int:
+        """The loop's end (exclusive 0-based index): the budget, or on a resumed run that the
+        governor had already ended, the step it ended at (nothing is left to run)."""
+        g = self.gov
+        return min(max_steps, g.final_step) if g is not None and g.final_step is not None else max_steps
 
     @property
-    def state(self) -> dict:
-        """Cooldown state for `lr_multiplier`: {"cooldown_start", "final_step"} (None, None
-        while no cooldown runs)."""
-        st = self._stopped
-        if st is None or st.cooldown_start is None:
-            return {"cooldown_start": None, "final_step": None}
-        return {"cooldown_start": st.cooldown_start, "final_step": st.final_step}
+    def reason(self) -> str:
+        """The governor's stop reason ("" while it lets the run go on, or when off)."""
+        return self.gov.summary(history=False)["reason"] if self.gov is not None else ""
 
-    # -- reporting and replay -----------------------------------------------------------------
-    def curve(self, steps, confidence: float | None = None):
-        """(mean, lower, upper) of the latest fit at `steps` (arrays), or None before a fit."""
-        if self._fit is None:
-            return None
-        s = np.asarray(steps, dtype=float)
-        lo, hi = self._fit.band(s, self.confidence if confidence is None else confidence)
-        return self._fit.loss_at(s), lo, hi
+    def after_step(self, rec) -> str:
+        """Feed the step just done (`rec.train_loss[-1]`, and `rec.heldout_loss[-1]` when it was
+        measured at `rec.steps`) and decide. Returns the stop reason when the loop must end
+        now (`nan`, `diverged`, `marginal_gain` after its cooldown, `budget`), else "". Notes a
+        marginal-gain decision in `rec.notes` and writes `governor.json` (rank 0) after each
+        evaluation and at the end."""
+        g = self.gov
+        if g is None:
+            return ""
+        steps = rec.steps
+        train = float(rec.train_loss[-1][1])
+        held = rec.heldout_loss[-1] if rec.heldout_loss and rec.heldout_loss[-1][0] == steps else None
+        values = [train] + ([float(held[-1])] if held is not None else [])
+        if self.world > 1:
+            from executor.measure import gather_floats
 
-    def summary(self, history: bool = True) -> dict:
-        """JSON-ready facts for the record: reason, decision and final steps, threshold, the last
-        fit, the predicted stop step and (unless `history=False`: one entry per refit, long for
-        long runs) the refit history."""
-        st = self._stopped
-        return {"reason": st.reason if st else "", "decided_at": st.decided_at if st else None,
-                "cooldown_start": st.cooldown_start if st else None,
-                "final_step": st.final_step if st else None,
-                "threshold_nats_per_step": self.threshold_nats_per_step, "max_steps": self.max_steps,
-                "confidence": self.confidence, "fit": self._fit.to_dict() if self._fit else None,
-                "gain_per_step": list(self._gain) if self._gain else None,
-                "trend_per_step": list(self._trend) if self._trend else None,
-                "predicted_stop_step": self._pred,
-                "history": list(self.history) if history else []}
+            values = [float(np.mean([gather_floats(v, self.world)])) for v in values]
+        g.observe_train(steps, values[0])
+        if held is not None:
+            g.observe_heldout(steps, values[1])
+        dec = g.decide(steps)
+        if dec.stop and not self._noted:
+            self._noted = True
+            rec.notes.append(self._note(dec))
+        if held is not None or dec.end_now:
+            self.write()
+        return dec.reason if dec.end_now else ""
 
-    def replay(self, train_loss: Iterable[tuple[int, float]] = (),
-               heldout_loss: Iterable[tuple] = (), *, until: int | None = None) -> Decision:
-        """Feed a recorded run (`RunRecord.train_loss` (0-based step, loss) and `.heldout_loss`
-        (steps done, tokens, loss) or (steps done, loss)) step by step, deciding after each, as
-        the live loop would; returns the first decision that ends the run (or the last one).
-        Also rebuilds the governor's state on resume (same observations, same decisions).
+    def _note(self, dec: Decision) -> str:
+        what = f"{NOTE}stop ({dec.reason}) decided after {dec.steps} steps"
+        if dec.reason == "marginal_gain":
+            parts = [f"{name} {g[2]:.3g}" for name, g in (("fitted curve", dec.gain_per_step),
+                                                          ("trend", dec.trend_per_step)) if g]
+            what += (f": upper bound of the loss drop per step ({', '.join(parts)}) below the "
+                     f"threshold {self.gov.threshold_nats_per_step:.3g} nats/step; cooldown to "
+                     f"step {dec.final_step}")
+        if self.predicted_stop_step is not None:
+            what += f"; the plan predicted a stop at step {self.predicted_stop_step}"
+        return what
 
-        Note: a replay over a run that did not cool down when the governor says so cannot show
-        the cooldown's loss drop after the decision step."""
-        train = {int(s) + 1: float(v) for s, v in train_loss}
-        held: dict[int, float] = {}
-        for row in heldout_loss:
-            held[int(row[0])] = float(row[-1])
-        last = max([*train, *held, 0])
-        if until is not None:
-            last = min(last, int(until))
-        dec = Decision(stop=False, reason="", end_now=False, steps=0)
-        for s in range(1, last + 1):
-            if s in train:
-                self.observe_train(s, train[s])
-            if s in held:
-                self.observe_heldout(s, held[s])
-            dec = self.decide(s)
-            if dec.end_now:
-                break
-        return dec
+    def write(self) -> None:
+        """`out/governor.json`: `Governor.summary()` plus the plan's predicted stop (rank 0)."""
+        if self.gov is None or self.out is None or self.rank != 0:
+            return
+        import json
+        from pathlib import Path
+
+        path = Path(self.out) / "governor.json"
+        summary = self.gov.summary() | {"plan_predicted_stop_step": self.predicted_stop_step}
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(summary, indent=1) + "\n")
+        tmp.replace(path)
 
 
 def curve_frame(heldout_loss: Iterable[tuple], summary: dict, *, max_steps: int,
@@ -386,11 +192,14 @@ def curve_frame(heldout_loss: Iterable[tuple], summary: dict, *, max_steps: int,
 
 
 def plot_governor(ax, frame, summary: dict, *, max_steps: int,
-                  final_losses: dict[str, tuple[int, float]] | None = None) -> None:
+                  final_losses: dict[str, tuple[int, float]] | None = None,
+                  predicted_label: str = "predicted stop") -> None:
     """Draw `curve_frame` on a matplotlib Axes: the measured held-out loss, the fitted curve with
     its band, the planned budget, the stop decision, the actual stop and the predicted stop
     (`summary["predicted_stop_step"]`); `final_losses` adds labelled markers, e.g.
-    {"governed run": (225, 6.23), "budget run out": (400, 6.52)} (steps, nats/token)."""
+    {"governed run": (225, 6.23), "budget run out": (400, 6.52)} (steps, nats/token);
+    `predicted_label` names the predicted stop's line (e.g. "predicted stop (plan)" when
+    `summary["predicted_stop_step"]` is the plan's prediction rather than the fit's)."""
     m = frame.dropna(subset=["measured"])
     ax.plot(m["steps"], m["measured"], "o", ms=3, color="C0", label="held-out loss (measured)")
     if frame["predicted"].notna().any():
@@ -399,7 +208,7 @@ def plot_governor(ax, frame, summary: dict, *, max_steps: int,
                         label=f"{summary.get('confidence', 0.9):.0%} band")
     ax.axvline(max_steps, color="k", ls="-", lw=1, label=f"planned budget ({max_steps} steps)")
     marks = (("cooldown_start", "C3", "--", "stop decided"), ("final_step", "C3", "-", "actual stop"),
-             ("predicted_stop_step", "C2", ":", "predicted stop"))
+             ("predicted_stop_step", "C2", ":", predicted_label))
     for key, color, ls, label in marks:
         v = summary.get(key)
         if v is not None and v < max_steps:
@@ -417,16 +226,5 @@ def plot_governor(ax, frame, summary: dict, *, max_steps: int,
     ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
 
 
-def lr_multiplier(step: int, state: dict) -> float:
-    """Learning-rate multiplier for the 0-based step index `step` under a governor cooldown
-    `state` ({"cooldown_start": s, "final_step": n}, see `Governor.state`): 1 before s, then
-    max(LR_FLOOR, (n - step) / (n - s)): the same linear decay `lr_at` applies over the last
-    20% of a planned run, started by the stop decision instead of the plan."""
-    s, n = state.get("cooldown_start"), state.get("final_step")
-    if s is None or n is None or step < s:
-        return 1.0
-    return max(LR_FLOOR, (n - step) / max(n - s, 1))
-
-
-__all__ = ["COOLDOWN_FRACTION", "Decision", "Governor", "LR_FLOOR", "REASONS", "curve_frame",
-           "lr_multiplier", "plot_governor"]
+__all__ = ["COOLDOWN_FRACTION", "Decision", "GOVERNED_EVALS", "GovernedLoop", "Governor", "LR_FLOOR",
+           "REASONS", "curve_frame", "lr_multiplier", "plot_governor"]

@@ -37,6 +37,7 @@ TOLERANCES: dict[str, float] = {
     "step_time": 0.10,
     "tokens": 0.01,
     "final_loss": 0.05,
+    "stop_step": 0.15,
 }
 """Largest |rel_err| at which a prediction still holds, per term (fractions).
 
@@ -44,6 +45,8 @@ TOLERANCES: dict[str, float] = {
   counts the cost models derive from the same graph the run executes; a larger gap is a bug.
 - `step_time`: 10%, and only when the run ran on the plan's hardware (DESIGN.md, Measuring).
 - `tokens`: 1%: the run stopped where the plan said (a governor stop or a crash shows here).
+- `stop_step` (governed plans: the step the run ended at, after the governor's cooldown,
+  against the plan's prediction): 15%, the compute governor's target (issue #8).
 - `final_loss`: 5%, the scatter of a scaling-law fit at one model size.
 """
 
@@ -54,7 +57,8 @@ VERDICT_COLUMNS = ("run", "term", "label", "predicted", "measured", "unit", "rel
 HELD, NOT_HELD, NOT_MEASURED, NO_PREDICTION = "held", "not held", "not measured", "no prediction"
 
 _LABELS = {"peak_memory": "peak memory", "flops_per_step": "FLOPs per step",
-           "step_time": "step time", "tokens": "tokens", "final_loss": "final loss"}
+           "step_time": "step time", "tokens": "tokens", "final_loss": "final loss",
+           "stop_step": "governed end step"}
 
 CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:2em auto;
@@ -270,6 +274,12 @@ def _run_figures(plan: Plan, record: RunRecord, frames: ReportFrames, verdicts: 
                           "Training and held-out loss as measured; the predicted curve with its "
                           "band where the law is known; the star is the predicted final loss at "
                           "the planned budget; the solid line is where the run stopped and why."))
+    governed = F.read_governor_summary(run_dir)
+    if governed is not None:
+        blocks.append(_figure(F.governor_figure(plan, record, governed), "Compute governor",
+                              "Held-out loss with the governor's fitted curve and band, the planned "
+                              "budget, where it decided to stop, where the run ended (after the "
+                              "cooldown) and the plan's predicted stop."))
     frontier = run_dir / "frontier.csv"
     if frontier.is_file():
         try:

@@ -161,6 +161,35 @@ _ROOT_CAUSE = re.compile(
 )
 
 
+_FAILURE = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\).*?exitcode\s*:\s*(-?\d+)", re.S)
+
+_SECONDARY = ("DistBackendError", "Connection closed by peer", "Connection reset by peer",
+              "Broken pipe", "ProcessGroupGloo", "ProcessGroupNCCL", "NCCL communicator")
+"""Marks of a rank that failed because another one died first (its collective lost a peer)."""
+
+
+def _first_cause(summary: str, run_dirs: list[Path]) -> tuple[int, int, int] | None:
+    """(rank, local rank, exit code) of the failure that caused the others: torchrun's "Root
+    Cause" (the first failure its polling observed), unless that rank's stderr shows only a lost
+    peer in a collective while another failed rank's does not (ranks that fail in the same
+    second are observed in polling order, not in the order they failed)."""
+    root = _ROOT_CAUSE.search(summary)
+    if root is None:
+        return None
+    first = tuple(int(g) for g in root.groups())
+
+    def secondary(local_rank: int) -> bool:
+        path = _rank_stderr(run_dirs, local_rank)
+        text = _tail(path, 40) if path else ""
+        return any(m in text for m in _SECONDARY)
+
+    if not secondary(first[1]):
+        return first
+    failures = {tuple(int(g) for g in m.groups()) for m in _FAILURE.finditer(summary)}
+    primary = sorted(f for f in failures if f != first and not secondary(f[1]))
+    return primary[0] if primary else first
+
+
 def _describe_exit(code: int) -> str:
     if code < 0:
         try:
@@ -237,15 +266,15 @@ def run_torchrun(
             log_dir=log_dir,
         )
     summary = _tail(torchrun_log, 200)
-    match = _ROOT_CAUSE.search(summary)
-    if match is None:  # torchrun itself failed (bad arguments, rendezvous, ...)
+    cause = _first_cause(summary, run_dirs)
+    if cause is None:  # torchrun itself failed (bad arguments, rendezvous, ...)
         raise WorkerFailedError(
             f"torchrun -m {module} exited with code {_describe_exit(code)} before naming a failed "
             f"rank; last lines of {torchrun_log}:\n{_tail(torchrun_log)}",
             exit_code=code,
             log_dir=log_dir,
         )
-    rank, local_rank, rank_code = (int(g) for g in match.groups())
+    rank, local_rank, rank_code = cause
     path = _rank_stderr(run_dirs, local_rank)
     tail = _tail(path) if path else f"(no per-rank log; see {torchrun_log})"
     raise WorkerFailedError(

@@ -12,13 +12,39 @@ from torch import nn
 WARMUP_STEPS_UNMEASURED = 2  # optimizer states exist from step 1 on; measure after that
 
 
+def tracked_objects(model: nn.Module, opt) -> list:
+    """What `MemTracker.track_external` must be given so that it sees every model state.
+
+    MemTracker counts only storages it is told about or sees being made, so besides the model
+    and the optimizer:
+    - ZeRO-1's `ZeroRedundancyOptimizer` keeps this rank's states in its local optimizer
+      (`opt.optim`), not in its own `state` (without it they were missed: 0 B of optimizer
+      states and a peak 23% low on 2 processes);
+    - FSDP2 registers a module's *whole* parameters while they are all-gathered (after a
+      no-grad forward, e.g. the held-out evaluation, with `reshard_after_forward=False`), so
+      `model.parameters()` may not name the shards; the optimizer's parameters are the shards
+      (DTensors), added as a module's parameters so that they count as params."""
+    objs = [model, opt]
+    inner = getattr(opt, "optim", None)
+    if isinstance(inner, torch.optim.Optimizer):
+        objs.append(inner)
+    known = {id(p) for p in model.parameters()}
+    extra = [p for g in getattr(opt, "param_groups", ()) for p in g["params"]
+             if isinstance(p, nn.Parameter) and id(p) not in known]
+    if extra:
+        holder = nn.Module()
+        holder.shards = nn.ParameterList(extra)
+        objs.append(holder)
+    return objs
+
+
 def _measure_memory(step_fn, model, opt) -> dict[str, float]:
     """Run `step_fn()` under `MemTracker`; bytes at its peak by category: params (with buffers),
     grads, optimizer, activations, temporaries (with inputs and others), total."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     mt = MemTracker()
-    mt.track_external(model, opt)
+    mt.track_external(*tracked_objects(model, opt))
     with mt:
         step_fn()
     snap = next(iter(mt.get_tracker_snapshot("peak").values()))
@@ -31,7 +57,8 @@ def _measure_memory(step_fn, model, opt) -> dict[str, float]:
 
 def measured_step(step: int, train_step, rec, dev: torch.device, model, opt) -> float:
     """One training step: step 2 under MemTracker (CPU), step 3 under FlopCounterMode, every
-    other step timed into `rec.step_times_s`. Returns its loss."""
+    other step timed into `rec.step_times_s` (wall) and `rec.step_cpu_times_s` (this process's
+    CPU seconds, all its threads). Returns its loss."""
     if step == WARMUP_STEPS_UNMEASURED and dev.type == "cpu":
         losses = []
         rec.peak_memory_bytes = _measure_memory(lambda: losses.append(train_step(step)), model, opt)
@@ -48,11 +75,12 @@ def measured_step(step: int, train_step, rec, dev: torch.device, model, opt) -> 
         return loss
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     loss = train_step(step)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     rec.step_times_s.append(time.perf_counter() - t0)
+    rec.step_cpu_times_s.append(time.process_time() - c0)
     return loss
 
 

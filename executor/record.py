@@ -23,6 +23,10 @@ class RunRecord:
     steps: int = 0
     tokens: int = 0
     step_times_s: list[float] = field(default_factory=list)
+    step_cpu_times_s: list[float] = field(default_factory=list)
+    """CPU seconds this process used in each timed step (`time.process_time`, all threads),
+    beside its wall time. With one torch thread on a CPU it is the step's time without the
+    other processes of a shared machine (they take wall time, not this process's CPU time)."""
     train_loss: list[tuple[int, float]] = field(default_factory=list)
     """(step, loss) for every step."""
     heldout_loss: list[tuple[int, int, float]] = field(default_factory=list)
@@ -34,11 +38,17 @@ class RunRecord:
     flops_per_step: float = 0.0
     """FLOPs of one step on this rank, by `FlopCounterMode`."""
     stop_reason: str = ""
-    """Why the run ended: `budget` (all planned steps), `interrupted` (SIGINT/SIGTERM; resume
-    with `trainplan run --out DIR --resume`), `nan`, `out_of_memory` or `error`; empty while
-    it runs."""
+    """Why the run ended: `budget` (all planned steps), `marginal_gain` (the compute governor
+    stopped it: the next steps were not worth their cost), `interrupted` (SIGINT/SIGTERM;
+    resume with `trainplan run --out DIR --resume`), `nan`, `diverged`, `out_of_memory` or
+    `error`; empty while it runs."""
     wall_s: float = 0.0
     """Training wall time, all segments of a resumed run together."""
+    selection_flops: float = 0.0
+    """FLOPs spent scoring the data for the plan's `data_method` (`executor.selection`: reference
+    training and scoring passes; dynamic selection adds each re-score), charged to the budget
+    beside `flops_per_step * steps`; the same on a cache hit (the compute the scores cost). 0 for
+    `random`. Records written before the field read 0."""
     checkpoint: str = ""
     """The newest checkpoint directory of the run (`RUN_DIR/checkpoint/step-N`), if any."""
     notes: list[str] = field(default_factory=list)
@@ -47,6 +57,13 @@ class RunRecord:
     def median_step_time_s(self) -> float:
         """Median step wall time after the first two (warm-up) steps."""
         xs = sorted(self.step_times_s[2:] or self.step_times_s)
+        return xs[len(xs) // 2] if xs else float("nan")
+
+    @property
+    def median_step_cpu_time_s(self) -> float:
+        """Median CPU seconds per step after the first two timed steps (`step_cpu_times_s`);
+        NaN for records written before it was measured."""
+        xs = sorted(self.step_cpu_times_s[2:] or self.step_cpu_times_s)
         return xs[len(xs) // 2] if xs else float("nan")
 
     @property

@@ -71,22 +71,32 @@ def compare(plan: Plan, record: RunRecord) -> pd.DataFrame:
     Columns `term, predicted, measured, unit, rel_err`. Rows, in order:
     `memory_<category>` (bytes; only categories the record measured: on CUDA only the total),
     `peak_memory` (bytes, predicted total vs measured total), `flops_per_step` (FLOPs per device),
-    `step_time` (s, predicted vs median measured; only when `record.same_hardware`),
-    `tokens` (all ranks), `final_loss` (nats/token, the last held-out loss).
-    A missing measurement is NaN; `rel_err` is NaN when the measurement is 0 or NaN.
+    `step_time` (s, predicted vs median measured after warm-up; if `record.same_hardware`),
+    `tokens` (all ranks), for a governed plan `stop_step` (the step the run is predicted to end
+    at, its governor's cooldown included, vs the steps it ran), `final_loss` (nats/token, the
+    last held-out loss; a governed plan predicts it at its predicted end step).
+    A missing measurement is NaN ("not measured", not a miss); `rel_err` is NaN when the
+    measurement is 0 or NaN. Runs too short for the fixed measured steps (`measure.measured_step`)
+    leave a zero total peak, zero FLOPs or only warm-up step times: those are missing too.
     """
     pred, measured_mem = plan.predictions, record.peak_memory_bytes
+    measured_total = _num(measured_mem.get("total")) or math.nan
     rows: list[tuple[str, float, float, str]] = [
         (f"memory_{cat}", _num(pred.memory_bytes.get(cat)), _num(measured_mem[cat]), "bytes")
-        for cat in MEMORY_CATEGORIES if cat in measured_mem
-    ]
-    rows.append(("peak_memory", _num(pred.memory_bytes.get("total")),
-                 _num(measured_mem.get("total")), "bytes"))
-    rows.append(("flops_per_step", _num(pred.flops_per_step), _num(record.flops_per_step), "FLOPs"))
+        for cat in MEMORY_CATEGORIES if cat in measured_mem and measured_total > 0]
+    rows.append(("peak_memory", _num(pred.memory_bytes.get("total")), measured_total, "bytes"))
+    rows.append(("flops_per_step", _num(pred.flops_per_step), _num(record.flops_per_step) or math.nan,
+                 "FLOPs"))
     if record.same_hardware:
-        rows.append(("step_time", _num(pred.step_time_s), _num(record.median_step_time_s), "s"))
-    rows.append(("tokens", _num(pred.total_tokens), _num(record.tokens), "tokens"))
-    rows.append(("final_loss", _num(pred.final_loss), _num(record.final_heldout_loss), "nats"))
+        timed = _num(record.median_step_time_s) if len(record.step_times_s) > 2 else math.nan
+        rows.append(("step_time", _num(pred.step_time_s), timed, "s"))
+    end = getattr(pred, "predicted_end_step", None)  # a governed plan: where it ends, its loss there
+    tokens = pred.total_tokens if end is None else end * pred.tokens_per_step
+    rows.append(("tokens", _num(tokens), _num(record.tokens), "tokens"))
+    if end is not None:
+        rows.append(("stop_step", float(end), float(record.steps), "steps"))
+    rows.append(("final_loss", _num(pred.final_loss if end is None else pred.predicted_end_loss),
+                 _num(record.final_heldout_loss), "nats"))
     df = pd.DataFrame(rows, columns=list(COLUMNS[:4]))
     df["rel_err"] = [_rel_err(p, m) for p, m in zip(df["predicted"], df["measured"])]
     return df

@@ -2,10 +2,11 @@
 
 One process per rank. The plan's checkpoint menu entries become `torch.utils.checkpoint`
 selective checkpointing per block, its optimizer bits an optimizer (bitsandbytes for 8 bits),
-its data fraction and token budget the sampler and the step count; `sp_degree`/`zero_stage`
-above one device go through `executor.parallel` under torchrun. Measured: peak tensor memory by
-category (MemTracker, one step after warm-up), FLOPs of one step (FlopCounterMode), every
-step's wall time, train loss, held-out loss. Interrupts, checkpoints and resuming:
+its data fraction, method and token budget the sampler (`executor.selection.PlannedBatches`)
+and the step count; `sp_degree`/`zero_stage` above one device go through `executor.parallel`
+under torchrun. Measured: peak tensor memory by category (MemTracker, one step after warm-up),
+FLOPs of one step (FlopCounterMode), every step's wall time, train loss, held-out loss, the data
+selection's scoring FLOPs. Interrupts, checkpoints and resuming:
 `executor.checkpoint`; the measurement helpers: `executor.measure`.
 """
 
@@ -26,11 +27,13 @@ from costmodels.remat import CheckpointSet, KeyCounter, resolve, sets_from_mappi
 from executor.checkpoint import (OutOfMemoryRunError, check_resume_plan, is_out_of_memory,
                                  latest_checkpoint, load_checkpoint, out_of_memory_message,
                                  remove_checkpoints, save_checkpoint)
-from executor.data import TokenBatches, TokenCorpus, heldout_batches, load_corpus
+from executor.data import TokenCorpus, check_corpus_for_plan, heldout_batches, load_corpus
+from executor.governor import GovernedLoop, Governor
 from executor.measure import (WARMUP_STEPS_UNMEASURED, _measure_memory,  # noqa: F401 (re-exported)
                               any_rank, device_name, gather_floats, heldout_loss, measured_step,
                               progress_bar)
 from executor.record import RunRecord
+from executor.selection import PlannedBatches
 from hardware_profiles import load as load_profile
 from hardware_profiles.errors import PlanMismatchError, TrainingDivergedError, TrainplanError
 from planner.capture import lm_loss
@@ -208,7 +211,8 @@ def _catch_signals(stop: dict) -> dict:
 def run(plan: Plan, model: nn.Module | None = None, data: TokenCorpus | None = None, *,
         out: str | Path, device: str | None = None, progress: bool = True,
         eval_every: int | None = None, checkpoint_every: int | None = None,
-        resume: bool = False, stop_after_steps: int | None = None) -> RunRecord:
+        resume: bool = False, stop_after_steps: int | None = None,
+        governor: Governor | None = None, check_fits: bool = True) -> RunRecord:
     """Run `plan` for real on one process; returns and writes `out/record.json`.
 
     The record is rewritten at every evaluation and when the run ends, however it ends; its
@@ -223,10 +227,17 @@ def run(plan: Plan, model: nn.Module | None = None, data: TokenCorpus | None = N
         (`TokenBatches.batch(step)`) and learning rates, the record appended to. Without it a
         run in a used `out` starts over and deletes the old checkpoints.
     stop_after_steps: for tests: act as if SIGINT arrived once this many steps are done in all.
+    governor: the compute governor (`executor.governor`); None: `Governor.for_plan(plan)` when
+        the plan's `governor_threshold` is > 0, else none. A governed run can also stop with
+        `marginal_gain` (after the cooldown its decision starts; final checkpoint and record as
+        at a budget stop) or `diverged`; it evaluates every max_steps // 50 steps by default.
+    check_fits: first check that the plan's processes and predicted memory fit this machine
+        (`executor.fit_check.check_fits`); False skips it.
 
     Raises:
         PlanMismatchError: model or corpus do not match the plan; on resume, a plan or corpus
-            that differs from the run's.
+            that differs from the run's. `PlanDoesNotFitError` (a subclass): the plan does not
+            fit this machine (with `check_fits`).
         TrainplanError: resume without a checkpoint in `out`.
         OutOfMemoryRunError: a step ran out of memory (the record is written first).
         TrainingDivergedError: the loss became NaN or infinite (the record is written first).
@@ -240,16 +251,19 @@ def run(plan: Plan, model: nn.Module | None = None, data: TokenCorpus | None = N
         check_resume_plan(plan, out)
     dev = resolve_device(plan, device)
     rank, world = _init_world(plan, dev)
+    if check_fits:
+        from executor.fit_check import check_fits as check
+
+        check(plan, dev, in_worker=world > 1)
     out.mkdir(parents=True, exist_ok=True)
     data = data or load_corpus(vocab_size=plan.vocab_size)
+    check_corpus_for_plan(data, seq_len=d.seq_len, vocab_size=plan.vocab_size)  # before building
     model, opt = _build(plan, model, data, dev, world)
     dp_rank, sp_rank = rank // d.sp_degree, rank % d.sp_degree
-    batches = TokenBatches(data.train_tokens, seq_len=d.seq_len, micro_batch=d.micro_batch,
-                           fraction=d.data_fraction, seed=d.seed, rank=dp_rank, world_size=d.dp_degree)
     held = heldout_batches(data.heldout_tokens, seq_len=d.seq_len, micro_batch=d.micro_batch,
                            max_batches=EVAL_BATCHES)
     forward_loss = partial(_forward_loss, model, dev, d.sp_degree, sp_rank, world)
-    eval_every = eval_every or max(1, d.max_steps // 10)
+    eval_every = eval_every or GovernedLoop.default_eval_every(plan, governor)
     corpus = {"name": data.name, "sha256": data.sha256}
     ckpt = dict(out=out, plan=plan, corpus=corpus, dev=dev, rank=rank, world=world)
     if resume:
@@ -265,13 +279,17 @@ def run(plan: Plan, model: nn.Module | None = None, data: TokenCorpus | None = N
         rec = RunRecord(model=plan.model, hw_planned=plan.hw, device=device_name(dev),
                         same_hardware=(plan.hw == "cpu" and dev.type == "cpu"))
         start = 0
+    batches = PlannedBatches(plan, data, model=model, rank=dp_rank, held=held, out=out, start=start,
+                             record=rec, progress=progress)  # the data subset: executor.selection
+    gov = GovernedLoop.for_run(plan, governor, record=rec if resume else None, out=out, rank=rank,
+                               world=world)
     autocast = (torch.autocast(dev.type, dtype=torch.bfloat16) if d.precision == "bf16-mixed"
                 else nullcontext())
 
     def train_step(step: int) -> float:
         x, y = batches.batch(step)
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, plan)
+            group["lr"] = lr_at(step, plan) * gov.lr(step)
         with autocast:
             loss = forward_loss(x, y)
         loss.backward()
@@ -279,16 +297,17 @@ def run(plan: Plan, model: nn.Module | None = None, data: TokenCorpus | None = N
         opt.zero_grad(set_to_none=True)
         return loss.item()
 
-    stop = {"reason": "", "by": ""}
+    stop = {"reason": gov.ended, "by": ""}  # a resumed run the governor had ended: nothing to run
     old = _catch_signals(stop)
     t_start, wall_before = time.perf_counter(), rec.wall_s
     bar = progress_bar(d.max_steps, progress, initial=start)
     step, failure = start, None
     try:
-        for step in range(start, d.max_steps):
+        for step in range(start, gov.end(d.max_steps)):
             if any_rank(bool(stop["reason"]), world):
                 stop["reason"] = "interrupted"
                 break
+            batches.update(step)  # dynamic data selection re-scores here, outside the measured step
             loss = measured_step(step, train_step, rec, dev, model, opt)
             rec.steps = step + 1
             rec.tokens = rec.steps * d.micro_batch * d.seq_len * d.dp_degree
@@ -300,11 +319,14 @@ def run(plan: Plan, model: nn.Module | None = None, data: TokenCorpus | None = N
             if not math.isfinite(loss):
                 stop["reason"] = "nan"
                 break
-            if rec.steps % eval_every == 0 or rec.steps == d.max_steps:
+            if rec.steps % eval_every == 0 or rec.steps == d.max_steps or gov.eval_due(rec.steps):
                 rec.heldout_loss.append((rec.steps, rec.tokens, heldout_loss(model, held, forward_loss)))
                 rec.wall_s = wall_before + time.perf_counter() - t_start
                 if rank == 0:
                     rec.to_json(out / "record.json")
+            if gov.on and (reason := gov.after_step(rec)):
+                stop["reason"] = reason
+                break
             if checkpoint_every and rec.steps % checkpoint_every == 0 and rec.steps < d.max_steps:
                 save_checkpoint(model=model, opt=opt, record=rec, **ckpt)
     except (Exception, KeyboardInterrupt) as e:  # the record is written, then it is raised again
@@ -326,10 +348,10 @@ def run(plan: Plan, model: nn.Module | None = None, data: TokenCorpus | None = N
         if is_out_of_memory(failure):
             raise OutOfMemoryRunError(out_of_memory_message(plan, step, dev, failure, out)) from failure
         raise failure
-    if rec.stop_reason == "nan":
-        raise TrainingDivergedError(f"loss became {rec.train_loss[-1][1]} at step {rec.steps - 1}; "
-                                    f"record kept in {out / 'record.json'}; lower the learning rate "
-                                    f"(plan lr={d.lr})")
+    if rec.stop_reason in ("nan", "diverged"):
+        raise TrainingDivergedError(f"loss {rec.stop_reason} (last {rec.train_loss[-1][1]}) at step "
+                                    f"{rec.steps - 1}; record kept in {out / 'record.json'}; lower the "
+                                    f"learning rate (plan lr={d.lr})")
     return rec
 
 
@@ -350,5 +372,5 @@ def _finish(rec: RunRecord, stop: dict, plan: Plan, model, opt, checkpoint_every
         rec.notes.append(f"reserved {torch.cuda.max_memory_reserved(dev)} bytes")
     rec.world_size = world
     rec.per_rank_peak_bytes = gather_floats(rec.peak_memory_bytes.get("total", 0.0), world)
-    if reason in ("budget", "interrupted") and checkpoint_every != 0:
+    if reason in ("budget", "interrupted", "marginal_gain") and checkpoint_every != 0:
         save_checkpoint(model=model, opt=opt, record=rec, **ckpt)

@@ -17,10 +17,12 @@ LAUNCH_MARGIN_S = 300.0
 
 def launch(plan_path: str | Path, out: Path, data: list[str] | None, device: str | None, *,
            resume: bool = False, checkpoint_every: int | None = None,
-           stop_after_steps: int | None = None) -> bool:
+           stop_after_steps: int | None = None, check_fits: bool = True) -> bool:
     """Run the plan at `plan_path` on `decisions.devices` processes; rank 0 writes
     `out/record.json`. `resume`, `checkpoint_every`, `stop_after_steps`: as in
-    `executor.train.run`, on every rank.
+    `executor.train.run`, on every rank. `check_fits`: first check that the processes and
+    their predicted memory fit this machine (`executor.fit_check.check_fits`; each CUDA rank
+    then checks its own device); False skips it, also in the workers.
 
     SIGINT (Ctrl-C) or SIGTERM to this process stops the job: torchrun passes SIGTERM on to
     the workers, which agree on the step, checkpoint and write the record (within
@@ -29,10 +31,16 @@ def launch(plan_path: str | Path, out: Path, data: list[str] | None, device: str
 
     Raises:
         PlanMismatchError: with `resume`, the plan differs from `out/plan.json`.
+        PlanDoesNotFitError: (with `check_fits`) too many processes or too little memory here.
         WorkerFailedError: a rank failed or the run exceeded 3x its predicted time plus a margin;
             the message names the rank and ends with its stderr.
     """
     plan = Plan.from_json(plan_path)
+    if check_fits:
+        from executor.fit_check import check_fits as check
+        from executor.train import resolve_device
+
+        check(plan, resolve_device(plan, device))
     out.mkdir(parents=True, exist_ok=True)
     if resume:
         from executor.checkpoint import check_resume_plan
@@ -51,6 +59,8 @@ def launch(plan_path: str | Path, out: Path, data: list[str] | None, device: str
         args += ["--checkpoint-every", str(checkpoint_every)]
     if stop_after_steps is not None:
         args += ["--stop-after-steps", str(stop_after_steps)]
+    if not check_fits:
+        args.append("--no-fit-check")
     predicted = plan.predictions.step_time_s * plan.decisions.max_steps
     old = _sigterm_as_keyboard_interrupt()
     try:
@@ -89,11 +99,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--checkpoint-every", type=int)
     ap.add_argument("--stop-after-steps", type=int, help="for tests: act as if interrupted then")
+    ap.add_argument("--no-fit-check", action="store_true", help="skip executor.fit_check")
     a = ap.parse_args(argv)
     plan = Plan.from_json(a.plan)
     data = load_corpus(a.data or None, vocab_size=plan.vocab_size)
     run(plan, data=data, out=a.out, device=a.device, progress=False, resume=a.resume,
-        checkpoint_every=a.checkpoint_every, stop_after_steps=a.stop_after_steps)
+        checkpoint_every=a.checkpoint_every, stop_after_steps=a.stop_after_steps,
+        check_fits=not a.no_fit_check)
     return 0
 
 

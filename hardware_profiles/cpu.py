@@ -22,7 +22,7 @@ from hardware_profiles import cpu_probes as probes
 from hardware_profiles.errors import TrainplanError
 from hardware_profiles.profile import HardwareProfile
 
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2
 """Version of the cache file layout; another version is re-measured."""
 
 RESERVE_FRACTION = 0.25
@@ -56,8 +56,10 @@ def measure_cpu(dtype: str = "fp32", quick: bool = False) -> HardwareProfile:
 
     - Matmul: square `torch.mm` at n = 64 .. 2048 (quick: 32 .. 256) with
       `torch.get_num_threads()` threads, best of 5 (quick: 3) timed repeats of at least 20 ms
-      (quick: 3 ms) each (see `cpu_probes.best_op_s` for why the best); sizes stop early
-      once one product would take over 0.25 s (quick: 0.05 s). `peak_flops_per_s[d]` is the best
+      (quick: 3 ms) each, within 0.6 s per size (see `cpu_probes.best_op_s` for why the
+      best); every size up to 1024 (quick: 256) is timed unless the best call at 512 (quick:
+      128) took over 0.25 s (quick: 0.05 s), and 2048 only when it would take at most that
+      (`cpu_probes.matmul_rates`). `peak_flops_per_s[d]` is the best
       achieved rate for d in fp32, bf16, fp16; `tf32` repeats fp32 (CPUs have no TF32 unit and
       torch runs such matmuls in fp32). `matmul_efficiency` is achieved / peak by op FLOPs for
       `dtype`, made non-decreasing (running maximum) so noise on a shared machine does not
@@ -68,13 +70,15 @@ def measure_cpu(dtype: str = "fp32", quick: bool = False) -> HardwareProfile:
       `memory_reserve_bytes` = max(25% of it, what is in use when measured: total minus
       MemAvailable), capped at 90%: the OS, other processes and this process's own torch
       libraries hold RAM that tensors cannot use.
+    - `optimizer_s_per_param`: one AdamW step per parameter as the executor runs it, 32-bit
+      (torch) and 8-bit (bitsandbytes, when it imports); see `cpu_probes.optimizer_s_per_param`.
     - Links: `devices_per_node` = 1; intra-node bandwidth = the copy bandwidth (assumption:
       gloo through shared memory); inter-node bandwidth = one-way TCP throughput on 127.0.0.1
       (gloo's transport between local processes; the copy bandwidth / 10 where sockets fail);
       both latencies = 50 us (assumption for gloo over loopback, to be calibrated);
       `network_efficiency` = 1 as the rates are achieved ones.
 
-    Takes about 2-5 s on 2 cores (quick: well under 2 s). Raises `TrainplanError` for a dtype
+    Takes about 4-7 s on 2 cores under load (quick: well under 2 s). Raises `TrainplanError` for a dtype
     other than fp32, bf16 or fp16.
     """
     import torch
@@ -107,6 +111,7 @@ def measure_cpu(dtype: str = "fp32", quick: bool = False) -> HardwareProfile:
 
     copy_bw = probes.copy_bandwidth(quick)
     overhead = probes.op_overhead_s(quick)
+    opt_rates = probes.optimizer_s_per_param(quick)
     tcp_bw = probes.loopback_tcp_bandwidth(quick)
     total = probes.total_ram_bytes()
     in_use = max(0, total - probes.available_bytes())
@@ -128,6 +133,8 @@ def measure_cpu(dtype: str = "fp32", quick: bool = False) -> HardwareProfile:
         "memory_efficiency": "1: hbm_bandwidth_bytes_per_s is already an achieved copy rate",
         "network_efficiency": "1: the link bandwidths are already achieved (or assumed) rates",
         "op_overhead_s": f"median seconds per op of a forward+backward chain of tiny autograd ops; {where}",
+        "optimizer_s_per_param": (f"best of timed AdamW steps (torch, foreach=False: 32; bitsandbytes "
+                                  f"AdamW8bit: 8) on 4 fp32 tensors of 512 x 1024, per parameter; {where}"),
         "peak_flops_per_s.tf32": "CPUs have no TF32 unit; torch runs these matmuls in fp32, so the fp32 peak",
     }
     for d in probes.TORCH_DTYPES:
@@ -151,6 +158,7 @@ def measure_cpu(dtype: str = "fp32", quick: bool = False) -> HardwareProfile:
         memory_efficiency=1.0,
         network_efficiency=1.0,
         op_overhead_s=overhead,
+        optimizer_s_per_param=opt_rates,
         sources=sources,
     )
     return profile

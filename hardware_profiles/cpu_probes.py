@@ -23,24 +23,35 @@ TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 # Benchmark settings by `quick`.
 _SIZES = {False: (64, 128, 256, 512, 1024, 2048), True: (32, 64, 128, 256)}
 _MAX_OP_S = {False: 0.25, True: 0.05}      # largest single matmul worth timing, s
-_ALWAYS_N = 256                            # sizes up to this are always timed
+_ALWAYS_N = {False: 1024, True: 256}       # sizes up to this are timed whatever the rate so far
+_SLOW_FROM_N = {False: 512, True: 128}     # ... unless one this large took over _MAX_OP_S
+_SIZE_BUDGET_S = {False: 0.6, True: 0.1}   # repeats of one size stop after this long (>= 1 repeat)
 _MIN_REP_S = {False: 0.02, True: 0.003}    # each timed repeat lasts at least this, s
 _REPS = {False: 5, True: 3}
 _COPY_BYTES = {False: 256 * 2**20, True: 16 * 2**20}
 _TCP_BYTES = {False: 64 * 2**20, True: 4 * 2**20}
 
 
-def best_op_s(fn: Callable[[], Any], reps: int, min_rep_s: float) -> float:
+def best_op_s(fn: Callable[[], Any], reps: int, min_rep_s: float, budget_s: float = math.inf) -> float:
     """Seconds per call of `fn`: the best of `reps` repeats, each calling `fn` until at least
-    `min_rep_s` has passed (so a repeat never outlasts `min_rep_s` plus one call).
+    `min_rep_s` has passed (so a repeat never outlasts `min_rep_s` plus one call). Repeats stop
+    early once `budget_s` has passed since the warm-up began (at least one repeat is timed); a
+    warm-up call that alone outlasts `budget_s` is the answer (one call that long hides its
+    first-touch cost, and a second would double the probe's time).
 
     The best, not the median: on a shared machine the slower repeats measure other processes
     (a 2-thread matmul waits for a descheduled OpenMP worker), not the hardware; the Python
     `timeit` documentation gives the same advice.
     """
+    start = time.perf_counter()
     fn()  # warm-up: first touch, kernel selection, thread pool start
+    warm_s = time.perf_counter() - start
+    if warm_s >= budget_s:
+        return warm_s
     best = math.inf
     for _ in range(reps):
+        if best < math.inf and time.perf_counter() - start >= budget_s:
+            break
         calls = 0
         t0 = time.perf_counter()
         while True:
@@ -56,18 +67,27 @@ def best_op_s(fn: Callable[[], Any], reps: int, min_rep_s: float) -> float:
 def matmul_rates(dtype: str, quick: bool, deadline: float) -> list[tuple[float, float]]:
     """[(op FLOPs, achieved FLOP/s)] for square n x n @ n x n products, n ascending.
 
-    Sizes up to `_ALWAYS_N` are always timed (cheap even when a loaded machine stalls every
-    call); a larger size is skipped once its single product, predicted from the best rate so
-    far, would take over `_MAX_OP_S` or run past `deadline` (a `time.perf_counter()` value).
+    Every size up to `_ALWAYS_N` (1024; quick: 256) is timed, best of a few repeats within
+    `_SIZE_BUDGET_S` each, whatever the smaller sizes achieved: on a loaded machine a small
+    product can stall for tens of ms (a descheduled OpenMP worker), and a rate extrapolated from
+    it once stopped the sweep at n=256 with the fp32 peak ~10x low. The sweep stops earlier
+    only when the best call of a size from `_SLOW_FROM_N` (512) on already took over `_MAX_OP_S`
+    (a dtype this CPU emulates, e.g. fp16 on x86 without AVX512-FP16: ~0.35 s at n=512, ~9 s
+    at n=1024 on the 2-core machine); slow calls of smaller sizes are stalls, not arithmetic.
+    A larger size is timed only when its single product, predicted from the best rate so far,
+    takes at most `_MAX_OP_S` and ends before `deadline` (a `time.perf_counter()` value).
     """
     import torch
 
     tdtype = getattr(torch, TORCH_DTYPES[dtype])
     reps, min_rep_s = _REPS[quick], _MIN_REP_S[quick]
     out: list[tuple[float, float]] = []
+    slow = False
     for n in _SIZES[quick]:
         flops = 2.0 * n**3
-        if out and n > _ALWAYS_N:
+        if slow:
+            break
+        if out and n > _ALWAYS_N[quick]:
             predicted = flops / max(rate for _, rate in out)
             if predicted > _MAX_OP_S[quick] or time.perf_counter() + predicted * (reps + 2) > deadline:
                 break
@@ -76,8 +96,9 @@ def matmul_rates(dtype: str, quick: bool, deadline: float) -> list[tuple[float, 
         b = torch.randn(n, n, generator=gen).to(tdtype)
         c = torch.empty(n, n, dtype=tdtype)
         with torch.no_grad():
-            op_s = best_op_s(lambda: torch.mm(a, b, out=c), reps, min_rep_s)
+            op_s = best_op_s(lambda: torch.mm(a, b, out=c), reps, min_rep_s, _SIZE_BUDGET_S[quick])
         out.append((flops, flops / op_s))
+        slow = n >= _SLOW_FROM_N[quick] and op_s > _MAX_OP_S[quick]
     return out
 
 
@@ -106,6 +127,41 @@ def op_overhead_s(quick: bool) -> float:
         chain()
         times.append(time.perf_counter() - t0)
     return statistics.median(times) / 48
+
+
+def optimizer_s_per_param(quick: bool) -> dict[str, float]:
+    """Seconds per parameter of one AdamW step as the executor builds it
+    (`executor.train.build_optimizer`: torch AdamW, foreach=False, for 32 bits; bitsandbytes
+    AdamW8bit for 8 bits, when bitsandbytes imports): fp32 parameters with gradients, 4
+    tensors of 512 x 1024 (quick: 128 x 256), the best step of 3 (quick: 2) after one warm-up
+    step (which allocates the states), divided by the parameter count; about 2 s in all on 2
+    cores (bitsandbytes' CPU path is the slow part). Keys "32" and
+    "8" (absent when bitsandbytes does not import)."""
+    import torch
+
+    rows, cols = (128, 256) if quick else (512, 1024)
+    params = [torch.nn.Parameter(torch.randn(rows, cols)) for _ in range(4)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    makers = {"32": lambda: torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1,
+                                              foreach=False)}
+    try:
+        import bitsandbytes as bnb
+
+        makers["8"] = lambda: bnb.optim.AdamW8bit(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    except Exception:  # noqa: BLE001 - any import failure: no 8-bit optimizer on this machine
+        pass
+    out = {}
+    for bits, make in makers.items():
+        opt = make()
+        opt.step()  # warm-up: the states are allocated here
+        times = []
+        for _ in range(2 if quick else 3):
+            t0 = time.perf_counter()
+            opt.step()
+            times.append(time.perf_counter() - t0)
+        out[bits] = min(times) / (4 * rows * cols)
+    return out
 
 
 def copy_bandwidth(quick: bool) -> float:

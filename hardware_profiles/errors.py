@@ -35,3 +35,22 @@ class DataError(TrainplanError):
 
 class TrainingDivergedError(TrainplanError):
     """The loss became NaN or infinite during a run."""
+
+
+class BudgetError(TrainplanError):
+    """A budget or solver limit that is not a positive finite number in range (time limit, data
+    tokens, a budget above its stated maximum, more devices than any plan can use)."""
+
+
+class OutputPathError(TrainplanError):
+    """An output path that cannot be written (a missing folder, a folder where a file is
+    expected or a file where a folder is), or a run folder that would be overwritten."""
+
+
+class DeviceError(TrainplanError):
+    """A torch device that is not a device name or is not present on this machine."""
+
+
+class CaptureError(TrainplanError):
+    """A model that cannot be captured as a graph (not a causal LM of the supported layout, or
+    its forward/backward cannot be traced, e.g. data-dependent control flow)."""

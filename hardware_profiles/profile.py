@@ -147,6 +147,12 @@ class HardwareProfile:
     op_overhead_s: float = 0.0
     """Seconds each eager op costs beyond its roofline time (dispatch, autograd bookkeeping,
     kernel launch), s."""
+    optimizer_s_per_param: Mapping[str, float] = field(default_factory=FrozenMap)
+    """Measured seconds per parameter of one optimizer step, by optimizer bits ("32", "8"),
+    where the optimizer's implementation on this device is not the memory-bound kernel the
+    roofline assumes (bitsandbytes' 8-bit AdamW on a CPU runs unfused torch code, ~6-10x the
+    time of 32-bit AdamW's traffic; measured by `measure_cpu`). Empty for the GPU profiles:
+    their optimizer step is the roofline of its traffic (`costmodels.step`)."""
     sources: Mapping[str, str] = field(default_factory=FrozenMap)
     """Field name (or "peak_flops_per_s.<dtype>") -> where its value comes from; read-only."""
 
@@ -197,6 +203,17 @@ class HardwareProfile:
         setattr_(self, "peak_flops_per_s", FrozenMap(peaks))
 
         setattr_(self, "matmul_efficiency", self._checked_curve(self.matmul_efficiency))
+
+        if not isinstance(self.optimizer_s_per_param, Mapping):
+            raise _bad("optimizer_s_per_param", self.optimizer_s_per_param,
+                       "must be a mapping optimizer bits (\"32\", \"8\") -> seconds per parameter")
+        rates = {}
+        for bits, value in self.optimizer_s_per_param.items():
+            if str(bits) not in ("32", "16", "8", "4"):
+                raise _bad("optimizer_s_per_param", dict(self.optimizer_s_per_param),
+                           f"key {bits!r} must be optimizer bits 32, 16, 8 or 4")
+            rates[str(bits)] = float(_number(f"optimizer_s_per_param[{bits!r}]", value))
+        setattr_(self, "optimizer_s_per_param", FrozenMap(rates))
 
         if not isinstance(self.sources, Mapping) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in self.sources.items()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import datetime as _dt
 import math
+import time
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -11,13 +13,15 @@ from torch import nn
 from costmodels.loss import LossLaw
 from costmodels.step import StepModel
 from hardware_profiles import HardwareProfile, load as load_profile
-from hardware_profiles.errors import TrainplanError
-from planner.budget import Budget
+from hardware_profiles.errors import CaptureError, InfeasibleError, TrainplanError
+from planner.budget import Budget, check_data_tokens, check_devices_usable, check_seed, check_time_limit
 from planner.capture import ModelGraph, capture
-from planner.plan import Decisions, Plan, Predictions, SolverFacts
+from planner.plan import Decisions, Plan, Predictions, SolverFacts, relative_gap
 from planner.presets import build_model, get_preset
 from planner.solver import default_space, solve_joint
 
+MEMORY_TOLERANCE = 1e-9
+"""Relative float slack of the check that a solved plan's predicted peak is within the limit."""
 UNLIMITED_DATA_TOKENS = 15 * 10**12
 """Default unique tokens when no corpus size is given: Llama 3's 15T pre-training tokens
 (Meta, "The Llama 3 Herd of Models", 2024), i.e. no repetition for any plan here."""
@@ -31,7 +35,13 @@ def default_precision(hw: HardwareProfile) -> str:
 def capture_model(model: nn.Module | str, precision: str, *, vocab_size: int | None = None) -> tuple[ModelGraph, str, tuple[int, ...]]:
     """Build (if a preset name) and capture `model` on the meta device.
 
-    Returns the graph, the model's name and its parameter tensor sizes."""
+    Returns the graph, the model's name and its parameter tensor sizes.
+
+    Raises:
+        UnknownNameError: unknown preset.
+        TrainplanError: not a module or preset name; a module not laid out as a causal LM.
+        CaptureError: the module's forward+backward cannot be traced (e.g. a graph break).
+    """
     # bf16-mixed is torch.autocast over fp32 parameters; bf16 keeps parameters in bf16 too
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     autocast = torch.bfloat16 if precision == "bf16-mixed" else None
@@ -43,7 +53,17 @@ def capture_model(model: nn.Module | str, precision: str, *, vocab_size: int | N
         module, name = model, getattr(model, "trainplan_preset", type(model).__name__)
     else:
         raise TrainplanError(f"model must be an nn.Module or a preset name, got {type(model).__name__}")
-    graph = capture(module, dtype=dtype, name=name, autocast_dtype=autocast)
+    try:
+        graph = capture(module, dtype=dtype, name=name, autocast_dtype=autocast)
+    except TrainplanError:
+        raise
+    except Exception as e:  # a graph break: data-dependent control flow, an untraceable op, ...
+        why = (str(e).strip().splitlines() or [""])[0][:200]
+        raise CaptureError(
+            f"cannot capture {name}: tracing its forward+backward on fake tensors failed with "
+            f"{type(e).__name__}: {why}; trainplan needs a model without data-dependent control "
+            "flow (no .item(), no branching on tensor values): use a preset or a transformers "
+            "*ForCausalLM model") from e
     return graph, name, tuple(p.numel() for p in module.parameters())
 
 
@@ -71,13 +91,122 @@ def _check_seq_len(seq_len) -> None:
         raise TrainplanError(f"seq_len={seq_len!r} must be a positive whole number of tokens")
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Problem:
+    """A model captured on a hardware profile with its search-space options and loss law: what
+    `solve` builds once and `planner.frontier` / `planner.explain` re-solve under other budgets,
+    memory caps, device counts and sequence lengths (`solve_problem`)."""
+
+    profile: HardwareProfile
+    precision: str
+    graph: ModelGraph
+    name: str
+    step_model: StepModel
+    law: LossLaw
+    unique: int
+    """Unique training tokens in the corpus."""
+    seq_len: int
+    options: dict
+    """`default_space` options: micro_batches, optimizer_bits, policies, data_fractions."""
+
+    def space(self, devices: int, seq_len: int | None = None, **options):
+        """The search space (`planner.solver.default_space`) for `devices` devices at `seq_len`
+        (default: the problem's), `options` overriding the problem's.
+
+        Raises:
+            TrainplanError: no SP degree fits (never for degree 1, kept for other spaces)."""
+        seq_len = self.seq_len if seq_len is None else seq_len
+        space = default_space(devices=devices, seq_len=seq_len, n_heads=self.graph.n_heads,
+                              n_kv_heads=self.graph.n_kv_heads, precision=self.precision,
+                              devices_per_node=self.profile.devices_per_node,
+                              **(self.options | options))
+        if not space.sp_degrees:
+            raise TrainplanError(
+                f"no sequence-parallel degree divides devices={devices}, seq_len={seq_len} and "
+                f"{self.graph.n_heads} attention heads; use a device count or sequence length they share")
+        return space
+
+
+def prepare(model: nn.Module | str, hw: str | HardwareProfile, *, seq_len: int = 2048,
+            data_tokens: int | None = None, vocab_size: int | None = None, precision: str | None = None,
+            law: LossLaw | None = None, micro_batches=(1, 2, 4, 8, 16), optimizer_bits=(32, 8),
+            policies=("none", "save_matmuls", "save_attention", "full", "remat"),
+            data_fractions=(0.25, 0.5, 0.75, 1.0)) -> Problem:
+    """Capture `model` on `hw` once (arguments as `solve`'s) for `solve_problem`.
+
+    Raises:
+        UnknownNameError: unknown hardware or preset.
+        TrainplanError: bad sequence length, precision or option.
+        DataError: data_tokens not a whole number >= seq_len + 1.
+        CaptureError: the model cannot be traced.
+    """
+    _check_seq_len(seq_len)
+    check_data_tokens(data_tokens, seq_len)
+    profile, precision, graph, name, step_model = _setup(model, hw, precision=precision,
+                                                         vocab_size=vocab_size)
+    law = _law_for(law, profile, name, graph)
+    unique = data_tokens if data_tokens is not None else UNLIMITED_DATA_TOKENS
+    options = dict(micro_batches=tuple(micro_batches), optimizer_bits=tuple(optimizer_bits),
+                   policies=tuple(policies), data_fractions=tuple(data_fractions))
+    return Problem(profile=profile, precision=precision, graph=graph, name=name, step_model=step_model,
+                   law=law, unique=int(unique), seq_len=seq_len, options=options)
+
+
+def solve_problem(pr: Problem, budget: Budget, *, seq_len: int | None = None,
+                  memory_limit_bytes: float | None = None, time_limit_s: float = 10.0, seed: int = 0,
+                  lr: float = 3e-3, export_path: str | None = None, step_model=None,
+                  diagnose: bool = True, **options) -> Plan:
+    """Solve a prepared problem for `budget` (at `seq_len`, default the problem's; `options`
+    override the search space's, e.g. `policies`). `step_model`: a stand-in for the problem's
+    (`planner.frontier` shares menus across caps through one). `diagnose`: as `solve_joint`'s.
+    The joint model's memory is `StepModel.evaluate`'s, phase by phase (`planner.combos`), so
+    the plan fits by its own prediction; a plan that does not is a bug, not an input error.
+
+    Raises:
+        TrainplanError: bad sequence length or budget.
+        BudgetError: a time limit or seed out of range; more devices than the corpus can feed.
+        InfeasibleError: nothing fits (the solver's message, not explained: see `solve`).
+        RuntimeError: internal: the solved plan's predicted peak is over the limit.
+    """
+    seq_len = pr.seq_len if seq_len is None else seq_len
+    _check_seq_len(seq_len)
+    if not isinstance(budget, Budget):
+        raise TrainplanError(f"budget must be a planner.Budget, got {type(budget).__name__}")
+    time_limit_s, seed = check_time_limit(time_limit_s), check_seed(seed)
+    space = pr.space(budget.devices, seq_len, **options)
+    check_devices_usable(budget.devices, seq_len, space.sp_degrees, pr.unique)
+    sm = step_model or pr.step_model
+    t0 = time.perf_counter()
+    sol = solve_joint(sm, pr.profile, budget, seq_len=seq_len, space=space,
+                      n_params=pr.graph.n_params, data_tokens=pr.unique, law=pr.law,
+                      memory_limit_bytes=memory_limit_bytes, time_limit_s=time_limit_s, seed=seed,
+                      export_path=export_path, diagnose=diagnose)
+    # a defensive check, not a repair: the solver's bytes are evaluate's (see the docstring)
+    limit = min(pr.profile.usable_bytes, math.inf if memory_limit_bytes is None else memory_limit_bytes)
+    peak = sm.evaluate(sol.choice).memory
+    if peak.total > limit * (1 + MEMORY_TOLERANCE):
+        raise RuntimeError(
+            f"internal error: the solved plan predicts {peak.total / 2**30:.4g} GiB at {peak.phase} "
+            f"but the limit is {limit / 2**30:.4g} GiB (the joint model counted "
+            f"{sol.peak_bytes / 2**30:.4g} GiB); please report it with the inputs")
+    facts = SolverFacts(status=sol.status, objective=sol.objective, bound=sol.bound,
+                        wall_s=time.perf_counter() - t0, seed=seed, time_limit_s=time_limit_s,
+                        n_variables=sol.n_variables, n_constraints=sol.n_constraints,
+                        gap=relative_gap(sol.status, sol.objective, sol.bound))
+    return _make_plan(sm, pr.profile, pr.graph, pr.name, sol.choice, budget=budget.to_dict(),
+                      data_fraction=sol.data_fraction, max_steps=sol.max_steps,
+                      predicted_loss=sol.predicted_loss, unique=pr.unique, law=pr.law, lr=lr, seed=seed,
+                      facts=facts, memory_limit_bytes=memory_limit_bytes)
+
+
 def solve(model: nn.Module | str, hw: str | HardwareProfile, budget: Budget, *, seq_len: int = 2048,
           data_tokens: int | None = None, vocab_size: int | None = None, precision: str | None = None,
           law: LossLaw | None = None, micro_batches=(1, 2, 4, 8, 16), optimizer_bits=(32, 8),
           policies=("none", "save_matmuls", "save_attention", "full", "remat"),
           data_fractions=(0.25, 0.5, 0.75, 1.0), memory_limit_bytes: float | None = None,
           time_limit_s: float = 10.0, seed: int = 0, lr: float = 3e-3,
-          export_path: str | None = None) -> Plan:
+          export_path: str | None = None, explain: bool = True,
+          data_methods=("random", "dsir", "loss", "influence"), data_quality=None) -> Plan:
     """Plan a training run: every knob chosen jointly by one CP-SAT model.
 
     Args:
@@ -89,38 +218,48 @@ def solve(model: nn.Module | str, hw: str | HardwareProfile, budget: Budget, *, 
         data_tokens: unique training tokens in the corpus (None: unconstrained).
         vocab_size: overrides the preset's vocabulary (a run uses its tokenizer's).
         memory_limit_bytes: per-device memory cap below the profile's usable bytes.
+        explain: on an infeasible budget, re-solve to name the smallest change that fits
+            (`planner.explain`); False raises the solver's own message at once.
+        data_methods: data-subset scoring methods to choose from with the fraction
+            (`planner.data_choice.choose_data_method`: the data-constrained law times each
+            method's quality multiplier, at the tokens its scoring leaves of the budget; a method
+            without a known multiplier drops out); ("random",) keeps the solver's random subset.
+        data_quality: {method: `costmodels.data_value.QualityFit`} overriding the cached and
+            published multipliers.
 
     Raises:
         UnknownNameError: unknown hardware or preset.
-        TrainplanError: bad sequence length, SP degree or option.
-        InfeasibleError: nothing fits; the message names the binding term and what to relax.
+        TrainplanError: bad sequence length, SP degree, option or data method.
+        BudgetError: a time limit or seed out of range; more devices than the corpus can feed.
+        DataError: data_tokens not a whole number >= seq_len + 1.
+        CaptureError: the model cannot be traced (e.g. a graph break).
+        InfeasibleError: nothing fits; the message names the binding term with both numbers
+            and (with `explain`) the smallest change that fits, confirmed by a re-solve; the
+            error's `explanation` and `suggestions` carry the same as data.
     """
     _check_seq_len(seq_len)
     if not isinstance(budget, Budget):
         raise TrainplanError(f"budget must be a planner.Budget, got {type(budget).__name__}")
-    profile, precision, graph, name, step_model = _setup(model, hw, precision=precision,
-                                                         vocab_size=vocab_size)
-    space = default_space(devices=budget.devices, seq_len=seq_len, n_heads=graph.n_heads,
-                          n_kv_heads=graph.n_kv_heads, precision=precision,
-                          micro_batches=micro_batches, optimizer_bits=optimizer_bits,
-                          policies=policies, data_fractions=data_fractions)
-    if not space.sp_degrees:
-        raise TrainplanError(
-            f"no sequence-parallel degree divides devices={budget.devices}, seq_len={seq_len} and "
-            f"{graph.n_heads} attention heads; use a device count or sequence length they share")
-    law = _law_for(law, profile, name, graph)
-    unique = data_tokens if data_tokens is not None else UNLIMITED_DATA_TOKENS
-    sol = solve_joint(step_model, profile, budget, seq_len=seq_len, space=space,
-                      n_params=graph.n_params, data_tokens=unique, law=law,
-                      memory_limit_bytes=memory_limit_bytes, time_limit_s=time_limit_s, seed=seed,
-                      export_path=export_path)
-    facts = SolverFacts(status=sol.status, objective=sol.objective, bound=sol.bound, wall_s=sol.wall_s,
-                        seed=seed, time_limit_s=time_limit_s, n_variables=sol.n_variables,
-                        n_constraints=sol.n_constraints)
-    return _make_plan(step_model, profile, graph, name, sol.choice, budget=budget.to_dict(),
-                      data_fraction=sol.data_fraction, max_steps=sol.max_steps,
-                      predicted_loss=sol.predicted_loss, unique=unique, law=law, lr=lr, seed=seed,
-                      facts=facts, memory_limit_bytes=memory_limit_bytes)
+    check_time_limit(time_limit_s)
+    check_seed(seed)
+    from planner.data_choice import check_data_methods, choose_data_method
+
+    data_methods = check_data_methods(data_methods)
+    pr = prepare(model, hw, seq_len=seq_len, data_tokens=data_tokens, vocab_size=vocab_size,
+                 precision=precision, law=law, micro_batches=micro_batches,
+                 optimizer_bits=optimizer_bits, policies=policies, data_fractions=data_fractions)
+    try:
+        plan = solve_problem(pr, budget, memory_limit_bytes=memory_limit_bytes,
+                             time_limit_s=time_limit_s, seed=seed, lr=lr, export_path=export_path,
+                             diagnose=not explain)
+    except InfeasibleError as e:
+        if not explain:
+            raise
+        from planner.explain import explain_infeasible
+
+        raise explain_infeasible(pr, budget, e, memory_limit_bytes=memory_limit_bytes) from e
+    return choose_data_method(plan, pr.law, methods=data_methods, fractions=data_fractions,
+                              fits=data_quality)
 
 
 def plan_for_choice(model: nn.Module | str, hw: str | HardwareProfile, *, seq_len: int,
@@ -129,9 +268,12 @@ def plan_for_choice(model: nn.Module | str, hw: str | HardwareProfile, *, seq_le
                     devices: int = 1, zero_stage: int = 0, optimizer_bits: int = 32,
                     precision: str | None = None, data_fraction: float = 1.0, max_steps: int = 10,
                     data_tokens: int | None = None, vocab_size: int | None = None,
-                    law: LossLaw | None = None, lr: float = 3e-3, seed: int = 0) -> Plan:
+                    law: LossLaw | None = None, lr: float = 3e-3, seed: int = 0,
+                    data_method: str = "random", selection_every_steps: int = 0) -> Plan:
     """A Plan with every knob fixed by the caller, predictions from the same cost models, no
-    solver (status `FIXED`): for baselines, benchmarks and what-if questions.
+    solver (status `FIXED`): for baselines, benchmarks and what-if questions. `data_method`
+    and `selection_every_steps` (dynamic selection) as `planner.data_choice.with_data_method`
+    sets them: nothing is taken off `max_steps` for scoring.
 
     Raises:
         TrainplanError: a knob out of range (SP degree not dividing devices, heads or sequence;
@@ -167,9 +309,14 @@ def plan_for_choice(model: nn.Module | str, hw: str | HardwareProfile, *, seq_le
     loss = law.predict(graph.n_params, tokens, unique_tokens=max(1.0, data_fraction * unique))
     loss += bits_loss_penalty(optimizer_bits)
     facts = SolverFacts(status="FIXED", objective=0.0, bound=0.0, wall_s=0.0, seed=seed, time_limit_s=0.0)
-    return _make_plan(step_model, profile, graph, name, choice, budget={"devices": devices, "fixed_steps": max_steps},
+    plan = _make_plan(step_model, profile, graph, name, choice, budget={"devices": devices, "fixed_steps": max_steps},
                       data_fraction=data_fraction, max_steps=max_steps, predicted_loss=loss,
                       unique=unique, law=law, lr=lr, seed=seed, facts=facts, memory_limit_bytes=None)
+    if data_method == "random" and selection_every_steps == 0:
+        return plan
+    from planner.data_choice import with_data_method
+
+    return with_data_method(plan, data_method, selection_every_steps=selection_every_steps, law=law)
 
 
 def _make_plan(step_model, profile, graph, name, c, *, budget, data_fraction, max_steps, predicted_loss,

@@ -38,13 +38,19 @@ class Decisions:
     data_fraction: float
     """Fraction of the corpus's training windows kept."""
     data_method: str
-    """How the kept subset is chosen: `random`."""
+    """How the kept subset is chosen: `random` (a seeded uniform subset), or a scoring method of
+    `executor.selection`: `loss` (a small reference model's per-window loss), `influence`
+    (LESS-style gradient similarity to a held-out target slice) or `dsir` (hashed n-gram
+    importance weights toward that slice). Chosen with `data_fraction` by
+    `planner.data_choice.choose_data_method`."""
     max_tokens: int
     """Stopping budget: tokens to train (all ranks)."""
     max_steps: int
     """Stopping budget in optimizer steps = ceil(max_tokens / tokens_per_step)."""
-    governor_threshold: float
-    """Stop when the predicted loss drop per step falls below this (nats/step); 0 disables."""
+    governor_threshold: float = 0.0
+    """Stop when the predicted held-out loss drop per step falls below this (nats/token per
+    step); 0 disables the compute governor (`executor.governor`). Set by
+    `planner.governor.with_governor`: cost of one step / value of one nat."""
     lr: float = 3e-3
     """Peak learning rate (AdamW)."""
     checkpoint_sets: dict[str, list[str]] = field(default_factory=dict)
@@ -53,6 +59,11 @@ class Decisions:
     from these."""
     warmup_steps: int = 20
     seed: int = 0
+    selection_every_steps: int = 0
+    """Data selection timing: 0 = static (score once before training, keep `data_fraction` of
+    the windows for the whole run); K > 0 = dynamic (start from a seeded random subset and
+    re-score every K steps with the model being trained, `executor.selection.DynamicSelector`).
+    Plans written before the field read 0."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -80,6 +91,22 @@ class Predictions:
     final_loss: float
     """Predicted held-out loss at the end (nats/token)."""
     mfu: float
+    predicted_stop_step: int | None = None
+    """Steps done when the governor is predicted to decide to stop: where the predicted loss
+    curve's drop per step falls below `Decisions.governor_threshold`
+    (`planner.governor.with_governor`); `max_steps` when the budget binds first; None without
+    a governor. Plans written before the field read None."""
+    predicted_end_step: int | None = None
+    """Steps done when the governed run is predicted to end: `predicted_stop_step` plus its
+    cooldown (a quarter of it), or `max_steps`; None without a governor."""
+    predicted_end_loss: float | None = None
+    """Predicted held-out loss at `predicted_end_step` (nats/token; same law and bits penalty
+    as `final_loss`, which is the loss at `max_steps`); None without a governor."""
+    scoring_flops: float = 0.0
+    """FLOPs of scoring the corpus for `Decisions.data_method` (reference-model training and
+    the scoring pass, `costmodels.data_value.reference_scoring_flops`), charged to the budget
+    before training: `max_steps` is what is left. 0 for `random`; plans written before the
+    field read 0."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -93,6 +120,17 @@ class SolverFacts:
     time_limit_s: float
     n_variables: int = 0
     n_constraints: int = 0
+    gap: float = 0.0
+    """Relative optimality gap |objective - bound| / |objective| (0 when OPTIMAL). A FEASIBLE
+    plan is the best the solver found within its time limit, not proven optimal."""
+
+
+def relative_gap(status: str, objective: float, bound: float) -> float:
+    """|objective - bound| / max(|objective|, 1): 0 for an OPTIMAL status, else how far the best
+    plan found may be from the optimum, relative to its objective (CP-SAT's own measure)."""
+    if status == "OPTIMAL":
+        return 0.0
+    return abs(float(objective) - float(bound)) / max(abs(float(objective)), 1.0)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -136,11 +174,14 @@ class Plan:
                 src = Path(src).read_text()
             raw = json.loads(src)
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise PlanMismatchError(f"cannot read plan {str(text_or_path)[:200]!r}: {e}") from None
+            why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+            raise PlanMismatchError(f"cannot read plan {str(text_or_path)[:200]!r}: {why}; give a plan "
+                                    "JSON file written by `trainplan solve --json`") from None
         if not isinstance(raw, dict) or raw.get("format") != PLAN_FORMAT:
             raise PlanMismatchError(
                 f"not a trainplan plan of format {PLAN_FORMAT}: got format "
-                f"{raw.get('format') if isinstance(raw, dict) else type(raw).__name__!r}")
+                f"{raw.get('format') if isinstance(raw, dict) else type(raw).__name__!r}; give a plan "
+                "written by `trainplan solve --json`")
         try:
             raw["decisions"] = Decisions(**{**raw["decisions"],
                                             "checkpoint": tuple(raw["decisions"]["checkpoint"])})
@@ -150,4 +191,5 @@ class Plan:
             known = {f.name for f in fields(cls)}
             return cls(**{k: v for k, v in raw.items() if k in known})
         except (KeyError, TypeError) as e:
-            raise PlanMismatchError(f"plan JSON is missing or has unexpected fields: {e}") from None
+            raise PlanMismatchError(f"plan JSON is missing or has unexpected fields: {e}; give a plan "
+                                    "written by `trainplan solve --json` (or solve it again)") from None

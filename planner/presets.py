@@ -142,3 +142,35 @@ def build_model(name: str, *, device: str | torch.device = "meta", dtype: torch.
     model.config.use_cache = False
     model.trainplan_preset = preset.name  # how a Plan recognises the model it was made for
     return model
+
+
+def preset_n_params(name: str, *, vocab_size: int | None = None) -> int:
+    """Parameters of preset `name` (built on the meta device: no memory, well under a second
+    for the presets here).
+
+    Raises:
+        UnknownNameError: unknown preset.
+    """
+    return sum(p.numel() for p in build_model(name, device="meta", vocab_size=vocab_size).parameters())
+
+
+def sp_degree_note(*, n_heads: int, n_kv_heads: int, devices: int, seq_len: int) -> str:
+    """A hint when `seq_len` rules out sequence-parallel degrees that `devices` and the heads
+    would allow (Ulysses shards the sequence, so the degree must divide it), else "".
+
+    E.g. 8 devices, 32 heads, seq_len 131070: "seq_len=131070 limits sp_degree to 1, 2 (the
+    degree must divide the sequence); a seq_len divisible by 8, e.g. 131072, allows sp_degree
+    up to 8"."""
+    from costmodels import comm
+
+    if seq_len < 1 or devices < 1 or n_heads < 1 or n_kv_heads < 1 or n_heads % n_kv_heads:
+        return ""
+    by_heads = [p for p in comm.valid_sp_degrees(n_heads, n_heads, n_kv_heads) if devices % p == 0]
+    allowed = [p for p in comm.valid_sp_degrees(seq_len, n_heads, n_kv_heads) if devices % p == 0]
+    if len(allowed) == len(by_heads):
+        return ""
+    top = max(by_heads)
+    nearest = -(-seq_len // top) * top
+    return (f"seq_len={seq_len} limits sp_degree to {', '.join(map(str, allowed))} (the degree must "
+            f"divide the sequence); a seq_len divisible by {top}, e.g. {nearest}, allows sp_degree "
+            f"up to {top}")

@@ -156,12 +156,11 @@ def named_entries(policies) -> list[str]:
 
 
 def fits_uniform(c: dict, e: str, L: int, limit: float) -> bool:
-    """Whether every block on entry e fits `limit` (`planner.solver`'s memory constraints with n_e = L)."""
-    R, F, T = c["R"][e], c["F"][e], c["T"][e]
-    fixed = c["base"] + c["unsharded"]
-    return max(c["base"] + L * R + c["tail"], fixed + (L - 1) * R + F,
-               fixed + (L - 1) * R + c["tail_grads"] + T,
-               fixed + c["tail_grads"] + (L - 1) * c["G"] + T) <= limit
+    """Whether every block on entry e fits `limit` (`planner.solver`'s memory constraints with
+    n_e = L, in exact bytes: `planner.combos.fits_uniform`)."""
+    from planner.combos import fits_uniform as fits
+
+    return fits(c, e, L, limit)
 
 
 def entry_numbers(sm: StepModel, base: Choice, sets: dict) -> dict:
@@ -184,9 +183,11 @@ def add_menus(sm: StepModel, combos: list[dict], named: list[str], limit: float)
     """Add each block shape's solved menu (`StepModel.menu`) to the combos of that shape where
     memory binds: no checkpointing does not fit and full checkpointing does (elsewhere `none`
     or nothing wins). Besides its ladder, the menu is solved at each such combo's own budget
-    for one block with every block alike: a stacked peak of at most the limit less the fixed
-    bytes and the tail's gradients, and retained bytes of at most the limit less the fixed
-    bytes and the tail's peak, over L; so that budget has its best entry."""
+    for one block with every block alike (`planner.combos.menu_targets`: the stacked peak and
+    retained bytes that fit the limit beside the bytes every block phase holds), so that
+    budget has its best entry."""
+    from planner.combos import menu_targets
+
     L = len(sm.blocks)
     region = sm.regions[sm.blocks[0]]
     by_shape: dict[tuple, list[dict]] = {}
@@ -194,8 +195,7 @@ def add_menus(sm: StepModel, combos: list[dict], named: list[str], limit: float)
         if not fits_uniform(c, "none", L, limit) and fits_uniform(c, "full", L, limit):
             by_shape.setdefault((c["sp"], c["mb"]), []).append(c)
     for group in by_shape.values():
-        targets = sorted({(limit - c["base"] - c["unsharded"] - c["tail_grads"],
-                           (limit - c["base"] - c["tail"]) / L) for c in group})
+        targets = sorted({menu_targets(c, L, limit) for c in group})
         menu = sm.menu(group[0]["choice"], targets=tuple(targets))
         have = {saved_nodes(region, x) if x.checkpointed else None for x in group[0]["sets"].values()}
         extra = {me.entry.name: me.entry for me in menu.entries

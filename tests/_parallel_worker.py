@@ -4,11 +4,14 @@ Modes:
 - ``sp OUT SP:STAGE...``: per case one forward/backward of the tiny Llama with Ulysses SP of degree
   SP (dp = world / SP) under ZeRO stage STAGE; rank 0 saves loss and full gradients.
 - ``zero OUT STAGE...``: pure data parallel, 2 optimizer steps per stage; rank 0 saves the 3 losses.
+- ``mem OUT SP:STAGE...``: per case the executor's own step (``executor.train``'s loss,
+  optimizer and held-out evaluation after each step) on a larger Llama (`mem_config`); the third
+  step under MemTracker (``executor.measure._measure_memory``); rank 0 saves every rank's peak.
 - ``fail OUT``: rank 1 raises, rank 0 waits in a barrier (torchrun must stop it).
 - ``hang OUT``: every rank ignores SIGTERM, writes its pid and sleeps (run_torchrun must kill it).
 
-Imports only torch, transformers and executor.{launch,parallel}; the heavy ones lazily, so the
-fault modes start fast. The model/data builders are also used by the test for the references.
+Imports only torch, transformers and executor (``mem`` mode: also executor.train/measure); the
+heavy ones lazily, so the fault modes start fast. The model/data builders are also used by the test for the references.
 """
 
 from __future__ import annotations
@@ -44,6 +47,36 @@ def build_model():
 
     torch.manual_seed(SEED)
     return LlamaForCausalLM(tiny_config()).float().train()
+
+
+MEM_SEQ_LEN = 256
+
+
+def mem_config():
+    """A Llama whose states and activations are MiBs (root group 8 MiB, 2 blocks of 2.8 MiB), so
+    that the few-hundred-byte leftovers the memory model ignores stay far below 1%."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=4096,
+        max_position_embeddings=MEM_SEQ_LEN,
+        attn_implementation="sdpa",
+        use_cache=False,
+    )
+
+
+def build_mem_model(device: str = "cpu"):
+    import torch
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(SEED)
+    with torch.device(device):
+        return LlamaForCausalLM(mem_config()).float().train()
 
 
 def global_batch(seed: int = 1):
@@ -151,6 +184,53 @@ def run_zero(out: Path, stages: list[int], steps: int = 2) -> None:
     dist.destroy_process_group()
 
 
+def run_mem(out: Path, cases: list[tuple[int, int]]) -> None:
+    """Per (sp_degree, zero_stage): two steps each followed by a held-out evaluation, as
+    `executor.train.run` does, then one step under MemTracker; rank 0 saves all ranks' peaks."""
+    from functools import partial
+
+    import torch
+    import torch.distributed as dist
+
+    from executor.launch import init_distributed
+    from executor.measure import _measure_memory, gather_floats, heldout_loss
+    from executor.parallel import apply_zero, enable_ulysses, new_sequence_parallel_group
+    from executor.train import _forward_loss, build_optimizer
+
+    torch.set_num_threads(1)
+    device = torch.device("cpu")
+    rank, world = init_distributed(device, timeout_s=60)
+    vocab = mem_config().vocab_size
+    for sp, stage in cases:
+        new_sequence_parallel_group(sp)
+        model = build_mem_model()
+        enable_ulysses(model, seq_len=MEM_SEQ_LEN)
+        model, opt = apply_zero(model, partial(build_optimizer, bits=32, lr=1e-3), stage=stage,
+                                device=device)
+        forward_loss = partial(_forward_loss, model, device, sp, rank % sp, world)
+
+        def batch(i: int):
+            g = torch.Generator().manual_seed(1000 * i + rank // sp)
+            ids = torch.randint(0, vocab, (1, MEM_SEQ_LEN + 1), generator=g)
+            return ids[:, :-1], ids[:, 1:]
+
+        def step(i: int) -> None:
+            loss = forward_loss(*batch(i))
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        for i in range(2):
+            step(i)
+            heldout_loss(model, [batch(99)], forward_loss)
+        peak = _measure_memory(lambda: step(2), model, opt)
+        totals = gather_floats(peak["total"], world)
+        if rank == 0:
+            torch.save({"per_rank": totals, "rank0": peak}, out / f"mem_sp{sp}_stage{stage}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def run_fail(out: Path) -> None:
     import torch
     import torch.distributed as dist
@@ -180,6 +260,8 @@ if __name__ == "__main__":
         run_sp(out_path, [tuple(int(x) for x in case.split(":")) for case in rest])
     elif mode == "zero":
         run_zero(out_path, [int(s) for s in rest])
+    elif mode == "mem":
+        run_mem(out_path, [tuple(int(x) for x in case.split(":")) for case in rest])
     elif mode == "fail":
         run_fail(out_path)
     elif mode == "hang":

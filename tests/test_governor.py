@@ -1,12 +1,18 @@
-"""The compute governor on synthetic learning curves (no training): the curve fit recovers a
-known power law, the governor stops near the analytic stop step when the threshold is reachable
-and runs the budget out when it is not, stops at once on NaN, on divergence, and soon on a flat
-curve; a higher threshold never stops later (hypothesis). The last test runs a real governed
-tiny-llama run once `executor.train.run` takes a governor, and checks its record and checkpoint."""
+"""The compute governor.
+
+Synthetic learning curves (no training): the curve fit recovers a known power law; the governor
+stops near the analytic stop step when the threshold is reachable and runs the budget out when
+it is not, stops at once on NaN, on divergence, soon on a flat curve and on a rising one; a
+higher threshold never stops later (hypothesis). The planner: the threshold is a step's cost over
+a nat's value, the predicted stop comes from the loss law (data-constrained: earlier) or from the
+governor's rule simulated over it; old plan JSONs still load; the CLI flag turns it on. Real
+tiny-llama runs through `executor.train.run`: a governed run stops after its cooldown with a
+complete record, governor summary and checkpoint (and the report's rows and figure); the plan's
+threshold alone turns the governor on; an interrupted governed run resumes to the same stop; a
+diverging run stops with `diverged` (or `nan`)."""
 
 from __future__ import annotations
 
-import inspect
 import json
 import math
 
@@ -260,29 +266,148 @@ def test_a_higher_threshold_never_stops_later(alpha, A, seed, thr_lo, factor):
     assert hi.steps <= lo.steps and hi.final_step <= lo.final_step, (lo, hi)
 
 
-# -- a real governed run: record and checkpoint complete ----------------------------------------
-def _run_takes_a_governor() -> bool:
-    from executor.train import run
+# -- the planner: threshold from economics, stop predicted from the loss law ---------------------
+def test_predicted_stop_from_the_law_matches_the_closed_form_and_repetition_brings_it_forward():
+    from costmodels.governor import cooldown_steps, governed_stop_step, predict_stop_from_law
+    from costmodels.loss import LossLaw
 
-    return "governor" in inspect.signature(run).parameters
+    law, n, tps, thr = LossLaw.besiroglu2024(), 7.1e6, 1024.0, 1e-4
+    # no repetition: -dL/ds = beta B tps^-beta s^-(beta+1) = thr
+    exact = (law.beta * law.B * tps ** -law.beta / thr) ** (1.0 / (1.0 + law.beta))
+    stop, final, loss = predict_stop_from_law(law, n_params=n, tokens_per_step=tps, threshold=thr,
+                                              max_steps=10**7)
+    assert stop == pytest.approx(exact, rel=0.01) and final == stop + cooldown_steps(stop)
+    assert loss == pytest.approx(law.predict(n, final * tps), rel=1e-9)
+    # data-constrained: the effective tokens' growth decays after the first epoch
+    few, _, _ = predict_stop_from_law(law, n_params=n, tokens_per_step=tps, threshold=thr,
+                                      max_steps=10**7, unique_tokens=50 * tps)
+    assert 50 < few < stop / 2, (few, stop)
+    # the budget binds: a stop whose cooldown would reach it is not taken
+    assert predict_stop_from_law(law, n_params=n, tokens_per_step=tps, threshold=thr,
+                                 max_steps=int(exact * 1.1))[:2] == (int(exact * 1.1),) * 2
+    assert governed_stop_step(80, 100) == 100 and governed_stop_step(79, 100) == 79
+    assert cooldown_steps(80) == 20 and cooldown_steps(80, 0.0) == 0 and cooldown_steps(1) == 1
 
 
-@pytest.mark.skipif(not _run_takes_a_governor(), reason="executor.train.run has no `governor` yet")
-def test_a_governed_run_ends_with_a_complete_record_and_checkpoint(tmp_path, cpu_profile, torch_threads):
-    """A real tiny-llama run whose governor stops it (a threshold of 1 nat per step: the first
-    fit stops it) ends after its cooldown with the held-out loss measured at the stop, the
-    record says `marginal_gain`, and the checkpoint at the final step loads."""
+def test_simulated_stop_is_the_governor_on_the_predicted_curve():
+    """The planner's model of the governor: its own rule replayed over a predicted curve with
+    evaluation noise. It decides at or after the curve's crossing (it waits for an upper bound),
+    later with more noise, and a curve that stays steep runs the budget out."""
+    from costmodels.stopping import simulated_stop_step
+
+    exact = analytic_stop(1e-3, **LAW)
+    loss_at = lambda s: float(law_loss(s, **LAW))  # noqa: E731
+    kw = dict(threshold_nats_per_step=1e-3, max_steps=2000, eval_every=EVERY, refit_every=10)
+    clean, runs = simulated_stop_step(loss_at, noise_nats=0.0, **kw)
+    assert runs == [clean] and exact - 2 * EVERY <= clean <= 1.15 * exact, (clean, exact)
+    noisy, runs = simulated_stop_step(loss_at, noise_nats=0.03, runs=5, **kw)
+    assert len(runs) == 5 and runs == sorted(runs) and noisy == runs[2]
+    assert noisy >= clean - EVERY and runs[-1] < 2000, runs
+    steep, _ = simulated_stop_step(loss_at, noise_nats=0.0, **(kw | {"threshold_nats_per_step": 1e-6}))
+    assert steep == 2000
+    with pytest.raises(TrainplanError, match="noise_nats"):
+        simulated_stop_step(loss_at, noise_nats=-1.0, **kw)
+
+
+@pytest.fixture(scope="module")
+def small_plan():
+    """tiny-llama on the cpu profile, a 12,800-token subset of a 400k-token corpus repeated."""
+    from planner.api import plan_for_choice
+
+    return plan_for_choice("tiny-llama", "cpu", seq_len=128, micro_batch=8, max_steps=2000,
+                           vocab_size=8192, data_tokens=400_000, data_fraction=0.032)
+
+
+def test_with_governor_prices_a_step_and_predicts_the_stop(small_plan):
+    from costmodels.governor import predict_stop_from_law
+    from costmodels.loss import LossLaw
+    from planner.governor import governed_plan, plan_law, with_governor
+    from planner.plan import Plan
+
+    plan = small_plan
+    assert plan.decisions.governor_threshold == 0.0 and plan.predictions.predicted_stop_step is None
+    assert governed_plan(plan, None) is plan
+    step_dh = plan.predictions.step_time_s * plan.decisions.devices / 3600.0
+    g = with_governor(plan, value_device_hours_per_nat=step_dh / 1e-3)  # 1e-3 nats/step
+    assert g.decisions.governor_threshold == pytest.approx(1e-3)
+    law = plan_law(plan)
+    assert law == LossLaw.besiroglu2024()  # the session cache holds no local law
+    stop, final, loss = predict_stop_from_law(law, n_params=plan.model_n_params, tokens_per_step=1024,
+                                              threshold=1e-3, max_steps=2000, unique_tokens=12_800)
+    assert g.predictions.predicted_stop_step == stop < 2000 and g.predictions.predicted_end_loss == loss
+    assert g.predictions.predicted_end_step == final == stop + math.ceil(stop / 4)
+    assert (g.decisions.max_steps, g.predictions.final_loss) == (2000, plan.predictions.final_loss)
+    assert sum(n.startswith("governor: ") for n in g.notes) == 1 and "predicted stop" in g.notes[-1]
+    assert Plan.from_json(g.to_json()) == g
+    # a larger value of a nat: a lower threshold, a later (or the budget's) stop
+    later = with_governor(plan, threshold_nats_per_step=1e-4)
+    assert later.predictions.predicted_stop_step > stop
+    # with the evaluation noise to expect: the governor's rule simulated over the law's curve
+    sim = with_governor(plan, threshold_nats_per_step=1e-3, noise_nats=0.01, eval_every=40,
+                        governor_settings=dict(refit_every=40))
+    ps = sim.predictions
+    assert stop - 40 <= ps.predicted_stop_step < 2000 and "simulated" in sim.notes[-1], sim.notes[-1]
+    assert ps.predicted_end_step == ps.predicted_stop_step + math.ceil(ps.predicted_stop_step / 4)
+    off = with_governor(g, threshold_nats_per_step=0.0)
+    assert off.decisions.governor_threshold == 0.0 and off.predictions.predicted_stop_step is None
+    with pytest.raises(TrainplanError, match="exactly one"):
+        with_governor(plan)
+    with pytest.raises(TrainplanError, match="value_per_nat"):
+        with_governor(plan, value_device_hours_per_nat=-1.0)
+
+
+def test_a_plan_written_before_the_governor_fields_still_loads(small_plan):
+    from planner.plan import Plan
+
+    raw = json.loads(small_plan.to_json())
+    del raw["decisions"]["governor_threshold"], raw["predictions"]["predicted_stop_step"]
+    del raw["predictions"]["predicted_end_step"], raw["predictions"]["predicted_end_loss"]
+    old = Plan.from_json(json.dumps(raw))
+    assert old.decisions.governor_threshold == 0.0 and old.predictions.predicted_stop_step is None
+    assert old == small_plan
+
+
+def test_cli_solve_with_a_value_of_loss_turns_the_governor_on(capsys, tmp_path):
+    from planner.cli import main
+    from planner.plan import Plan
+
+    path = tmp_path / "p.json"
+    rc = main(["solve", "--model", "tiny-llama", "--hw", "cpu", "--seq-len", "128",
+               "--budget-seconds", "600", "--data-tokens", "20000", "--time-limit", "5",
+               "--loss-value-device-hours-per-nat", "0.5", "--json", str(path)])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    plan = Plan.from_json(path)
+    d, p = plan.decisions, plan.predictions
+    assert d.governor_threshold == pytest.approx(p.step_time_s / 3600.0 / 0.5)
+    assert p.predicted_stop_step is not None and f"predicted stop at step {p.predicted_stop_step:,}" in out
+
+
+# -- the loop helper ----------------------------------------------------------------------------
+def test_the_loop_is_inert_without_a_governor(small_plan):
+    from executor.governor import GOVERNED_EVALS, GovernedLoop
+
+    loop = GovernedLoop.for_run(small_plan)
+    assert not loop.on and loop.lr(399) == 1.0 and not loop.eval_due(400)
+    assert loop.end(2000) == 2000 and loop.reason == "" and loop.ended == ""
+    assert GovernedLoop.default_eval_every(small_plan) == 200  # run's old default, max_steps // 10
+    on = GovernedLoop.for_run(small_plan, governed(1e-3))
+    assert on.on and GovernedLoop.default_eval_every(small_plan, on.gov) == 2000 // GOVERNED_EVALS
+
+
+# -- real governed runs: record and checkpoint complete, resume, NaN and divergence -------------
+@pytest.fixture()
+def tiny_run(tmp_path, cpu_profile, torch_threads):
+    """`go(out, governor=None, threshold=1.0, lr=None, **run_kwargs) -> RunRecord`: a real
+    tiny-llama run (vocab 512, seq_len 64, 40-step budget) on a small corpus, one torch thread;
+    also returns the plan as `go.plan`."""
     import dataclasses
     import random
 
-    import torch
-
-    from executor.checkpoint import CHECKPOINT_DIR, LATEST, latest_checkpoint, load_checkpoint
     from executor.data import load_corpus
-    from executor.record import RunRecord
-    from executor.train import build_optimizer, run
+    from executor.train import run
     from planner.api import plan_for_choice
-    from planner.presets import build_model
+    from planner.governor import with_governor
 
     rng = random.Random(0)
     words = "the king is dead long live the queen now is the winter of our discontent".split()
@@ -290,24 +415,103 @@ def test_a_governed_run_ends_with_a_complete_record_and_checkpoint(tmp_path, cpu
     path.write_text("\n".join(" ".join(rng.choice(words) for _ in range(15)) for _ in range(600)) + "\n",
                     encoding="utf-8")
     corpus = load_corpus([path], vocab_size=512)
-    plan = plan_for_choice("tiny-llama", cpu_profile, seq_len=64, micro_batch=2, max_steps=40,
+    base = plan_for_choice("tiny-llama", cpu_profile, seq_len=64, micro_batch=2, max_steps=40,
                            vocab_size=corpus.vocab_size)
-    plan = dataclasses.replace(plan, decisions=dataclasses.replace(plan.decisions, governor_threshold=1.0))
-    gov = Governor.for_plan(plan, refit_every=2, min_points=4)
-    with torch_threads(1):
-        rec = run(plan, data=corpus, out=tmp_path / "run", progress=False, eval_every=2, governor=gov)
+
+    def go(out, governor=None, threshold=1.0, lr=None, **kw):
+        d = dataclasses.replace(base.decisions, lr=lr or base.decisions.lr)
+        go.plan = with_governor(dataclasses.replace(base, decisions=d), threshold_nats_per_step=threshold)
+        with torch_threads(1):
+            return run(go.plan, data=corpus, out=tmp_path / out, progress=False, governor=governor, **kw)
+
+    return go
+
+
+def test_a_governed_run_ends_with_a_complete_record_and_checkpoint(tmp_path, tiny_run):
+    """A real tiny-llama run whose governor stops it (a threshold of 1 nat per step: the first
+    fit stops it) ends after its cooldown with the held-out loss measured at the stop, the
+    record says `marginal_gain`, and the checkpoint at the final step loads."""
+    import torch
+
+    from executor.checkpoint import CHECKPOINT_DIR, LATEST, latest_checkpoint, load_checkpoint
+    from executor.record import RunRecord
+    from executor.train import build_optimizer, lr_at
+    from planner.presets import build_model
+
+    gov = Governor(threshold_nats_per_step=1.0, max_steps=40, warmup_steps=4, refit_every=2, min_points=4)
+    rec = tiny_run("run", governor=gov, eval_every=2)
+    plan = tiny_run.plan
     dec = gov.decide(rec.steps)
     assert rec.stop_reason == "marginal_gain" and dec.reason == "marginal_gain", (rec.stop_reason, rec.notes)
     assert rec.steps == dec.final_step == gov.final_step < plan.decisions.max_steps
     assert dec.cooldown_start < dec.final_step  # the cooldown ran
+    assert gov.lr_multiplier(rec.steps - 1) < 0.5 and lr_at(rec.steps - 1, plan) == plan.decisions.lr
     assert rec.heldout_loss[-1][0] == rec.steps  # the final loss is measured at the stop
     assert [s for s, _ in rec.train_loss] == list(range(rec.steps))
+    assert any(n.startswith("governor: stop (marginal_gain)") for n in rec.notes), rec.notes
     assert RunRecord.from_json(tmp_path / "run" / "record.json") == rec
+    summary = json.loads((tmp_path / "run" / "governor.json").read_text())
+    assert summary["reason"] == "marginal_gain" and summary["final_step"] == rec.steps
     ckpt = latest_checkpoint(tmp_path / "run")
     assert ckpt is not None and ckpt.name == f"step-{rec.steps:06d}", ckpt
     assert (tmp_path / "run" / CHECKPOINT_DIR / LATEST).read_text().strip() == ckpt.name
-    fresh = build_model(plan.model, device="cpu", vocab_size=corpus.vocab_size, seed=123)
+    fresh = build_model(plan.model, device="cpu", vocab_size=plan.vocab_size, seed=123)
     opt = build_optimizer(fresh.parameters(), bits=plan.decisions.optimizer_bits, lr=plan.decisions.lr)
     meta = load_checkpoint(ckpt, fresh, opt, dev=torch.device("cpu"))
     assert meta["steps"] == rec.steps and meta["record"].stop_reason == "marginal_gain"
     assert len(opt.state) == len(list(fresh.parameters())), "optimizer state missing"
+    # the report: predicted beside actual stop and final loss, and the governor's figure
+    from executor.figures import governor_figure, read_governor_summary
+    from executor.report import compare
+
+    table = compare(plan, rec).set_index("term")
+    assert table.loc["stop_step", "measured"] == rec.steps
+    assert table.loc["stop_step", "predicted"] == plan.predictions.predicted_end_step
+    assert table.loc["final_loss", "predicted"] == plan.predictions.predicted_end_loss
+    fig = governor_figure(plan, rec, read_governor_summary(tmp_path / "run"))
+    labels = {ln.get_label() for ln in fig.axes[0].get_lines()}
+    assert {"fitted curve", "planned budget (40 steps)", f"actual stop ({rec.steps})"} <= labels, labels
+    # the published law predicts no stop within 40 steps: the plan's end is the budget
+    assert plan.predictions.predicted_stop_step == plan.predictions.predicted_end_step == 40
+    assert any(lb.startswith("predicted end (plan)") for lb in labels), labels
+    assert read_governor_summary(tmp_path) is None
+    from executor.report import report
+
+    html = report(plan, rec, tmp_path / "run")["html"].read_text()
+    assert "<h2>Compute governor</h2>" in html or "Compute governor" in html
+    assert "governed end step" in html
+
+
+def test_the_plan_threshold_governs_and_an_interrupted_governed_run_resumes_to_the_same_stop(tiny_run):
+    """The plan's threshold alone turns the governor on (defaults: evaluations every step of the
+    40-step budget, first fit once 8 exist). Interrupted during its cooldown and resumed, the run
+    replays the governor's state and ends where the uninterrupted run ends; resuming the ended
+    run trains nothing."""
+    whole = tiny_run("whole")
+    assert whole.stop_reason == "marginal_gain" and whole.steps < 40, (whole.stop_reason, whole.notes)
+    decided = next(int(n.split("after ")[1].split(" steps")[0]) for n in whole.notes
+                   if n.startswith("governor: stop"))
+    part = tiny_run("part", stop_after_steps=decided + 1)
+    assert part.stop_reason == "interrupted" and part.steps == decided + 1
+    resumed = tiny_run("part", resume=True)
+    assert (resumed.stop_reason, resumed.steps) == ("marginal_gain", whole.steps)
+    assert [s for s, _ in resumed.train_loss] == list(range(whole.steps))
+    assert resumed.final_heldout_loss == pytest.approx(whole.final_heldout_loss, rel=1e-4)
+    again = tiny_run("part", resume=True)
+    assert (again.stop_reason, again.steps, len(again.train_loss)) == ("marginal_gain", whole.steps,
+                                                                        whole.steps)
+
+
+def test_a_governed_run_that_diverges_stops_with_diverged(tmp_path, tiny_run):
+    """A learning rate of 10 blows the loss up; the governor stops the run (`diverged`, or
+    `nan` if the loss overflows first), the record is written and TrainingDivergedError raised;
+    with no threshold the loop still runs the checks."""
+    from executor.record import RunRecord
+    from hardware_profiles.errors import TrainingDivergedError
+
+    gov = Governor(threshold_nats_per_step=0.0, max_steps=40, divergence_factor=1.2, patience=3, window=2)
+    with pytest.raises(TrainingDivergedError, match="diverged|nan"):
+        tiny_run("blowup", governor=gov, threshold=0.0, lr=10.0)
+    rec = RunRecord.from_json(tmp_path / "blowup" / "record.json")
+    assert rec.stop_reason in ("diverged", "nan") and rec.steps < 40, (rec.stop_reason, rec.train_loss)
+    assert gov.decide(rec.steps).reason == rec.stop_reason

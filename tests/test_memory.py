@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from costmodels.memory import (CATEGORIES, MIN_QUANT_NUMEL, adam_state_bytes, model_state_bytes,
-                               quantization_map_bytes)
+                               quantization_map_bytes, zero1_partition)
 from costmodels.step import Choice, StepModel
 from executor.train import _measure_memory, apply_checkpointing, build_optimizer
 from hardware_profiles import load
@@ -184,6 +184,28 @@ def test_zero_stages_match_the_paper(stage, paper_gb):
     assert s.params == 2 * psi / (n if stage >= 3 else 1), (stage, s.params)
     assert s.grads == 2 * psi / (n if stage >= 2 else 1), (stage, s.grads)
     assert s.optimizer == (12 * psi + 4) / (n if stage >= 1 else 1), (stage, s.optimizer)
+
+
+def test_zero1_shards_whole_tensors_as_torch_does():
+    """torch's ZeroRedundancyOptimizer gives whole tensors, largest first, to the rank with the
+    fewest elements so far: [10, 7, 5, 3, 1] over 2 ranks -> {10, 3} and {7, 5, 1}; the
+    executed stage 1 counts the larger share, the paper's elementwise half of all."""
+    numels = [1, 5, 10, 3, 7]
+    assert sorted(numels[i] for i in zero1_partition(numels, 2)) == [3, 10]
+    kw = dict(weight_bytes=4, grad_bytes=4, master_bytes=0, optimizer_bits=32, zero_stage=1,
+              shard_degree=2, foreach=False)
+    run = model_state_bytes(numels, as_executed=True, **kw)
+    assert run.optimizer == adam_state_bytes(10, 32) + adam_state_bytes(3, 32)
+    assert model_state_bytes(numels, **kw).optimizer == sum(adam_state_bytes(n, 32) for n in numels) / 2
+
+
+def test_executed_zero2_keeps_parameters_sharded_at_rest():
+    """FSDP2's stage 2 shards parameters between steps (all-gathered from forward to backward,
+    `FsdpLayout`); the paper's stage 2 replicates them."""
+    kw = dict(weight_bytes=4, grad_bytes=4, master_bytes=0, optimizer_bits=32, zero_stage=2,
+              shard_degree=4, foreach=False)
+    assert model_state_bytes([1000], as_executed=True, **kw).params == 1000
+    assert model_state_bytes([1000], **kw).params == 4000
 
 
 @pytest.mark.parametrize("numel, bits, expected", [

@@ -116,6 +116,21 @@ def test_compare_missing_measurements_are_nan():
     assert df["rel_err"].isna().all()  # nothing measured: 0 or NaN everywhere
 
 
+def test_short_run_reports_unmeasured_terms_as_not_measured():
+    """A 2-step run never reaches the memory (step 2) or FLOPs (step 3) measurement, nor a
+    timed step after the two warm-up steps: those terms are "not measured", not misses (the
+    record's defaults are {} and 0 FLOPs; its step times only the warm-up steps')."""
+    from executor.html_report import NOT_MEASURED, summary_line, verdict_frame
+
+    rec = make_record(steps=2, step_times_s=[0.4, 0.5], peak_memory_bytes={}, flops_per_step=0.0)
+    v = verdict_frame(compare(make_plan(), rec)).set_index("term")
+    assert v.loc["peak_memory", "verdict"] == NOT_MEASURED
+    assert v.loc["flops_per_step", "verdict"] == NOT_MEASURED
+    assert v.loc["step_time", "verdict"] == NOT_MEASURED
+    assert not any(t.startswith("memory_") for t in v.index)
+    assert "3 not measured" in summary_line(v.reset_index())
+
+
 # --- frames -----------------------------------------------------------------------------------
 
 

@@ -3,6 +3,7 @@ inputs give the same plan; Plan JSON; Budget validation."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
@@ -244,3 +245,147 @@ def test_budget_kind_and_wall_time(budget, kind, wall_for_4):
     assert budget.kind == kind
     assert budget.wall_s_for(4) == wall_for_4, (budget.wall_s_for(4), wall_for_4)
     assert budget.to_dict() == {"devices": 4, kind: getattr(budget, kind)}
+
+
+# ---------------------------------------------------------------- scale: SP inside a node
+
+
+def test_sp_degrees_stay_inside_a_node():
+    from costmodels.comm import nodes_for, sp_degrees_within_node
+    from planner.solver import default_space
+
+    assert sp_degrees_within_node([1, 2, 4, 8, 16, 32], devices=8, devices_per_node=8) == [1, 2, 4, 8, 16, 32]
+    assert sp_degrees_within_node([1, 2, 4, 8, 16, 32], devices=16, devices_per_node=8) == [1, 2, 4, 8]
+    assert sp_degrees_within_node([1, 2, 3, 6], devices=12, devices_per_node=4) == [1, 2]
+    assert nodes_for(1024, 8) == 128 and nodes_for(12, 8) == 2
+    with pytest.raises(TrainplanError):
+        sp_degrees_within_node([1], devices=0, devices_per_node=8)
+    space = default_space(devices=1024, seq_len=8192, n_heads=128, n_kv_heads=8,
+                          precision="bf16-mixed", devices_per_node=8)
+    assert space.sp_degrees == (1, 2, 4, 8) and space.zero_stages == (0, 1, 2, 3)
+    assert default_space(devices=8, seq_len=8192, n_heads=64, n_kv_heads=8, precision="bf16-mixed",
+                         devices_per_node=8).sp_degrees == (1, 2, 4, 8)
+
+
+@pytest.mark.parametrize("devices", [1, 64, 1024])
+def test_plans_from_one_to_1024_devices(devices):
+    """llama3.1-405b does not fit one device (nor 32: its 16 bytes a parameter of weights,
+    gradients and AdamW states alone are 6.5 TB); on 64 and 1024 SP stays inside a node (8 per
+    MI300X node) and data parallelism runs across nodes; the 1024-device solve is quick."""
+    budget = Budget(devices=devices, device_hours=1e6 if devices > 1 else 1e5)
+    if devices == 1:
+        with pytest.raises(InfeasibleError):
+            solve("llama3.1-405b", "mi300", budget, seq_len=8192, explain=False)
+        return
+    t0 = time.perf_counter()
+    plan = solve("llama3.1-405b", "mi300", budget, seq_len=8192)
+    took = time.perf_counter() - t0
+    _check_consistent(plan)
+    d = plan.decisions
+    assert d.sp_degree <= load("mi300").devices_per_node and 8 % d.sp_degree == 0, d
+    assert d.dp_degree == devices // d.sp_degree
+    if devices == 1024:
+        assert took < 30.0, f"405b on 1024 x mi300 took {took:.1f} s (benchmark target 10 s, idle)"
+
+
+# ---------------------------------------------------------------- memory: the joint model is evaluate's
+
+
+@pytest.fixture(scope="module")
+def problems():
+    """tiny-llama (4 layers), llama3-8b (32) and llama3-70b (80) on H100s, captured once."""
+    from planner.api import prepare
+
+    return {m: prepare(m, "h100", seq_len=s, micro_batches=(1, 2, 4))
+            for m, s in (("tiny-llama", 2048), ("llama3-8b", 8192), ("llama3-70b", 8192))}
+
+
+def _evaluate_phases(sm: StepModel, c: Choice) -> dict[str, float]:
+    """The highest bytes of each phase kind as `StepModel.evaluate` composes them (its peak is
+    their maximum): `costmodels.memory.step_phases` over the same inputs."""
+    from costmodels.memory import model_state_bytes, step_phases
+    from costmodels.step import PRECISIONS
+
+    wb, gb, mb, _ = PRECISIONS[c.precision]
+    states = model_state_bytes(sm.param_numels, weight_bytes=wb, grad_bytes=gb, master_bytes=mb,
+                               optimizer_bits=c.optimizer_bits, zero_stage=c.zero_stage,
+                               shard_degree=c.devices, foreach=sm.hw.device_type != "cpu",
+                               as_executed=True)
+    head = sm._mem("head", c.micro_batch, c.seq_len // c.sp_degree, "none")
+    blocks = [sm.block_memory(c, i, p) for i, p in enumerate(c.policies)]
+    out: dict[str, float] = {}
+    for m in step_phases(head, blocks, sm.tail_memory(c), states, fsdp=sm.fsdp_layout(c)):
+        kind = re.sub(r"\d+$", "", m.phase)
+        out[kind] = max(out.get(kind, 0.0), m.total)
+    return out
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "llama3-8b", "llama3-70b"])
+def test_joint_memory_is_evaluates_phase_by_phase(problems, model):
+    """Over devices 1/2/8/64, ZeRO 0-3, the smallest and largest SP degree, micro-batches 1 and
+    4, both optimizer widths and uniform and mixed checkpoint plans: the joint model's bytes at
+    each phase kind (`planner.combos.phase_peaks`) are `evaluate`'s, and so is their peak."""
+    from costmodels.remat import resolve
+    from planner.combos import combo_memory, phase_peaks
+    from planner.remat import entry_numbers
+
+    pr = problems[model]
+    sm, L, seq = pr.step_model, len(pr.step_model.blocks), pr.seq_len
+    entries = ["none", "save_matmuls", "save_attention", "full"]
+    mixes = [{"full": L}, {"none": 1, "save_attention": L // 2, "full": L - 1 - L // 2},
+             {"save_matmuls": L - 1, "none": 1}, {"full": 1, "save_attention": L - 1}]
+    checked = 0
+    for devices in (1, 2, 8, 64):
+        sps = pr.space(devices).sp_degrees
+        for zero, sp, mb, bits in itertools.product((0, 1, 2, 3), (sps[0], sps[-1]), (1, 4), (32, 8)):
+            base = Choice(sp_degree=sp, zero_stage=zero, micro_batch=mb, seq_len=seq,
+                          policies=("none",) * L, precision=pr.precision, optimizer_bits=bits,
+                          devices=devices)
+            c = combo_memory(sm, base)
+            c.update(entry_numbers(sm, base, {e: resolve(e) for e in entries}))
+            order = sorted(entries, key=lambda e: c["R"][e])
+            for mix in mixes:
+                counts = {e: mix.get(e, 0) for e in entries}
+                choice = Choice(**{**{f: getattr(base, f) for f in base.__slots__},
+                                   "policies": tuple(e for e in order for _ in range(counts[e]))})
+                joint, truth = phase_peaks(c, counts, order), _evaluate_phases(sm, choice)
+                assert joint.keys() == truth.keys(), (joint.keys(), truth.keys())
+                for k, v in truth.items():
+                    assert math.isclose(joint[k], v, rel_tol=1e-9), (model, choice, k, joint[k], v)
+                peak = sm.evaluate(choice).memory.total
+                assert math.isclose(max(joint.values()), peak, rel_tol=1e-9), (choice, joint, peak)
+                checked += 1
+    assert checked == 4 * 32 * len(mixes)
+
+
+SOLVE_GRID = [  # (model, devices, ZeRO stages, memory cap as a share of the H100's usable bytes)
+    ("tiny-llama", 1, (0,), 0.004), ("tiny-llama", 2, (1,), 0.004), ("tiny-llama", 8, (2,), 0.004),
+    ("tiny-llama", 64, (3,), 0.004), ("llama3-8b", 1, (0,), None), ("llama3-8b", 2, (2,), None),
+    ("llama3-8b", 8, (3,), 0.3), ("llama3-8b", 64, (2,), 0.5), ("llama3-70b", 64, (3,), None),
+    ("llama3-70b", 64, (3,), 0.5), ("llama3-8b", 8, (0, 1, 2, 3), 0.5),
+]
+
+
+def test_solved_plans_fit_by_their_own_prediction(problems):
+    """Solved under memory caps that force mixed checkpointing, with no re-solve: each plan's
+    predicted peak (`StepModel.evaluate`) is within the limit, and the joint model's own peak
+    for it (`Solution.peak_bytes`) is that prediction (within 0.5%; in fact exact)."""
+    from planner.solver import solve_joint
+
+    worst, mixed = 0.0, 0
+    for model, devices, zeros, share in SOLVE_GRID:
+        pr = problems[model]
+        space = pr.space(devices)
+        space = type(space)(**{**{f: getattr(space, f) for f in space.__slots__}, "zero_stages": zeros})
+        usable = pr.profile.usable_bytes
+        cap = None if share is None else share * usable
+        sol = solve_joint(pr.step_model, pr.profile, Budget(devices=devices, device_hours=100.0 * devices),
+                          seq_len=pr.seq_len, space=space, n_params=pr.graph.n_params,
+                          data_tokens=pr.unique, law=pr.law, memory_limit_bytes=cap, time_limit_s=0.5)
+        peak = pr.step_model.evaluate(sol.choice).memory.total
+        limit = usable if cap is None else cap
+        assert peak <= limit, f"{model} on {devices}: {peak / GIB:.3f} GiB over {limit / GIB:.3f} GiB"
+        worst = max(worst, abs(sol.peak_bytes - peak) / peak)
+        mixed += len(set(sol.choice.policies)) > 1
+    assert worst <= 0.005, worst
+    assert mixed >= len(SOLVE_GRID) // 2, mixed

@@ -122,6 +122,63 @@ def test_report_writes_four_files(ran, plan, tmp_path):
     assert "peak_memory" in files["comparison"].read_text()
 
 
+# ---------------------------------------------------------------- does the plan fit here
+
+
+def test_run_refuses_a_plan_whose_memory_exceeds_this_machine(plan, corpus, tmp_path):
+    """Checked before the model is built: one typed error naming both numbers and the fix."""
+    from executor.fit_check import PlanDoesNotFitError, available_ram_bytes
+    from hardware_profiles.errors import TrainplanError
+
+    have = available_ram_bytes()
+    mem = dict(plan.predictions.memory_bytes, total=2.0 * have)
+    big = dataclasses.replace(plan, predictions=dataclasses.replace(plan.predictions, memory_bytes=mem))
+    with pytest.raises(PlanDoesNotFitError, match=r"RAM.*available.*trainplan solve .*--hw cpu") as e:
+        run(big, data=corpus, out=tmp_path / "run", device="cpu", progress=False)
+    assert isinstance(e.value, TrainplanError)
+    assert f"{2.0 * have / 2**30:.2f} GiB" in str(e.value) and f"{have / 2**30:.2f} GiB" in str(e.value)
+    assert not (tmp_path / "run" / "record.json").exists()
+
+
+def test_launch_refuses_more_processes_than_this_machine_can_host(plan, tmp_path, monkeypatch):
+    import executor.fit_check as fit
+    import executor.worker as worker
+    from executor.fit_check import PlanDoesNotFitError
+
+    monkeypatch.setattr(fit.os, "cpu_count", lambda: 1)
+    n = fit.CPU_PROCESSES_PER_CORE + 1
+    d = dataclasses.replace(plan.decisions, devices=n, dp_degree=n, sp_degree=1)
+    dataclasses.replace(plan, decisions=d).to_json(tmp_path / "plan.json")
+    monkeypatch.setattr(worker, "run_torchrun", lambda *a, **k: pytest.fail("torchrun started"))
+    with pytest.raises(PlanDoesNotFitError, match=rf"plan runs {n} processes .* 1 CPU core"):
+        worker.launch(tmp_path / "plan.json", tmp_path / "run", None, "cpu")
+    # check_fits=False skips the check (torchrun, stubbed here, would start)
+    monkeypatch.setattr(worker, "run_torchrun", lambda *a, **k: None)
+    assert worker.launch(tmp_path / "plan.json", tmp_path / "run2", None, "cpu", check_fits=False) is False
+
+
+def test_fit_check_on_cuda_counts_devices_and_each_ranks_free_memory(plan, monkeypatch):
+    import torch
+
+    from executor.fit_check import PlanDoesNotFitError, check_fits
+
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i=None: (1 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    mem = dict(plan.predictions.memory_bytes, total=2.0 * gib)
+    big = dataclasses.replace(plan, predictions=dataclasses.replace(plan.predictions, memory_bytes=mem))
+    two = dataclasses.replace(big, decisions=dataclasses.replace(big.decisions, devices=2, dp_degree=2))
+    cuda = torch.device("cuda")
+    with pytest.raises(PlanDoesNotFitError, match="plan uses 2 devices but torch sees 1 cuda device"):
+        check_fits(two, cuda)
+    with pytest.raises(PlanDoesNotFitError, match=r"2.00 GiB per device .* cuda:0 has 1.00 GiB free of 80.00 GiB"):
+        check_fits(big, cuda)
+    with pytest.raises(PlanDoesNotFitError, match="1.00 GiB free"):
+        check_fits(two, cuda, in_worker=True)  # a rank checks its own device
+    check_fits(plan, cuda)  # the tiny plan fits
+
+
 # ---------------------------------------------------------------- two processes
 
 
