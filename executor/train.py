@@ -33,7 +33,7 @@ from executor.measure import (WARMUP_STEPS_UNMEASURED, _measure_memory,  # noqa:
                               any_rank, device_name, gather_floats, heldout_loss, measured_step,
                               progress_bar)
 from executor.record import RunRecord
-from executor.selection import PlannedBatches
+from executor.selection_run import PlannedBatches
 from hardware_profiles import load as load_profile
 from hardware_profiles.errors import PlanMismatchError, TrainingDivergedError, TrainplanError
 from planner.capture import lm_loss

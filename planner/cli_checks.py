@@ -1,0 +1,184 @@
+"""Checks behind the `trainplan` command line (`planner.cli`): output paths, `--device`
+names and loaded plan files, each raising one `TrainplanError` subclass with a message
+that names the bad value and what is valid; run before anything is written or trained.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hardware_profiles.errors import DeviceError, OutputPathError, PlanMismatchError, UnknownNameError
+
+__all__ = ["check_device", "check_json_path", "check_out_dir", "check_plan", "check_plan_model",
+           "valid_devices"]
+
+
+def check_json_path(path: str | Path) -> Path:
+    """Where `solve --json` may write: a file path whose folder exists.
+
+    Raises:
+        OutputPathError: the path is a folder, or its folder does not exist or is a file.
+    """
+    p = Path(path)
+    if p.is_dir():
+        raise OutputPathError(f"--json {str(p)!r} is a folder; give a file path such as "
+                              f"{str(p / 'plan.json')!r}")
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        what = "is a file" if parent.exists() else "does not exist"
+        raise OutputPathError(f"--json {str(p)!r}: folder {str(parent)!r} {what}; create the folder "
+                              "or give a path in an existing one")
+    return p
+
+
+def check_out_dir(out: str | Path, *, option: str = "--out", resume: bool = False,
+                  overwrite: bool = True) -> Path:
+    """A run or report folder: not a file (nor under one); with `overwrite=False`, not a folder
+    that already holds a run (record.json or checkpoints) unless `resume`.
+
+    Raises:
+        OutputPathError: the path or a folder above it is a regular file; or a run is there and
+            neither --resume nor --overwrite was given.
+    """
+    from executor.checkpoint import CHECKPOINT_DIR
+
+    p = Path(out)
+    for q in (p, *p.parents):
+        if q.exists():
+            if not q.is_dir():
+                where = "is a file" if q == p else f"is under {str(q)!r}, which is a file"
+                raise OutputPathError(f"{option} {str(p)!r} {where}; give a folder path (it is "
+                                      "created if missing)")
+            break
+    if not (resume or overwrite) and p.is_dir():
+        held = [n for n in ("record.json", CHECKPOINT_DIR) if (p / n).exists()]
+        if held:
+            raise OutputPathError(
+                f"{option} {str(p)!r} already holds a run ({', '.join(held)}); continue it with "
+                "--resume, replace it with --overwrite, or choose another --out")
+    return p
+
+
+def valid_devices() -> list[str]:
+    """Device names `--device` accepts on this machine: cpu, and cuda, cuda:0, ... when torch
+    sees CUDA/ROCm devices."""
+    import torch
+
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return ["cpu"] + (["cuda"] + [f"cuda:{i}" for i in range(n)] if n else [])
+
+
+def check_device(name: str | None) -> None:
+    """Check a `--device` override before anything runs (None: the plan's device).
+
+    Raises:
+        DeviceError: not a torch device name, a device type the executor does not run on, or a
+            device this machine does not have; the message lists the valid ones.
+    """
+    if name is None:
+        return
+    import torch
+
+    valid = valid_devices()
+    n = sum(v.startswith("cuda:") for v in valid)
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, ValueError, TypeError):
+        raise DeviceError(f"--device {name!r} is not a device name; valid here: "
+                          f"{', '.join(valid)}") from None
+    if dev.type == "cpu":
+        return
+    if dev.type == "cuda":
+        if n == 0:
+            raise DeviceError(f"--device {name!r}: torch sees no CUDA/ROCm device here; valid here: "
+                              f"{', '.join(valid)}")
+        if dev.index is None or dev.index < n:
+            return
+        raise DeviceError(f"--device {name!r}: this machine has {n} CUDA/ROCm device(s); valid "
+                          f"here: {', '.join(valid)}")
+    raise DeviceError(f"--device {name!r}: trainplan runs on cpu or cuda devices; valid here: "
+                      f"{', '.join(valid)}")
+
+
+def _whole(v, lo: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= lo
+
+
+def check_plan(plan, path: str | Path) -> None:
+    """Check a loaded plan's fields before anything runs: types, ranges and the relations the
+    executor relies on (sp_degree x dp_degree = devices, sp_degree divides seq_len, one
+    checkpoint entry per layer). A plan written by `trainplan solve` always passes.
+
+    Raises:
+        PlanMismatchError: the first field that is wrong, with its value and what is valid.
+    """
+    import math
+
+    d = plan.decisions
+    checks = [
+        ("model_n_params", plan.model_n_params, _whole(plan.model_n_params, 1), "a whole number >= 1"),
+        ("model_n_layers", plan.model_n_layers, _whole(plan.model_n_layers, 1), "a whole number >= 1"),
+        ("vocab_size", plan.vocab_size, _whole(plan.vocab_size, 1), "a whole number >= 1"),
+        ("decisions.devices", d.devices, _whole(d.devices, 1), "a whole number >= 1"),
+        ("decisions.sp_degree", d.sp_degree, _whole(d.sp_degree, 1), "a whole number >= 1"),
+        ("decisions.dp_degree", d.dp_degree, _whole(d.dp_degree, 1), "a whole number >= 1"),
+        ("decisions.seq_len", d.seq_len, _whole(d.seq_len, 1), "a whole number >= 1"),
+        ("decisions.micro_batch", d.micro_batch, _whole(d.micro_batch, 1), "a whole number >= 1"),
+        ("decisions.max_steps", d.max_steps, _whole(d.max_steps, 1), "a whole number >= 1"),
+        ("decisions.warmup_steps", d.warmup_steps, _whole(d.warmup_steps, 0), "a whole number >= 0"),
+        ("decisions.seed", d.seed, _whole(d.seed, 0), "a whole number >= 0"),
+        ("decisions.zero_stage", d.zero_stage, d.zero_stage in (0, 1, 2, 3), "0, 1, 2 or 3"),
+        ("decisions.optimizer_bits", d.optimizer_bits, d.optimizer_bits in (32, 8), "32 or 8"),
+        ("decisions.precision", d.precision, d.precision in ("fp32", "bf16-mixed", "bf16"),
+         "fp32, bf16-mixed or bf16"),
+        ("decisions.data_fraction", d.data_fraction,
+         isinstance(d.data_fraction, (int, float)) and 0 < d.data_fraction <= 1, "in (0, 1]"),
+        ("decisions.data_method", d.data_method,
+         d.data_method in ("random", "loss", "influence", "dsir"), "random, loss, influence or dsir"),
+        ("decisions.selection_every_steps", d.selection_every_steps,
+         _whole(d.selection_every_steps, 0), "a whole number >= 0"),
+        ("decisions.lr", d.lr, isinstance(d.lr, (int, float)) and math.isfinite(d.lr) and d.lr > 0,
+         "a positive finite number"),
+    ]
+    for name, value, ok, valid in checks:
+        if not ok:
+            raise PlanMismatchError(f"plan {str(path)!r}: {name}={value!r} must be {valid}; the plan "
+                                    "file is corrupt or edited: solve it again")
+    relations = [
+        (d.sp_degree * d.dp_degree == d.devices,
+         f"sp_degree={d.sp_degree} x dp_degree={d.dp_degree} must equal devices={d.devices}"),
+        (d.seq_len % d.sp_degree == 0,
+         f"sp_degree={d.sp_degree} must divide seq_len={d.seq_len}"),
+        (len(d.checkpoint) == plan.model_n_layers and all(isinstance(c, str) for c in d.checkpoint),
+         f"checkpoint has {len(d.checkpoint)} entries, must be one name per layer "
+         f"({plan.model_n_layers})"),
+    ]
+    for ok, what in relations:
+        if not ok:
+            raise PlanMismatchError(f"plan {str(path)!r}: {what}; the plan file is corrupt or edited: "
+                                    "solve it again")
+
+
+def check_plan_model(plan) -> None:
+    """Check, before building anything, that `plan` names a preset whose parameter count (at
+    the plan's vocabulary) is the plan's: a plan edited or made for another model is refused
+    before a wrong (perhaps huge) model is built.
+
+    Raises:
+        PlanMismatchError: the plan's model is not a preset, or has another parameter count.
+    """
+    from planner.presets import known_presets, preset_n_params
+
+    try:
+        n = preset_n_params(plan.model, vocab_size=plan.vocab_size)
+    except UnknownNameError:
+        raise PlanMismatchError(
+            f"plan was made for model {plan.model!r}, which is not a preset ({', '.join(known_presets())}); "
+            "`trainplan run` builds presets only: run it from Python with "
+            "executor.run(plan, model, data)") from None
+    if n != plan.model_n_params:
+        raise PlanMismatchError(
+            f"plan says model {plan.model} has {plan.model_n_params:,} parameters but preset "
+            f"{plan.model} at vocab_size={plan.vocab_size} has {n:,}: the plan was made for another "
+            "model or edited; solve it again")
+

