@@ -152,11 +152,17 @@ def _corpus_for(plan, data_paths, progress: bool):
 
 
 def _run_and_report(plan, out: Path, data_paths, device, progress=True) -> int:
-    from executor.report import compare, format_table, report
     from executor.train import run
 
     data = _corpus_for(plan, data_paths, progress)
     record = run(plan, data=data, out=out, device=device, progress=progress)
+    return _report_run(plan, record, out)
+
+
+def _report_run(plan, record, out: Path) -> int:
+    """Write the run's report files and print the comparison table and where they are."""
+    from executor.report import compare, format_table, report
+
     files = report(plan, record, out)
     print(format_table(compare(plan, record)))
     print(f"stopped: {record.stop_reason} after {record.steps} steps ({record.wall_s:.0f} s)")
@@ -209,15 +215,8 @@ def cmd_run(args) -> int:
               f"{plan.decisions.max_steps} steps; record in {out / 'record.json'}, {where}; "
               f"continue with: trainplan run --out {out} --resume", file=sys.stderr)
         return 130
-    from executor.report import compare, format_table, report
-
     _copy_frontier(plan_path, out)
-    files = report(plan, record, out)
-    print(format_table(compare(plan, record)))
-    print(f"stopped: {record.stop_reason} after {record.steps} steps ({record.wall_s:.0f} s)")
-    print(f"files in {files['html'].parent}: {', '.join(p.name for p in files.values())}")
-    print(f"report: {files['html']} (self-contained HTML: open it in a browser)")
-    return 0
+    return _report_run(plan, record, out)
 
 
 def cmd_report(args) -> int:
