@@ -18,6 +18,11 @@ DEMO_BUDGET_FLOPS = 4e13
 on 2 CPU cores. A FLOP budget, so the run's length does not depend on how well the cpu
 profile was measured (step time is then predicted and compared, not used to size the run)."""
 DEMO_SEQ_LEN = 256
+DEMO_MICRO_BATCHES = (16,)
+"""The demo's micro-batch. Under a FLOP budget every micro-batch costs the same FLOPs per
+token, so the loss-first objective is indifferent up to step granularity and can pick
+micro-batch 1 (4,643 steps of one sequence: about 30 minutes on 2 cores, each step paying the
+per-op overhead); 16 sequences per step keep the demo at about 290 steps."""
 DEFAULT_DATA_METHODS = "random,dsir,loss,influence"
 DATA_METHODS_HELP = ("data-subset scoring methods the planner chooses from with the kept fraction, "
                      "comma-separated (random, dsir, loss, influence; default all): a method without "
@@ -156,7 +161,23 @@ def _run_and_report(plan, out: Path, data_paths, device, progress=True) -> int:
 
     data = _corpus_for(plan, data_paths, progress)
     record = run(plan, data=data, out=out, device=device, progress=progress)
+    if _stopped_early(plan, record, out):
+        return 130
     return _report_run(plan, record, out)
+
+
+def _stopped_early(plan, record, out: Path) -> bool:
+    """True (after one line on stderr saying how to continue) when the run ended before its
+    budget for another reason than the governor's stop (interrupted, ...)."""
+    import shlex
+
+    if record.stop_reason in ("budget", "marginal_gain"):  # the governor's stop is an end too
+        return False
+    where = f"checkpoint in {record.checkpoint}" if record.checkpoint else "no checkpoint"
+    print(f"trainplan: {record.stop_reason or 'stopped'} after {record.steps} of "
+          f"{plan.decisions.max_steps} steps; record in {out / 'record.json'}, {where}; "
+          f"continue with: trainplan run --out {shlex.quote(str(out))} --resume", file=sys.stderr)
+    return True
 
 
 def _report_run(plan, record, out: Path) -> int:
@@ -209,11 +230,7 @@ def cmd_run(args) -> int:
         from executor.train import run
 
         record = run(plan, data=data, out=out, device=args.device, **opts)
-    if record.stop_reason not in ("budget", "marginal_gain"):  # the governor's stop is an end too
-        where = f"checkpoint in {record.checkpoint}" if record.checkpoint else "no checkpoint"
-        print(f"trainplan: {record.stop_reason or 'stopped'} after {record.steps} of "
-              f"{plan.decisions.max_steps} steps; record in {out / 'record.json'}, {where}; "
-              f"continue with: trainplan run --out {out} --resume", file=sys.stderr)
+    if _stopped_early(plan, record, out):
         return 130
     _copy_frontier(plan_path, out)
     return _report_run(plan, record, out)
@@ -263,7 +280,7 @@ def cmd_demo(args) -> int:
 
     methods = check_data_methods(args.data_methods)
     fr = frontier("tiny-llama", "cpu", budget, seq_len=DEMO_SEQ_LEN, data_tokens=tokens,
-                  seed=args.seed)  # the plan and its Pareto frontier (for the report)
+                  seed=args.seed, micro_batches=DEMO_MICRO_BATCHES)  # the plan and its Pareto frontier
     plan = governed_plan(choose_data_method(fr.plan, methods=methods),
                          args.loss_value_device_hours_per_nat)
     _print_plan(plan)
