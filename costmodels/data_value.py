@@ -45,7 +45,7 @@ from typing import Iterable, Sequence
 import numpy as np
 from scipy.optimize import least_squares, nnls
 
-from costmodels.loss import HUBER_DELTA, R_D_STAR, LossLaw, _effective
+from costmodels.loss import HUBER_DELTA, R_D_STAR, LossLaw, _effective, _finite
 from hardware_profiles.errors import TrainplanError
 
 __all__ = ["METHODS", "QUALITY_FORM", "QualityFit", "DEFAULT_QUALITY", "ScoringFlops",
@@ -65,12 +65,7 @@ QUALITY_FORM = "q(f) = 1 + a * (1 - f)**b"
 
 def _num(name: str, value, *, low: float | None = None, low_open: bool = True,
          high: float | None = None) -> float:
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        raise TrainplanError(f"{name} must be a number, got {value!r}") from None
-    if not math.isfinite(v):
-        raise TrainplanError(f"{name} must be finite, got {value!r}")
+    v = _finite(name, value)
     if low is not None and (v <= low if low_open else v < low):
         raise TrainplanError(f"{name} must be {'>' if low_open else '>='} {low}, got {value!r}")
     if high is not None and v > high:

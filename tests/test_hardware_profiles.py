@@ -407,7 +407,6 @@ def test_matmul_sweep_stops_after_a_size_that_is_really_slow(monkeypatch):
 def test_optimizer_rate_validated_and_used_by_the_step_model():
     """A measured seconds-per-parameter rate replaces the optimizer step's roofline; bad keys
     and values name the field."""
-    from costmodels.step import StepModel  # noqa: F401 - the consumer
     from planner.api import plan_for_choice
 
     base = load("h100")
