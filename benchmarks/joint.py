@@ -120,7 +120,7 @@ class Knobs:
 
     def loss(self, k: dict) -> float:
         """Predicted final loss (nats/token) when the budget is run out; inf if it does not fit."""
-        from costmodels.loss import bits_loss_penalty
+        from costmodels.bits import bits_loss_penalty
 
         mem, steps = self.step(k)
         if mem > self.limit or steps < 1:

@@ -19,6 +19,9 @@ pairwise-exchange alltoall ((p-1) a + (p-1)/p n b, n the per-rank buffer); NCCL 
 bandwidth factors 2(n-1)/n for all-reduce and (n-1)/n for all-gather, reduce-scatter, all-to-all.
 The ring latency term (n-1 or 2(n-1) hops) is pessimistic for NCCL's tree/NVLS algorithms at small
 sizes; `Link.latency_s` is fitted, so it absorbs the difference.
+
+Time and bytes sent only; the memory the Ulysses exchanges take (send and receive buffers, the copy
+each block keeps for `o_proj`) is `costmodels.ulysses`'.
 """
 
 from __future__ import annotations

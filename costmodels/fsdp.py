@@ -50,7 +50,12 @@ class FsdpLayout:
     - ZeRO-2 (`reshard_after_forward=False`): every group stays whole from its forward (or from
       the previous step's held-out evaluation, a no-grad forward) to the end of its backward.
     - The root group's gradients stay whole until its reduce-scatter, in the backward's final
-      callback (blocks reduce-scatter theirs when their backward is done).
+      callback (blocks reduce-scatter theirs when their backward is done, after resharding
+      their parameters: `at_reduce`).
+    - Buffers are freed where FSDP2 drops them: `executor.zero` installs
+      `executor.collectives`' all-gather and reduce-scatter on CPU, which return only once
+      gloo's worker thread has let go of them (without that, a loaded run could free the
+      root group's all-gather buffer late, on gloo's thread, after the next block's prefetch).
     - A reduce-scatter holds its input (the whole gradients), its output (1/shard_degree) and,
       on gloo (`reduce_scatter_copy`, CPU), one more whole copy."""
 
@@ -74,6 +79,19 @@ class FsdpLayout:
         whole = r + sum(blk)
         return (max(2 * r, whole), [whole] * n_blocks, whole,
                 [r + sum(blk[:i + 1]) for i in range(n_blocks)], r)
+
+    def at_reduce(self, n_blocks: int) -> list[float]:
+        """All-gathered parameter bytes while each block's gradients are reduce-scattered: those
+        of its backward (`unsharded`) less its own, since FSDP2's post-backward reshards the
+        block first (`_fsdp_param_group.py` `FSDPParamGroup.post_backward`: `reshard()`, then
+        `foreach_reduce`). ZeRO-2: the root group and the blocks before it; ZeRO-3: the root
+        group and the previous block's all-gather buffer, prefetched at this block's
+        pre-backward (`_backward_prefetch`; the first block's backward is counted with one
+        too, as in `unsharded`)."""
+        _, _, _, bwd, _ = self.unsharded(n_blocks)
+        blk = list(self.block_param_bytes)[:n_blocks]
+        blk += [blk[-1] if blk else 0.0] * (n_blocks - len(blk))
+        return [u - x for u, x in zip(bwd, blk)]
 
     def reduce_bytes(self, grad_bytes: float) -> float:
         """Buffers of one group's gradient reduce-scatter beyond its whole gradients."""

@@ -1,9 +1,11 @@
-"""Learning-curve math for the compute governor: fit, marginal gain, predicted stop step.
+"""Learning-curve math for the compute governor: the online fit and the gain it predicts.
 
-Pure numpy/scipy: no torch, no planner, no executor. The executor's `executor.governor.Governor`
-fits the held-out loss of a running job with `fit_curve` and stops it when `marginal_gain` says
-the next steps are no longer worth their cost; the planner predicts where that happens with
-`predict_stop_step` (from a fit) or `predict_stop_step_from_curve` (from its loss law).
+Pure numpy/scipy: no torch, no planner, no executor. The governor (`costmodels.stopping.
+Governor`, run in the loop by `executor.governor`) fits the held-out loss of a running job with
+`fit_curve` and stops it when `marginal_gain` (or `trend_gain`) says the next steps are no
+longer worth their cost. The price of a step and the planner's predicted stop are in
+`costmodels.stop_prediction` (re-exported here); the planner's curve before a run is
+`costmodels.heldout_curve`.
 
 The curve is a power law in steps plus a floor,
 
@@ -16,12 +18,6 @@ curve is finite at t = 0. It is parametrised for fitting by the excess loss at a
 t_ref (the last observed one), D = L(t_ref) - E, so that every parameter is O(1) in nats:
 
     L(t) = E + D * ((t + t0) / (t_ref + t0)) ** -alpha.                (1')
-
-Economics (`threshold_from_value`): one more step costs `cost_per_step` (device-seconds,
-dollars, ...), one nat of loss is worth `value_per_nat` of the same unit; a step is worth taking
-while (expected loss drop per step) x value_per_nat >= cost_per_step, i.e. while the drop per
-step is at least threshold = cost_per_step / value_per_nat nats per step. Loss is in nats per
-token of the run's tokenizer, so a threshold does not transfer across tokenizers.
 """
 
 from __future__ import annotations
@@ -29,7 +25,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 from scipy.optimize import OptimizeWarning, least_squares
@@ -174,12 +170,17 @@ def _check_xy(steps, losses, weights):
     return t, y, w
 
 
-def _noise_scale(y: np.ndarray) -> float:
-    """Noise std from second differences (robust to a smooth trend): MAD * 1.4826 / sqrt(6)."""
+def noise_scale(y) -> float:
+    """Noise std (same unit as y, nats for losses) of a series along a smooth trend, from its
+    second differences, robust to outliers: MAD(d2) x 1.4826 / sqrt(6) (the second difference
+    of i.i.d. noise has variance 6 sigma^2; 1.4826 x MAD estimates a normal sigma). At least
+    MIN_NOISE_NATS; MIN_NOISE_NATS for fewer than 4 points."""
+    y = np.asarray(y, dtype=float).ravel()
     if y.size < 4:
         return MIN_NOISE_NATS
     d2 = np.diff(y, 2)
     return max(MIN_NOISE_NATS, 1.4826 * float(np.median(np.abs(d2 - np.median(d2)))) / math.sqrt(6.0))
+
 
 
 def _linear_start(t, y, w, alpha, t0, t_ref):
@@ -248,7 +249,7 @@ def fit_curve(steps: Sequence[float], losses: Sequence[float], *, weights=None,
         g = _model_grad(t, p[0], p[1], p[2], p[3] if fit_t0 else fixed_t0, t_ref)
         return g[:n_par].T * w[:, None]
 
-    scale = _noise_scale(y) * float(np.median(w))
+    scale = noise_scale(y) * float(np.median(w))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", OptimizeWarning)
         res = least_squares(resid, x0, jac=jac, bounds=(lo, hi), method="trf",
@@ -315,152 +316,11 @@ def trend_gain(steps: Sequence[float], losses: Sequence[float],
     return -slope, -slope - z * se, -slope + z * se
 
 
-def threshold_from_value(value_per_nat: float, cost_per_step: float) -> float:
-    """The governor's stopping threshold, nats per step: cost_per_step / value_per_nat.
-
-    A step is worth taking while (expected loss drop per step, nats) x (value of one nat) >=
-    (cost of one step), both sides in the same unit (device-seconds, dollars, joules). E.g. a
-    step costs 2 device-s and a nat of held-out loss is worth 10,000 device-s: stop once the
-    loss drops by less than 2e-4 nats per step.
-
-    Raises: TrainplanError unless both are finite and > 0.
-    """
-    for name, v in (("value_per_nat", value_per_nat), ("cost_per_step", cost_per_step)):
-        if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
-            raise TrainplanError(f"{name} must be a finite number > 0, got {v!r}")
-    return float(cost_per_step) / float(value_per_nat)
-
-
-def _first_below(gain_per_step: Callable[[float], float], threshold: float, start: int,
-                 max_steps: int) -> int:
-    """Smallest integer step in [start, max_steps] with gain_per_step(step) < threshold, for a
-    non-increasing gain_per_step (bisection); max_steps when there is none."""
-    if gain_per_step(start) < threshold:
-        return start
-    if gain_per_step(max_steps) >= threshold:
-        return max_steps
-    lo, hi = start, max_steps  # gain(lo) >= thr > gain(hi)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if gain_per_step(mid) < threshold:
-            hi = mid
-        else:
-            lo = mid
-    return hi
-
-
-def _check_threshold(threshold: float, cost_per_step: float, max_steps: int, horizon_steps: int):
-    if not (math.isfinite(threshold) and threshold >= 0):
-        raise TrainplanError(f"threshold must be a finite number >= 0, got {threshold!r}")
-    if not (math.isfinite(cost_per_step) and cost_per_step > 0):
-        raise TrainplanError(f"cost_per_step must be a finite number > 0, got {cost_per_step!r}")
-    if not isinstance(max_steps, int) or max_steps < 1:
-        raise TrainplanError(f"max_steps must be a whole number >= 1, got {max_steps!r}")
-    if not isinstance(horizon_steps, int) or horizon_steps < 1:
-        raise TrainplanError(f"horizon_steps must be a whole number >= 1, got {horizon_steps!r}")
-
-
-def predict_stop_step(fit: CurveFit, threshold: float, cost_per_step: float = 1.0, *,
-                      max_steps: int = 10**9, horizon_steps: int = 1, start: int = 0) -> int:
-    """First step t >= start at which the fitted curve's gain per unit cost,
-    (L(t) - L(t + h)) / h / cost_per_step, falls below `threshold`; `max_steps` if it never
-    does before. With the default cost_per_step = 1 the threshold is in nats per step (the
-    `Governor`'s unit). Uses the mean curve: the governor, which waits for the *upper* bound,
-    stops a little later, by an amount that shrinks as the fit tightens.
-
-    For eq. (1) with h -> 0 this is t = (alpha * A / (threshold * cost))^(1 / (1 + alpha)) - t0.
-
-    Raises: TrainplanError on a negative threshold, a non-positive cost or bad step counts.
-    """
-    _check_threshold(threshold, cost_per_step, max_steps, horizon_steps)
-    h = float(horizon_steps)
-    return _first_below(lambda s: float(fit.gain(s, h)) / h / cost_per_step, threshold,
-                        int(start), max_steps)
-
-
-def predict_stop_step_from_curve(loss_at: Callable[[int], float], threshold: float,
-                                 max_steps: int, *, cost_per_step: float = 1.0,
-                                 horizon_steps: int = 1, start: int = 1) -> int:
-    """The same rule over any predicted curve, e.g. the planner's loss law along the run:
-
-        tps = plan.predictions.tokens_per_step
-        loss_at = lambda s: float(learning_curve([max(s, 1) * tps], law=law, n_params=n)[0])
-        predict_stop_step_from_curve(loss_at, threshold, plan.decisions.max_steps)
-
-    `loss_at(step)` (nats/token) must be non-increasing with a non-increasing drop per step (a
-    convex curve, as every power law plus floor is) for steps >= `start` (default 1: a law in
-    tokens has no value at step 0): the first crossing is found by bisection.
-
-    Returns: the first step in [start, max_steps] with a drop per unit cost below `threshold`,
-    or max_steps (the budget binds first).
-    Raises: TrainplanError on a negative threshold, a non-positive cost or bad step counts.
-    """
-    _check_threshold(threshold, cost_per_step, max_steps, horizon_steps)
-    h = int(horizon_steps)
-    return _first_below(lambda s: (float(loss_at(int(s))) - float(loss_at(int(s) + h))) / h / cost_per_step,
-                        threshold, int(start), max_steps)
-
-
-def cooldown_steps(steps: int, fraction: float = 0.2) -> int:
-    """Cooldown length after a stop decided with `steps` done: c such that c is `fraction` of
-    the final run (warmup-stable-decay, Hu et al. 2024: the last 20%), c = ceil(f / (1 - f) x
-    steps), 25% of `steps` for f = 0.2; at least 1 when f > 0, 0 when f = 0.
-
-    Raises: TrainplanError unless 0 <= fraction < 1 and steps >= 0."""
-    if not 0.0 <= fraction < 1.0:
-        raise TrainplanError(f"cooldown fraction must be in [0, 1), got {fraction!r}")
-    if not steps >= 0:
-        raise TrainplanError(f"steps must be >= 0, got {steps!r}")
-    return 0 if fraction == 0 else max(1, math.ceil(fraction / (1.0 - fraction) * steps - 1e-9))
-
-
-def governed_stop_step(stop_step: int, max_steps: int, fraction: float = 0.2) -> int:
-    """The governor's rule applied to a predicted crossing: a stop whose cooldown would reach
-    the budget saves nothing and is not taken, so the predicted stop is `max_steps` when
-    stop_step + cooldown_steps(stop_step) >= max_steps, else `stop_step`."""
-    return max_steps if stop_step + cooldown_steps(stop_step, fraction) >= max_steps else int(stop_step)
-
-
-def predict_stop_from_law(law, *, n_params: float, tokens_per_step: float, threshold: float,
-                          max_steps: int, unique_tokens: float | None = None,
-                          cost_per_step: float = 1.0, horizon_steps: int = 1, start: int = 1,
-                          offset_nats: float = 0.0,
-                          cooldown_fraction: float = 0.2) -> tuple[int, int, float]:
-    """The planner's predicted stop: where the drop per step of its loss law along the run,
-
-        L(s) = law at (s x tokens_per_step tokens seen, `unique_tokens` unique)    (eq. 2 of
-        Hoffmann et al. 2022 with Muennighoff et al. 2023's effective data; `learning_curve`),
-
-    falls below `threshold` (per unit `cost_per_step`; `predict_stop_step_from_curve`), with the
-    governor's rule that a stop whose cooldown reaches the budget is not taken
-    (`governed_stop_step`). Repeated data makes the drop per step fall off exponentially after
-    the first epoch (the effective tokens' growth decays as exp(-repeats / R_D*)): the law
-    predicts the stop of a data-constrained run from the unique tokens alone.
-
-    `law`: a `costmodels.loss.LossLaw`; `offset_nats` is added to the loss (e.g. the optimizer
-    bits penalty): it moves the curve, not its slope.
-
-    Returns: (predicted stop step = the step the governor decides at, in steps done; the
-    step the run ends, its cooldown included: stop + `cooldown_steps(stop)`, `max_steps` when
-    the budget binds; the law's loss there + offset_nats: the governed run's final loss, the
-    law being a curve of end-of-run losses, cooldown included).
-    Raises: TrainplanError on bad counts, a negative threshold or a non-positive cost.
-    """
-    from costmodels.loss import learning_curve
-
-    if not (math.isfinite(tokens_per_step) and tokens_per_step > 0):
-        raise TrainplanError(f"tokens_per_step must be > 0, got {tokens_per_step!r}")
-
-    def loss_at(s: int) -> float:
-        return float(learning_curve([max(s, 1) * tokens_per_step], law=law, n_params=n_params,
-                                    unique_tokens=unique_tokens)[0])
-
-    crossing = predict_stop_step_from_curve(loss_at, threshold, max_steps, cost_per_step=cost_per_step,
-                                            horizon_steps=horizon_steps, start=start)
-    stop = governed_stop_step(crossing, max_steps, cooldown_fraction)
-    final = max_steps if stop >= max_steps else stop + cooldown_steps(stop, cooldown_fraction)
-    return stop, final, loss_at(final) + offset_nats
-
+# The economics and the predicted stop live in `costmodels.stop_prediction`; re-exported here
+# for callers that import them with the fit.
+from costmodels.stop_prediction import (  # noqa: E402
+    cooldown_steps, governed_stop_step, predict_stop_from_law, predict_stop_step,
+    predict_stop_step_from_curve, threshold_from_value)
 
 __all__ = [
     "CurveFit",
@@ -469,6 +329,7 @@ __all__ = [
     "predict_stop_from_law",
     "fit_curve",
     "marginal_gain",
+    "noise_scale",
     "predict_stop_step",
     "predict_stop_step_from_curve",
     "threshold_from_value",

@@ -22,13 +22,16 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass, fields
-from typing import ClassVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 from scipy.optimize import minimize, nnls
 
 from hardware_profiles.errors import TrainplanError
+
+if TYPE_CHECKING:
+    from costmodels.bits import BitsPenalty
 
 #: Muennighoff et al. 2023, Sec. 3 (fit reported as R_D* = 15.387756): repetitions of the data
 #: after which a repeated token is worth 1/e of a fresh one.
@@ -142,6 +145,9 @@ class LossLaw:
     """Loss unit: nats per token of the fitting tokenizer; not comparable across tokenizers."""
     source: str = "Besiroglu et al. 2024 (arXiv:2404.10102), refit of Hoffmann et al. 2022 Approach 3"
     """Where the constants come from."""
+    bits: "BitsPenalty | None" = None
+    """Loss penalties of lower-precision settings fitted with this law (`trainplan calibrate`,
+    `costmodels.bits`); None: the published defaults (`costmodels.bits.DEFAULT_BITS_PENALTY`)."""
 
     FIT_NAMES: ClassVar[tuple[str, ...]] = _FIT_NAMES
 
@@ -391,89 +397,11 @@ def learning_curve(
     return law.E + law.A / n**law.alpha + law.B / (q * d) ** law.beta
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class BitsPenalty:
-    """Additive loss penalties (nats/token) for lower-precision training state, relative to
-    bf16 mixed precision with fp32 optimizer states. Defaults are conservative readings of
-    published "no measurable degradation" results, not measured deltas; calibration refits them.
-    """
-
-    optimizer_16bit_nats: float = 0.001
-    """bf16 Adam moments with fp32 master weights. No source gives a delta; set to half the
-    8-bit value as an assumption."""
-    optimizer_8bit_nats: float = 0.002
-    """Block-wise 8-bit Adam. Dettmers et al. 2022, "8-bit Optimizers via Block-wise
-    Quantization" (ICLR; arXiv:2110.02861), Table 1: matches 32-bit Adam on language modelling
-    within seed noise. 0.002 nats (~0.2% perplexity) is a tie-breaker, not a measurement."""
-    optimizer_4bit_nats: float = 0.01
-    """4-bit Adam states. Li, Chen & Zhu 2023, "Memory Efficient Optimizers with 4-bit States"
-    (NeurIPS; arXiv:2309.01507): comparable accuracy on fine-tuning and Transformer pretraining
-    (WMT14), no LLM pretraining reported; 0.01 nats is a placeholder."""
-    activation_8bit_nats: float = 0.005
-    """8-bit saved activations. ActNN (Chen et al. 2021, ICML; arXiv:2104.14129) compresses
-    saved activations to 2 bits with negligible accuracy loss (vision models); Jetfire (Xi et al.
-    2024, ICML; arXiv:2403.12422) pretrains GPT-2 with INT8 data flow at comparable loss.
-    0.005 nats is a placeholder."""
-    weight_16bit_nats: float = 0.0
-    """bf16/fp16 weights with fp32 master copy: Micikevicius et al. 2018, "Mixed Precision
-    Training" (ICLR; arXiv:1710.03740), Sec. 4: matches fp32 accuracy. The baseline."""
-
-    OPTIMIZER_BITS: ClassVar[tuple[int, ...]] = (32, 16, 8, 4)
-    ACTIVATION_BITS: ClassVar[tuple[int, ...]] = (16, 8)
-    WEIGHT_BITS: ClassVar[tuple[int, ...]] = (32, 16)
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            _non_negative(f"BitsPenalty.{f.name}", getattr(self, f.name))
-
-    def penalty(self, optimizer_bits: int, activation_bits: int = 16, weight_bits: int = 16) -> float:
-        """Sum of the per-state penalties, nats per token; see `bits_loss_penalty`."""
-        for name, bits, valid in (
-            ("optimizer_bits", optimizer_bits, self.OPTIMIZER_BITS),
-            ("activation_bits", activation_bits, self.ACTIVATION_BITS),
-            ("weight_bits", weight_bits, self.WEIGHT_BITS),
-        ):
-            if isinstance(bits, bool) or bits not in valid:
-                raise TrainplanError(f"{name}={bits!r} is not supported; valid: {list(valid)}")
-        opt = {32: 0.0, 16: self.optimizer_16bit_nats, 8: self.optimizer_8bit_nats,
-               4: self.optimizer_4bit_nats}[int(optimizer_bits)]
-        act = self.activation_8bit_nats if int(activation_bits) == 8 else 0.0
-        wgt = self.weight_16bit_nats if int(weight_bits) == 16 else 0.0
-        return opt + act + wgt
-
-
-DEFAULT_BITS_PENALTY = BitsPenalty()
-
-
-def bits_loss_penalty(
-    optimizer_bits: int,
-    activation_bits: int = 16,
-    weight_bits: int = 16,
-    *,
-    penalty: BitsPenalty = DEFAULT_BITS_PENALTY,
-) -> float:
-    """Expected additive loss penalty, nats per token, of storing optimizer states, saved
-    activations and weights at the given bit widths.
-
-    Penalties add (a first-order assumption: the effects are small and independent). Sources and
-    values are on the `BitsPenalty` fields (Dettmers et al. 2022; Li et al. 2023; Chen et al.
-    2021; Xi et al. 2024; Micikevicius et al. 2018).
-
-    Args: optimizer_bits in (32, 16, 8, 4); activation_bits in (16, 8); weight_bits in (32, 16).
-    Returns: nats per token, >= 0.
-    Raises: TrainplanError on an unsupported bit width, listing the valid ones.
-    """
-    return penalty.penalty(optimizer_bits, activation_bits, weight_bits)
-
-
 __all__ = [
-    "BitsPenalty",
-    "DEFAULT_BITS_PENALTY",
     "HUBER_DELTA",
     "LossLaw",
     "R_D_STAR",
     "R_N_STAR",
-    "bits_loss_penalty",
     "effective_params",
     "effective_tokens",
     "learning_curve",

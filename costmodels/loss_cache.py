@@ -6,12 +6,14 @@ root `~/.cache/trainplan`); `planner.api.solve` reads it back with `load_local_l
 `cpu` profile. Pure: json + `LossLaw`, no torch, so the planner can import it.
 
 File layout (format 1): {"format", "model", "vocab_size", "created", "law": {LossLaw fields},
-"fit": {method, points, residuals, ...}, "runs": [...]}. Only "format", "model", "vocab_size"
-and "law" are read back; the rest documents the fit.
+"fit": {method, points, residuals, ...}, "runs": [...]}; "law" may hold "bits", the fitted
+`costmodels.bits.BitsPenalty` fields. Only "format", "model", "vocab_size" and "law" are read
+back; the rest documents the fit.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -19,6 +21,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from costmodels.bits import BitsPenalty
 from costmodels.loss import LossLaw
 from hardware_profiles.errors import TrainplanError
 
@@ -53,7 +56,8 @@ def save_local_law(law: LossLaw, *, model: str, vocab_size: int, fit: dict[str, 
     `fit` (inputs, residuals, method) and `runs` are stored alongside for the record."""
     path = law_path(model, vocab_size, cache_dir)
     record = {"format": LAW_CACHE_FORMAT, "model": model, "vocab_size": int(vocab_size),
-              "created": created, "law": {k: getattr(law, k) for k in _LAW_FIELDS},
+              "created": created, "law": {k: getattr(law, k) for k in _LAW_FIELDS}
+              | ({"bits": dataclasses.asdict(law.bits)} if law.bits is not None else {}),
               "fit": fit or {}, "runs": list(runs or [])}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -92,7 +96,8 @@ def load_local_law(model: str, vocab_size: int, cache_dir: str | Path | None = N
             raise TrainplanError(f"{str(path)!r} was written for {record.get('model')!r} "
                                  f"v{record.get('vocab_size')}, not {model!r} v{vocab_size}")
         raw = record["law"]
-        return LossLaw(**{k: raw[k] for k in _LAW_FIELDS if k in raw})
+        bits = BitsPenalty(**raw["bits"]) if isinstance(raw.get("bits"), dict) else None
+        return LossLaw(**{k: raw[k] for k in _LAW_FIELDS if k in raw}, bits=bits)
     except (TrainplanError, KeyError, TypeError) as e:
         warnings.warn(f"ignoring local loss law {path}: {e}", RuntimeWarning, stacklevel=2)
         return None

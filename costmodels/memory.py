@@ -20,7 +20,9 @@ profile's `memory_reserve_bytes` stands for those.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, fields
+from functools import lru_cache
 from typing import Iterable
 
 from costmodels.fsdp import FsdpLayout, root_gather_events  # noqa: F401 (re-exported)
@@ -29,37 +31,65 @@ from hardware_profiles.errors import TrainplanError
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "temporaries")
 
-# Bytes per parameter of Adam's two moments at each optimizer-state width. 8 and 4 bits are
-# block-wise quantized with one fp32 absmax per block (Dettmers et al. 2022, Sec. 2.1; block
-# size 256 in bitsandbytes >= 0.43, `functional.py` `blocksize=256`; 4-bit: Li et al. 2023,
-# block size 128). bitsandbytes keeps tensors under `min_8bit_size` = 4096 elements in 32 bits.
+# Bytes per parameter of Adam's two moments at each optimizer-state width, as the libraries
+# `executor.optimizers` runs hold them. 8 bits: bitsandbytes `AdamW8bit`, block-wise uint8 codes
+# with one fp32 absmax per 256-element block (Dettmers et al. 2022, Sec. 2.1; `blocksize=256` in
+# bitsandbytes >= 0.43), tensors under `min_8bit_size` = 4096 elements kept in fp32, the step
+# count a Python int. 4 bits: torchao `AdamW4bit` (Li et al. 2023), 4-bit codes packed two per
+# byte with one fp32 scale per 128-element block and a 16-entry fp32 code map per state
+# (`torchao/optim/subclass_4bit.py`, `OptimState4bit.zeros`); tensors under 4096 elements or not
+# a multiple of the block stay in the parameter dtype (`_AdamBase._new_buffer`).
 OPT_BLOCK = {8: 256, 4: 128}
 MIN_QUANT_NUMEL = 4096
+TORCHAO_QMAP_BYTES = 16 * 4
+"""One 4-bit state's code map: 2**4 fp32 entries (torchao keeps one per state tensor)."""
+STEP_TENSOR_BYTES = 4
+"""torch `AdamW`'s and torchao's per-parameter `step`: a 0-d fp32 tensor."""
+TORCHAO_EAGER_STEP_COPIES = 6
+"""fp32 copies of the largest tensor alive at once in torchao's `single_param_adam` run
+eagerly over fp32 parameters (the weight-decayed parameter, dequantized and updated moments,
+the squared gradient, the denominator), one more over bf16 ones (`p.float()` copies): counted
+from its code and measured with MemTracker (tests/test_bits.py).
+The executor runs it eagerly only under a measuring dispatch mode; compiled, Inductor fuses
+the update and holds fewer, so this is an upper bound there."""
 
 
-def adam_state_bytes(numel: int, optimizer_bits: int) -> float:
-    """Bytes of Adam's exp_avg and exp_avg_sq for one parameter tensor of `numel` elements.
+def _check_bits(optimizer_bits) -> None:
+    if optimizer_bits not in (32, 16, 8, 4):
+        raise TrainplanError(f"optimizer_bits={optimizer_bits} is not supported: use 32, 16, 8 or 4")
+
+
+def adam_state_bytes(numel: int, optimizer_bits: int, param_bytes: int = 4) -> float:
+    """Bytes of Adam's exp_avg and exp_avg_sq (and its step tensor) for one parameter tensor of
+    `numel` elements whose parameters are `param_bytes` wide, as the executor's library for
+    these bits holds them (32 and 16: torch AdamW, states in the parameter dtype; 8:
+    bitsandbytes; 4: torchao; see the module constants for the layouts).
 
     Raises:
         TrainplanError: `optimizer_bits` not in 32, 16, 8, 4.
     """
-    if optimizer_bits not in (32, 16, 8, 4):
-        raise TrainplanError(f"optimizer_bits={optimizer_bits} is not supported: use 32, 16, 8 or 4")
+    _check_bits(optimizer_bits)
     if optimizer_bits == 32:
-        return 2 * numel * 4 + 4  # + torch.optim.AdamW's fp32 `step` tensor
-    if optimizer_bits == 16 or numel < MIN_QUANT_NUMEL:
-        return 2 * numel * (2 if optimizer_bits == 16 else 4)
-    block = OPT_BLOCK[optimizer_bits]
-    n_blocks = -(-numel // block)
-    # two states, each: codes + one fp32 absmax per block (the code maps, `qmap1`/`qmap2`, are
-    # one pair shared by the whole optimizer: `quantization_map_bytes`)
-    return 2 * (numel * optimizer_bits / 8 + 4 * n_blocks)
+        return 2 * numel * 4 + STEP_TENSOR_BYTES
+    if optimizer_bits == 16:
+        return 2 * numel * 2 + STEP_TENSOR_BYTES
+    if optimizer_bits == 8:
+        if numel < MIN_QUANT_NUMEL:
+            return 2 * numel * 4
+        # two states, each: codes + one fp32 absmax per block (the code maps, `qmap1`/`qmap2`,
+        # are one pair shared by the whole optimizer: `quantization_map_bytes`)
+        return 2 * (numel + 4 * -(-numel // OPT_BLOCK[8]))
+    block = OPT_BLOCK[4]
+    if numel < MIN_QUANT_NUMEL or numel % block:
+        return 2 * numel * param_bytes + STEP_TENSOR_BYTES
+    return 2 * (numel // 2 + 4 * (numel // block) + TORCHAO_QMAP_BYTES) + STEP_TENSOR_BYTES
 
 
 def quantization_map_bytes(optimizer_bits: int) -> float:
-    """Bytes of the block-wise optimizer's two fp32 code maps (2**bits entries each), shared by
-    all tensors of one bitsandbytes optimizer (`Optimizer8bit.fill_qmap`)."""
-    return 0.0 if optimizer_bits >= 16 else 2 * 4 * 2**optimizer_bits
+    """Bytes of the block-wise optimizer's code maps shared by all tensors of one optimizer:
+    bitsandbytes' two fp32 maps of 256 entries (`Optimizer8bit.fill_qmap`); 0 otherwise (torchao
+    keeps one per state, counted in `adam_state_bytes`)."""
+    return 2 * 4 * 2**8 if optimizer_bits == 8 else 0.0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -209,15 +239,23 @@ def zero1_partition(numels: list[int], shard_degree: int) -> list[int]:
 
     torch's `ZeroRedundancyOptimizer._partition_parameters` (torch 2.13,
     `torch/distributed/optim/zero_redundancy_optimizer.py`) assigns whole tensors, largest
-    first, each to the rank with the fewest elements so far; ranks differ by up to one tensor,
-    and the per-device peak is that of the largest share."""
-    sizes = [0] * shard_degree
+    first, each to the rank with the fewest elements so far (the lowest rank on ties); ranks
+    differ by up to one tensor, and the per-device peak is that of the largest share."""
+    return list(_zero1_partition(tuple(numels), shard_degree))
+
+
+@lru_cache(maxsize=64)
+def _zero1_partition(numels: tuple[int, ...], shard_degree: int) -> tuple[int, ...]:
+    if not numels:
+        return ()
+    heap = [(0, r) for r in range(shard_degree)]  # (elements so far, rank): a min-heap
     owned: list[list[int]] = [[] for _ in range(shard_degree)]
     for i in sorted(range(len(numels)), key=lambda k: numels[k], reverse=True):
-        r = sizes.index(min(sizes))
+        size, r = heapq.heappop(heap)
         owned[r].append(i)
-        sizes[r] += numels[i]
-    return owned[sizes.index(max(sizes))] if numels else []
+        heapq.heappush(heap, (size + numels[i], r))
+    sizes = [sum(numels[i] for i in o) for o in owned]
+    return tuple(owned[sizes.index(max(sizes))])
 
 
 def model_state_bytes(param_numels: Iterable[int], *, weight_bytes: int, grad_bytes: int,
@@ -246,7 +284,7 @@ def model_state_bytes(param_numels: Iterable[int], *, weight_bytes: int, grad_by
     d = shard_degree
 
     def opt_bytes(ns: list[int]) -> float:
-        b = sum(adam_state_bytes(n, optimizer_bits) for n in ns) + master_bytes * sum(ns)
+        b = sum(adam_state_bytes(n, optimizer_bits, weight_bytes) for n in ns) + master_bytes * sum(ns)
         return b + (quantization_map_bytes(optimizer_bits) if any(n >= MIN_QUANT_NUMEL for n in ns) else 0.0)
     if zero_stage == 1 and d > 1 and as_executed:
         mine = [numels[i] for i in zero1_partition(numels, d)]
@@ -260,13 +298,17 @@ def model_state_bytes(param_numels: Iterable[int], *, weight_bytes: int, grad_by
     # (`_single_tensor_adam`) holds exp_avg_sq.sqrt() and its quotient by the bias correction
     # at once for the tensor being updated: two fp32 copies of the largest tensor. foreach Adam
     # (GPUs) keeps one fp32 list of all local states (`_foreach_sqrt`). bitsandbytes' 8/4-bit
-    # kernels update in place.
-    if optimizer_bits < 32:
+    # kernels update in place; torchao's 4-bit update, run eagerly, holds
+    # `TORCHAO_EAGER_STEP_COPIES` fp32 copies of the tensor being updated.
+    largest = max((-(-n // d) if zero_stage >= 2 else n for n in numels), default=0)
+    if optimizer_bits == 8:
         step_temp = 0.0
+    elif optimizer_bits == 4:
+        step_temp = (TORCHAO_EAGER_STEP_COPIES + (weight_bytes < 4)) * 4 * largest
     elif foreach:
         step_temp = 4 * opt_numel
     else:  # FSDP2 (ZeRO 2/3) steps each tensor's shard
-        step_temp = 2 * 4 * max((-(-n // d) if zero_stage >= 2 else n for n in numels), default=0)
+        step_temp = 2 * weight_bytes * largest
     buckets = total * grad_bytes if zero_stage <= 1 and shard_degree > 1 else 0.0
     return ModelStates(params=params, grads=grads, optimizer=optimizer, optimizer_step_temp=step_temp,
                        grad_scale=1.0 / d if zero_stage >= 2 else 1.0, comm_buffers=buckets)
@@ -332,7 +374,8 @@ def step_phases(head: RegionMemory, blocks: list[RegionMemory], tail: RegionMemo
         at(f"bwd:block{i}", prefix[i], grads, blocks[i].bwd_peak + MemoryBreakdown(
             temporaries=buckets(done + g)), u_bwd[i])
         if fsdp is not None:  # its reduce-scatter, once its backward is done
-            at(f"bwd:block{i}", prefix[i], grads, MemoryBreakdown(temporaries=fsdp.reduce_bytes(g)), u_bwd[i])
+            at(f"bwd:block{i}", prefix[i], grads, MemoryBreakdown(temporaries=fsdp.reduce_bytes(g)),
+               fsdp.at_reduce(n)[i])  # resharded before its reduce-scatter
         grads += g * states.grad_scale
         done += g
     at("bwd:head", 0.0, grads, head.bwd_peak + MemoryBreakdown(temporaries=buckets(total_grads)), u_end)

@@ -18,7 +18,9 @@ from costmodels.graph import Poly, Region
 from costmodels.fsdp import FsdpLayout, root_gather_events
 from costmodels.memory import MemoryBreakdown, RegionMemory, model_state_bytes, simulate_region, step_peak
 from costmodels.remat import CheckpointSet, resolve, saved_nodes, sets_from_mapping
+from costmodels.ulysses import ulysses_block_events
 from hardware_profiles import HardwareProfile
+from hardware_profiles.errors import TrainplanError
 
 PRECISIONS = {
     # name: (weight bytes, grad bytes, master bytes, compute dtype for the profile's peak)
@@ -28,6 +30,15 @@ PRECISIONS = {
     "bf16-mixed": (4, 4, 0, "bf16"),
     "bf16": (2, 2, 0, "bf16"),
 }
+
+
+
+def optimizer_bits_for(precision: str) -> tuple[int, ...]:
+    """Adam-state widths the executor runs with parameters of `precision`
+    (`executor.optimizers`): torch's AdamW keeps states in the parameter dtype, so 32 bits
+    needs fp32 parameters (fp32, bf16-mixed) and 16 bits pure-bf16 ones; 8 (bitsandbytes) and 4
+    (torchao) run with either."""
+    return (16, 8, 4) if precision == "bf16" else (32, 8, 4)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -44,6 +55,9 @@ class Choice:
     precision: str
     optimizer_bits: int
     devices: int
+    activation_bits: int = 32
+    """Saved-activation width outside checkpointed blocks (32 = as computed, 16, 8): the
+    regions captured with that compression (`StepModel.region_name`)."""
     sets: tuple[CheckpointSet, ...] = field(default=())
     """Solved entries (`remat:k`) that `policies` may name."""
 
@@ -53,6 +67,7 @@ class Choice:
         return cls(sp_degree=d.sp_degree, zero_stage=d.zero_stage, micro_batch=d.micro_batch,
                    seq_len=d.seq_len, policies=tuple(d.checkpoint), precision=d.precision,
                    optimizer_bits=d.optimizer_bits, devices=d.devices,
+                   activation_bits=getattr(d, "activation_bits", 32),
                    sets=tuple(sets_from_mapping(getattr(d, "checkpoint_sets", None)).values()))
 
     def entry(self, policy: str | CheckpointSet) -> CheckpointSet:
@@ -157,15 +172,51 @@ class StepModel:
         self._cost = lru_cache(maxsize=None)(self._region_cost)
         self._tail_root = lru_cache(maxsize=None)(self._tail_root_memory)
         self._menus: dict[tuple, object] = {}
+        self._states = lru_cache(maxsize=None)(self._model_states)
+        self._param_bytes = lru_cache(maxsize=None)(lambda name: self.regions[name].param_bytes())
 
-    def _region_memory(self, name: str, b: int, s: int, policy: str | CheckpointSet) -> RegionMemory:
+    def model_states(self, c: Choice):
+        """Per-device model states (`costmodels.memory.model_state_bytes`, as executed) at `c`'s
+        precision, optimizer bits, ZeRO stage and device count."""
+        return self._states(c.precision, c.optimizer_bits, c.zero_stage, c.devices)
+
+    def _model_states(self, precision: str, optimizer_bits: int, zero_stage: int, devices: int):
+        wb, gb, master, _ = PRECISIONS[precision]
+        return model_state_bytes(self.param_numels, weight_bytes=wb, grad_bytes=gb, master_bytes=master,
+                                 optimizer_bits=optimizer_bits, zero_stage=zero_stage,
+                                 shard_degree=devices, foreach=self.hw.device_type != "cpu",
+                                 as_executed=True)
+
+    def region_name(self, name: str, activation_bits: int, policy: str | CheckpointSet = "none") -> str:
+        """The captured region that runs `name` with saved activations at `activation_bits`:
+        `name` itself at 32 bits or inside a checkpointed entry (torch's checkpoint hooks take
+        precedence over the compression's, `planner.activation_compression`), else the variant
+        `name@a{bits}` captured under the compression.
+
+        Raises:
+            TrainplanError: the variant was not captured (capture with `activation_bits`)."""
+        if activation_bits == 32 or resolve(policy).checkpointed:
+            return name
+        variant = f"{name}@a{activation_bits}"
+        if variant not in self.regions:
+            raise TrainplanError(
+                f"activation_bits={activation_bits} needs the regions captured with that "
+                f"compression ({variant!r} is missing): capture with activation_bits=({activation_bits},)")
+        return variant
+
+    def _region_memory(self, name: str, b: int, s: int, policy: str | CheckpointSet,
+                       sp: int = 1) -> RegionMemory:
         entry = resolve(policy)
         region = self.regions[name]
-        return simulate_region(region, b, s, checkpoint=entry.checkpointed,
-                               saved_ops=saved_nodes(region, entry))
+        saved = saved_nodes(region, entry)
+        extra = ulysses_block_events(region, b, s, sp_degree=sp, n_heads=self.n_heads,  # sp > 1
+                                     n_kv_heads=self.n_kv_heads, checkpoint=entry.checkpointed,
+                                     saved_ops=saved)
+        return simulate_region(region, b, s, checkpoint=entry.checkpointed, saved_ops=saved,
+                               extra=extra)
 
-    def _tail_root_memory(self, b: int, s: int, root_bytes: float) -> RegionMemory:
-        region = self.regions["tail"]
+    def _tail_root_memory(self, name: str, b: int, s: int, root_bytes: float) -> RegionMemory:
+        region = self.regions[name]
         return simulate_region(region, b, s, extra=root_gather_events(region, root_bytes))
 
     def _region_cost(self, name: str, b: int, s: int, sp: int, policy: str | CheckpointSet,
@@ -173,13 +224,17 @@ class StepModel:
         return region_cost(self.regions[name], b, s, sp, policy, self.hw, dtype)
 
     def block_memory(self, c: Choice, i: int, policy: str | CheckpointSet) -> RegionMemory:
-        """Lifetime summary of block i under checkpoint entry `policy` at `c`'s shape."""
-        return self._mem(self.blocks[i], c.micro_batch, c.seq_len // c.sp_degree, c.entry(policy))
+        """Lifetime summary of block i under checkpoint entry `policy` at `c`'s shape, with
+        Ulysses' exchanges around attention when `c.sp_degree` > 1 (`costmodels.ulysses`)."""
+        entry = c.entry(policy)
+        return self._mem(self.region_name(self.blocks[i], c.activation_bits, entry), c.micro_batch,
+                         c.seq_len // c.sp_degree, entry, c.sp_degree)
 
     def block_cost(self, c: Choice, i: int, policy: str | CheckpointSet) -> RegionCost:
         """FLOPs and roofline seconds of block i under entry `policy` at `c`'s shape."""
-        return self._cost(self.blocks[i], c.micro_batch, c.seq_len // c.sp_degree, c.sp_degree,
-                          c.entry(policy), PRECISIONS[c.precision][3])
+        entry = c.entry(policy)
+        return self._cost(self.region_name(self.blocks[i], c.activation_bits, entry), c.micro_batch,
+                          c.seq_len // c.sp_degree, c.sp_degree, entry, PRECISIONS[c.precision][3])
 
     def block_time(self, c: Choice, i: int, policy: str | CheckpointSet) -> float:
         """Seconds of block i per step: forward, backward, recompute and per-op overhead."""
@@ -209,14 +264,9 @@ class StepModel:
 
     def evaluate(self, c: Choice) -> StepCost:
         """Memory, FLOPs and time of one step under `c`, per device."""
-        b, s, sp = c.micro_batch, c.seq_len // c.sp_degree, c.sp_degree
-        wb, gb, mb_, dtype = PRECISIONS[c.precision]
         fsdp = self.fsdp_layout(c)
-        states = model_state_bytes(self.param_numels, weight_bytes=wb, grad_bytes=gb, master_bytes=mb_,
-                                   optimizer_bits=c.optimizer_bits, zero_stage=c.zero_stage,
-                                   shard_degree=c.devices, foreach=self.hw.device_type != "cpu",
-                                   as_executed=True)
-        head = self._mem("head", b, s, "none")
+        states = self.model_states(c)
+        head = self.head_memory(c)
         tail = self.tail_memory(c)
         blocks = [self.block_memory(c, i, p) for i, p in enumerate(c.policies)]
         memory = step_peak(head, blocks, tail, states, fsdp=fsdp)
@@ -228,9 +278,15 @@ class StepModel:
         and all-gathered again for the backward (`costmodels.fsdp.root_gather_events`)."""
         b, s = c.micro_batch, c.seq_len // c.sp_degree
         fsdp = self.fsdp_layout(c)
+        name = self.region_name("tail", c.activation_bits)
         if fsdp is not None and fsdp.reshard_after_forward:
-            return self._tail_root(b, s, fsdp.root_param_bytes)
-        return self._mem("tail", b, s, "none")
+            return self._tail_root(name, b, s, fsdp.root_param_bytes)
+        return self._mem(name, b, s, "none")
+
+    def head_memory(self, c: Choice) -> RegionMemory:
+        """Lifetime summary of the head (embedding, rotary tables) at `c`'s shape."""
+        return self._mem(self.region_name("head", c.activation_bits), c.micro_batch,
+                         c.seq_len // c.sp_degree, "none")
 
     def fsdp_layout(self, c: Choice) -> FsdpLayout | None:
         """FSDP2's all-gathered groups at `c` (ZeRO 2/3 over more than one device), else None.
@@ -238,7 +294,7 @@ class StepModel:
         (captured at the parameter dtype, which FSDP2 gathers without a mixed-precision policy)."""
         if c.zero_stage < 2 or c.devices == 1:
             return None
-        blocks = tuple(self.regions[name].param_bytes() for name in self.blocks)
+        blocks = tuple(self._param_bytes(name) for name in self.blocks)
         whole = sum(self.param_numels) * PRECISIONS[c.precision][0]
         return FsdpLayout(root_param_bytes=max(0.0, whole - sum(blocks)), block_param_bytes=blocks,
                           shard_degree=c.devices, reshard_after_forward=c.zero_stage == 3,
@@ -252,7 +308,8 @@ class StepModel:
     def _with_runtime(self, c: Choice, memory: MemoryBreakdown) -> StepCost:
         b, s, sp = c.micro_batch, c.seq_len // c.sp_degree, c.sp_degree
         dtype = PRECISIONS[c.precision][3]
-        costs = [self._cost("head", b, s, sp, "none", dtype), self._cost("tail", b, s, sp, "none", dtype)]
+        costs = [self._cost(self.region_name(r, c.activation_bits), b, s, sp, "none", dtype)
+                 for r in ("head", "tail")]
         costs += [self.block_cost(c, i, p) for i, p in enumerate(c.policies)]
         model_flops = sum(x.fwd_flops + x.bwd_flops for x in costs)
         recompute_flops = sum(x.recompute_flops for x in costs)
@@ -281,13 +338,14 @@ class StepModel:
 
         32-bit AdamW (torch, per tensor): reads parameter, gradient, both moments and writes
         parameter and moments, plus two fp32 temporaries written and read (sqrt and its
-        quotient): 11 fp32 passes, ~12 ops per tensor. 8/4-bit (bitsandbytes): one fused kernel
-        per tensor reading parameter and gradient, reading and writing the quantized moments."""
+        quotient): 11 fp32 passes, ~12 ops per tensor; 16-bit: the same over pure-bf16
+        parameters, in bf16. 8/4-bit (bitsandbytes, torchao compiled): one fused kernel per
+        tensor reading parameter and gradient, reading and writing the quantized moments."""
         shard = c.devices if c.zero_stage >= 1 else 1
         n = sum(self.param_numels) / shard
         tensors = len(self.param_numels)
-        if c.optimizer_bits == 32:
-            return 11 * 4 * n, 12 * tensors
+        if c.optimizer_bits in (32, 16):  # torch AdamW in the parameter dtype (fp32 or bf16)
+            return 11 * c.optimizer_bits / 8 * n, 12 * tensors
         q = c.optimizer_bits / 8
         return (3 * 4 + 4 * q) * n, 2 * tensors
 
@@ -297,7 +355,7 @@ class StepModel:
         buffer (forward) or the next block's, prefetched (backward)."""
         if c.zero_stage != 3 or c.devices == 1:
             return 0.0
-        return 2 * self.regions[self.blocks[0]].param_bytes()  # captured at the parameter dtype
+        return 2 * self._param_bytes(self.blocks[0])  # captured at the parameter dtype
 
     def link(self, group: int) -> comm.Link:
         hw = self.hw

@@ -1,7 +1,8 @@
 """The compute governor's stopping rule: fit the learning curve online, stop when the next
 steps are no longer worth their cost. Pure (numpy/scipy, no torch): `executor.governor` runs it
 inside the training loop (`GovernedLoop`), `Governor.replay` runs it over a record, and the
-planner runs it over its predicted curve (`simulated_stop_step`) to predict where it will stop.
+planner runs it over its predicted curve (`costmodels.stop_prediction.simulated_stop_step`, also
+importable from here) to predict where it will stop.
 
 It stops a run for one of four reasons (`Decision.reason`, also the record's `stop_reason`):
 
@@ -31,12 +32,12 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Iterable
 
 import numpy as np
 
-from costmodels.governor import (CurveFit, cooldown_steps, fit_curve, marginal_gain,
-                                 predict_stop_step, trend_gain)
+from costmodels.governor import CurveFit, fit_curve, marginal_gain, trend_gain
+from costmodels.stop_prediction import cooldown_steps, predict_stop_step, simulated_stop_step
 from hardware_profiles.errors import TrainplanError
 
 #: Share of the final run spent in the cooldown, as `executor.train.lr_at` (last 20% of steps;
@@ -359,48 +360,6 @@ GOVERNED_EVALS = 50
 def default_eval_every(max_steps: int) -> int:
     """A governed run's default held-out evaluation period: max_steps // GOVERNED_EVALS, >= 1."""
     return max(1, int(max_steps) // GOVERNED_EVALS)
-
-
-def simulated_stop_step(loss_at: Callable[[int], float], *, threshold_nats_per_step: float,
-                        max_steps: int, noise_nats: float, eval_every: int | None = None,
-                        warmup_steps: int = 0, runs: int = 16, seed: int = 0,
-                        **settings) -> tuple[int, list[int]]:
-    """Where the governor is expected to decide to stop a run whose held-out loss follows
-    `loss_at(steps done)` (nats/token), measured every `eval_every` steps (default
-    `default_eval_every`) with independent Gaussian noise of `noise_nats`: the median decision
-    of `Governor.replay` over `runs` simulated evaluation series (one when the noise is 0).
-
-    Why not the curve's own crossing (`costmodels.governor.predict_stop_step_from_curve`): the
-    governor waits for the *upper* confidence bound of its fit's gain (and of the trend's) to
-    fall below the threshold, so it decides later than the mean curve crosses, by an amount set
-    by the evaluation noise, the evaluation period and the curve's shape. Simulating the rule
-    on the predicted curve predicts that lag; the spread of the decisions says how much one
-    run's decision scatters. A simulated run that never stops on marginal gain counts as
-    `max_steps` (the budget binds). `settings`: other `Governor` fields (refit_every, ...).
-
-    Returns: (the median decision, upper median for an even count; all decisions, sorted), in
-    steps done.
-    Raises: TrainplanError on a negative noise, fewer than 1 run or bad Governor settings.
-    """
-    if not (math.isfinite(noise_nats) and noise_nats >= 0):
-        raise TrainplanError(f"noise_nats must be a finite number >= 0, got {noise_nats!r}")
-    if not isinstance(runs, int) or runs < 1:
-        raise TrainplanError(f"runs must be a whole number >= 1, got {runs!r}")
-    every = eval_every or default_eval_every(max_steps)
-    steps = np.arange(every, max_steps + 1, every)
-    curve = np.array([float(loss_at(int(s))) for s in steps])
-    rng = np.random.default_rng(seed)
-    decisions = []
-    for _ in range(runs if noise_nats > 0 else 1):
-        y = curve + rng.normal(0.0, noise_nats, steps.size) if noise_nats > 0 else curve
-        gov = Governor(threshold_nats_per_step=threshold_nats_per_step, max_steps=max_steps,
-                       warmup_steps=warmup_steps, **settings)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)
-            dec = gov.replay(heldout_loss=list(zip(steps.tolist(), y.tolist())))
-        decisions.append(dec.cooldown_start if dec.reason == "marginal_gain" else max_steps)
-    decisions.sort()
-    return int(decisions[len(decisions) // 2]), decisions
 
 
 __all__ = ["COOLDOWN_FRACTION", "Decision", "GOVERNED_EVALS", "Governor", "LR_FLOOR", "REASONS",

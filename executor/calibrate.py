@@ -17,6 +17,10 @@ differs), the usual approximation of a law fitted to one curve.
 The law is written to `<cache>/laws/<model>-v<vocab_size>.json` with its points and
 residuals (`costmodels.loss_cache`); `planner.api.solve` uses it for the cpu profile.
 
+**Bits penalties** (`executor.calibrate_bits`): runs that differ only in their bits refit the
+loss penalties of the lower-precision settings, stored with the law (`LossLaw.bits`); the law
+itself is then fitted to the full-width runs.
+
 Nothing is written unless every run folder loads and every law has enough points.
 """
 
@@ -34,8 +38,10 @@ from typing import Iterator
 
 import numpy as np
 
+from costmodels.bits import components
 from costmodels.loss import LossLaw, effective_tokens
 from costmodels.loss_cache import load_local_law, save_local_law
+from executor.calibrate_bits import fit_bits_penalty
 from executor.calibrate_step import (  # noqa: F401  (re-exported: tests and callers use them)
     _CAPTURES, LSQ_MIN_GAIN, PRIOR_WEIGHT, StepTimeRow, _apply, _calibrate_step_time, _Predictor, _rms,
     _scaled, _source, _step_s, _two_factor_fit)
@@ -291,7 +297,20 @@ def calibrate(run_dirs: list[str | Path], *, cache_dir: str | Path | None = None
         groups: dict[tuple[str, int], list[_Run]] = {}
         for run in runs:
             groups.setdefault((run.plan.model, int(run.plan.vocab_size)), []).append(run)
-        fitted = [(key, *_fit_law(*key, group)) for key, group in groups.items()]  # may raise
+        fitted = []
+        for key, group in groups.items():
+            bits, bits_record = fit_bits_penalty(group)
+            # the law from the runs without a bits penalty when there are some (the others'
+            # deltas are the penalties' to explain)
+            full = [r for r in group if not any(components(
+                r.plan.decisions.optimizer_bits, r.plan.decisions.activation_bits,
+                r.plan.decisions.precision).values())]
+            law, fit_record, fit = _fit_law(*key, full or group)  # may raise
+            if bits is not None:
+                law = dataclasses.replace(law, bits=bits)
+                fit = dataclasses.replace(fit, law=law)
+                fit_record = fit_record | {"bits": bits_record}
+            fitted.append((key, law, fit_record, fit))
         step = _calibrate_step_time(runs, notes, time_basis)
         profile_path = None
         if step["profile"] is not None:
@@ -358,6 +377,11 @@ def format_result(result: CalibrationResult) -> str:
         out.append(f"  {'RMS rel err on the points':<28}{f.rms_rel_err_before:>10.1%}  "
                    f"{f.rms_rel_err_after:>10.1%}")
         out.append(f"  before: {f.previous_source}")
+        if law.bits is not None:
+            from costmodels.bits import COMPONENTS
+
+            out.append("  bits penalties, nats: " + ", ".join(
+                f"{c.removesuffix('_nats')} {getattr(law.bits, c):.4g}" for c in COMPONENTS))
         out.append(f"  written to {f.path}")
     out += [f"note: {n}" for n in result.notes]
     return "\n".join(out)

@@ -105,12 +105,13 @@ class _Predictor:
         self.run = run
         d = run.plan.decisions
         self.choice = Choice.from_decisions(d)  # solved checkpoint sets (remat:k) included
-        key = (run.plan.model, d.precision, run.plan.vocab_size)
+        key = (run.plan.model, d.precision, run.plan.vocab_size, d.activation_bits)
         if key not in captures:
             from planner.api import capture_model
 
             try:
-                graph, _, numels = capture_model(run.plan.model, d.precision, vocab_size=run.plan.vocab_size)
+                graph, _, numels = capture_model(run.plan.model, d.precision, vocab_size=run.plan.vocab_size,
+                                                 activation_bits=(d.activation_bits,))
                 captures[key] = (graph, numels)
             except UnknownNameError:
                 captures[key] = None

@@ -30,7 +30,8 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter
 
-from costmodels.loss import LossLaw, bits_loss_penalty, learning_curve
+from costmodels.bits import bits_loss_penalty
+from costmodels.loss import LossLaw, learning_curve
 from costmodels.loss_cache import cache_root, law_path, load_local_law, read_local_law_file
 from executor.record import RunRecord
 from planner.plan import Plan
@@ -111,7 +112,7 @@ def predicted_loss_frame(plan: Plan, law: LossLaw, *, label: str, band_nats: flo
     Columns `curve, step, tokens, loss, lower, upper` (loss in nats/token; `curve` is `label` on
     every row). Same formula as the planner: `learning_curve` on tokens = step x tokens per step
     with the run's unique data (data_tokens x data_fraction, Muennighoff et al. 2023 eq. 5), plus
-    `bits_loss_penalty(optimizer_bits)`. The band is loss +- `band_nats` when given (e.g. the
+    `bits_loss_penalty` of its bits (the law's fitted penalties, if any). The band is loss +- `band_nats` when given (e.g. the
     law fit's RMS residual), else loss x (1 +- `band_rel`).
     """
     d, p = plan.decisions, plan.predictions
@@ -119,7 +120,8 @@ def predicted_loss_frame(plan: Plan, law: LossLaw, *, label: str, band_nats: flo
     tokens = steps * max(1, p.tokens_per_step)
     unique = max(1.0, float(plan.data_tokens) * float(d.data_fraction))
     loss = learning_curve(tokens, law=law, n_params=plan.model_n_params, unique_tokens=unique)
-    loss = loss + bits_loss_penalty(d.optimizer_bits)
+    loss = loss + bits_loss_penalty(d.optimizer_bits, d.activation_bits, precision=d.precision,
+                                    penalty=law.bits)
     half = np.full_like(loss, band_nats) if band_nats is not None else np.abs(loss) * band_rel
     return pd.DataFrame({"curve": label, "step": steps.astype("int64"), "tokens": tokens,
                          "loss": loss, "lower": loss - half, "upper": loss + half})

@@ -29,6 +29,7 @@ from executor.checkpoint import (OutOfMemoryRunError, check_resume_plan, is_out_
                                  remove_checkpoints, save_checkpoint)
 from executor.data import TokenCorpus, check_corpus_for_plan, heldout_batches, load_corpus
 from executor.governor import GovernedLoop, Governor
+from executor.optimizers import build_optimizer, set_lr  # noqa: F401 (build_optimizer re-exported)
 from executor.measure import (WARMUP_STEPS_UNMEASURED, _measure_memory,  # noqa: F401 (re-exported)
                               any_rank, device_name, gather_floats, heldout_loss, measured_step,
                               progress_bar)
@@ -36,6 +37,7 @@ from executor.record import RunRecord
 from executor.selection_run import PlannedBatches
 from hardware_profiles import load as load_profile
 from hardware_profiles.errors import PlanMismatchError, TrainingDivergedError, TrainplanError
+from planner.activation_compression import compress_saved_activations
 from planner.capture import lm_loss
 from planner.plan import Plan
 
@@ -58,22 +60,6 @@ def resolve_device(plan: Plan, override: str | None = None) -> torch.device:
             f"plan targets {plan.hw!r} (a CUDA/ROCm device) but torch sees none here; "
             "run it with --device cpu to execute it on the CPU (times are then not compared)")
     return torch.device(kind)
-
-
-def build_optimizer(params, bits: int, lr: float) -> torch.optim.Optimizer:
-    """AdamW with 32-bit states (torch) or 8-bit block-wise states (bitsandbytes AdamW8bit,
-    Dettmers et al. 2022).
-
-    Raises:
-        TrainplanError: bits not in (32, 8).
-    """
-    if bits == 32:
-        return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.1, foreach=False)
-    if bits == 8:
-        import bitsandbytes as bnb
-
-        return bnb.optim.AdamW8bit(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
-    raise TrainplanError(f"optimizer_bits={bits} cannot run here: use 32 or 8")
 
 
 def _sac_forward(orig, entry: CheckpointSet, *args, **kwargs):
@@ -183,7 +169,7 @@ def _build(plan: Plan, model: nn.Module | None, data: TokenCorpus, dev: torch.de
                                 f"parameters; this model has {n_params:,}")
     apply_checkpointing(model, d.checkpoint, d.checkpoint_sets)
     model.train()
-    factory = partial(build_optimizer, bits=d.optimizer_bits, lr=d.lr)
+    factory = partial(build_optimizer, bits=d.optimizer_bits, lr=d.lr, precision=d.precision)
     if world == 1:
         return model, factory(model.parameters())
     from executor.parallel import apply_zero, enable_ulysses, new_sequence_parallel_group
@@ -288,9 +274,8 @@ def run(plan: Plan, model: nn.Module | None = None, data: TokenCorpus | None = N
 
     def train_step(step: int) -> float:
         x, y = batches.batch(step)
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, plan) * gov.lr(step)
-        with autocast:
+        set_lr(opt, lr_at(step, plan) * gov.lr(step))
+        with autocast, compress_saved_activations(d.activation_bits):
             loss = forward_loss(x, y)
         loss.backward()
         opt.step()

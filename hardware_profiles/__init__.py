@@ -14,7 +14,15 @@ local machine by `measure_cpu` and cached.
 from __future__ import annotations
 
 import importlib.resources
+import logging as _logging
 from typing import Any
+
+# Import-time warnings of optional kernels trainplan does not use: bitsandbytes' CPU 4-bit GEMM
+# (needs the `kernels` package), torchao's CUDA extensions (also imported by transformers'
+# quantizers whenever torchao is installed) and torch's pytree notes on torchao's enums. Set
+# here, the package every entry point imports first.
+for _name in ("bitsandbytes.backends.cpu.ops", "torchao", "torch.utils._pytree"):
+    _logging.getLogger(_name).setLevel(_logging.ERROR)
 
 try:
     import tomllib

@@ -22,7 +22,7 @@ from hardware_profiles import cpu_probes as probes
 from hardware_profiles.errors import TrainplanError
 from hardware_profiles.profile import HardwareProfile
 
-CACHE_FORMAT = 2
+CACHE_FORMAT = 3
 """Version of the cache file layout; another version is re-measured."""
 
 RESERVE_FRACTION = 0.25

@@ -131,36 +131,50 @@ def op_overhead_s(quick: bool) -> float:
 
 def optimizer_s_per_param(quick: bool) -> dict[str, float]:
     """Seconds per parameter of one AdamW step as the executor builds it
-    (`executor.train.build_optimizer`: torch AdamW, foreach=False, for 32 bits; bitsandbytes
-    AdamW8bit for 8 bits, when bitsandbytes imports): fp32 parameters with gradients, 4
-    tensors of 512 x 1024 (quick: 128 x 256), the best step of 3 (quick: 2) after one warm-up
-    step (which allocates the states), divided by the parameter count; about 2 s in all on 2
-    cores (bitsandbytes' CPU path is the slow part). Keys "32" and
-    "8" (absent when bitsandbytes does not import)."""
+    (`executor.optimizers.build_optimizer`: torch AdamW, foreach=False, for 32 bits and, over
+    bf16 parameters, 16; bitsandbytes AdamW8bit for 8 bits; torchao AdamW4bit, eager as the
+    executor runs it on CPU, for 4): parameters with gradients, 4 tensors of 512 x 1024
+    (quick: 128 x 256), the best step of 3 (quick: 2) after one warm-up step (which allocates
+    the states), divided by the parameter count; a few seconds in all on 2 cores (the
+    quantized optimizers' CPU paths are the slow part). Keys "32", "16", "8", "4"; "8" and "4"
+    are absent when their library does not import."""
+    from unittest import mock
+
     import torch
 
     rows, cols = (128, 256) if quick else (512, 1024)
-    params = [torch.nn.Parameter(torch.randn(rows, cols)) for _ in range(4)]
-    for p in params:
-        p.grad = torch.randn_like(p)
-    makers = {"32": lambda: torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1,
-                                              foreach=False)}
+
+    def params(dtype=torch.float32):
+        ps = [torch.nn.Parameter(torch.randn(rows, cols, dtype=dtype)) for _ in range(4)]
+        for p in ps:
+            p.grad = torch.randn_like(p)
+        return ps
+    kw = dict(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    makers = {"32": lambda: torch.optim.AdamW(params(), foreach=False, **kw),
+              "16": lambda: torch.optim.AdamW(params(torch.bfloat16), foreach=False, **kw)}
     try:
         import bitsandbytes as bnb
 
-        makers["8"] = lambda: bnb.optim.AdamW8bit(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+        makers["8"] = lambda: bnb.optim.AdamW8bit(params(), **kw)
     except Exception:  # noqa: BLE001 - any import failure: no 8-bit optimizer on this machine
         pass
+    try:
+        from torchao.optim import AdamW4bit
+
+        makers["4"] = lambda: AdamW4bit(params(), **kw)
+    except Exception:  # noqa: BLE001 - any import failure: no 4-bit optimizer on this machine
+        pass
     out = {}
-    for bits, make in makers.items():
-        opt = make()
-        opt.step()  # warm-up: the states are allocated here
-        times = []
-        for _ in range(2 if quick else 3):
-            t0 = time.perf_counter()
-            opt.step()
-            times.append(time.perf_counter() - t0)
-        out[bits] = min(times) / (4 * rows * cols)
+    with mock.patch.object(torch, "compile", lambda fn, **_: fn):  # torchao eager, as on CPU
+        for bits, make in makers.items():
+            opt = make()
+            opt.step()  # warm-up: the states are allocated here
+            times = []
+            for _ in range(2 if quick else 3):
+                t0 = time.perf_counter()
+                opt.step()
+                times.append(time.perf_counter() - t0)
+            out[bits] = min(times) / (4 * rows * cols)
     return out
 
 

@@ -20,6 +20,12 @@ from planner.plan import Decisions, Plan, Predictions, SolverFacts, relative_gap
 from planner.presets import build_model, get_preset
 from planner.solver import default_space, solve_joint
 
+DEFAULT_ACTIVATION_BITS = (32,)
+"""Saved-activation widths `solve` chooses from by default: as computed. Each width is one more
+capture of every region and multiplies the joint model's shape combos (llama3-8b at 8192 tokens
+on 8 x h100: 4 s and OPTIMAL with (32,), a 10 s limit hit, FEASIBLE, with (32, 16, 8), on a
+loaded 2-core machine); pass `activation_bits=(32, 16, 8)` (CLI `--activation-bits 32,16,8`)
+where memory binds."""
 MEMORY_TOLERANCE = 1e-9
 """Relative float slack of the check that a solved plan's predicted peak is within the limit."""
 UNLIMITED_DATA_TOKENS = 15 * 10**12
@@ -32,8 +38,10 @@ def default_precision(hw: HardwareProfile) -> str:
     return "fp32" if hw.device_type == "cpu" else "bf16-mixed"
 
 
-def capture_model(model: nn.Module | str, precision: str, *, vocab_size: int | None = None) -> tuple[ModelGraph, str, tuple[int, ...]]:
-    """Build (if a preset name) and capture `model` on the meta device.
+def capture_model(model: nn.Module | str, precision: str, *, vocab_size: int | None = None,
+                  activation_bits: tuple[int, ...] = ()) -> tuple[ModelGraph, str, tuple[int, ...]]:
+    """Build (if a preset name) and capture `model` on the meta device, with the regions of
+    each saved-activation width in `activation_bits` (`planner.capture.capture`).
 
     Returns the graph, the model's name and its parameter tensor sizes.
 
@@ -54,7 +62,8 @@ def capture_model(model: nn.Module | str, precision: str, *, vocab_size: int | N
     else:
         raise TrainplanError(f"model must be an nn.Module or a preset name, got {type(model).__name__}")
     try:
-        graph = capture(module, dtype=dtype, name=name, autocast_dtype=autocast)
+        graph = capture(module, dtype=dtype, name=name, autocast_dtype=autocast,
+                        activation_bits=tuple(activation_bits))
     except TrainplanError:
         raise
     except Exception as e:  # a graph break: data-dependent control flow, an untraceable op, ...
@@ -67,12 +76,14 @@ def capture_model(model: nn.Module | str, precision: str, *, vocab_size: int | N
     return graph, name, tuple(p.numel() for p in module.parameters())
 
 
-def _setup(model, hw, *, precision, vocab_size):
+def _setup(model, hw, *, precision, vocab_size, activation_bits=(32,)):
     profile = load_profile(hw)
     precision = precision or default_precision(profile)
     if precision not in PRECISION_DTYPE:
         raise TrainplanError(f"precision={precision!r} is not known: use {', '.join(PRECISION_DTYPE)}")
-    graph, name, numels = capture_model(model, precision, vocab_size=vocab_size)
+    activation_bits = _check_bits_options(activation_bits)
+    graph, name, numels = capture_model(model, precision, vocab_size=vocab_size,
+                                        activation_bits=activation_bits)
     step_model = StepModel(graph.regions, graph.blocks, numels, profile, n_heads=graph.n_heads,
                            n_kv_heads=graph.n_kv_heads, head_dim=graph.head_dim)
     return profile, precision, graph, name, step_model
@@ -84,6 +95,17 @@ def _law_for(law, profile, name, graph) -> LossLaw:
 
         law = load_local_law(name, graph.vocab_size)
     return law or LossLaw.besiroglu2024()
+
+
+def _check_bits_options(activation_bits) -> tuple[int, ...]:
+    from planner.activation_compression import check_activation_bits
+
+    if isinstance(activation_bits, int) or not hasattr(activation_bits, "__iter__"):
+        activation_bits = (activation_bits,)
+    out = tuple(check_activation_bits(b) for b in activation_bits)
+    if not out:
+        raise TrainplanError("activation_bits is empty: give at least one of 32, 16, 8")
+    return out
 
 
 def _check_seq_len(seq_len) -> None:
@@ -129,9 +151,9 @@ class Problem:
 
 def prepare(model: nn.Module | str, hw: str | HardwareProfile, *, seq_len: int = 2048,
             data_tokens: int | None = None, vocab_size: int | None = None, precision: str | None = None,
-            law: LossLaw | None = None, micro_batches=(1, 2, 4, 8, 16), optimizer_bits=(32, 8),
+            law: LossLaw | None = None, micro_batches=(1, 2, 4, 8, 16), optimizer_bits=None,
             policies=("none", "save_matmuls", "save_attention", "full", "remat"),
-            data_fractions=(0.25, 0.5, 0.75, 1.0)) -> Problem:
+            data_fractions=(0.25, 0.5, 0.75, 1.0), activation_bits=DEFAULT_ACTIVATION_BITS) -> Problem:
     """Capture `model` on `hw` once (arguments as `solve`'s) for `solve_problem`.
 
     Raises:
@@ -142,14 +164,24 @@ def prepare(model: nn.Module | str, hw: str | HardwareProfile, *, seq_len: int =
     """
     _check_seq_len(seq_len)
     check_data_tokens(data_tokens, seq_len)
+    _check_bits_options(activation_bits)
+    if optimizer_bits is not None:  # before the capture: bad widths fail fast
+        from planner.solver import check_optimizer_bits
+
+        check_optimizer_bits(optimizer_bits, precision or default_precision(load_profile(hw)))
     profile, precision, graph, name, step_model = _setup(model, hw, precision=precision,
-                                                         vocab_size=vocab_size)
+                                                         vocab_size=vocab_size,
+                                                         activation_bits=activation_bits)
     law = _law_for(law, profile, name, graph)
     unique = data_tokens if data_tokens is not None else UNLIMITED_DATA_TOKENS
-    options = dict(micro_batches=tuple(micro_batches), optimizer_bits=tuple(optimizer_bits),
-                   policies=tuple(policies), data_fractions=tuple(data_fractions))
-    return Problem(profile=profile, precision=precision, graph=graph, name=name, step_model=step_model,
-                   law=law, unique=int(unique), seq_len=seq_len, options=options)
+    options = dict(micro_batches=tuple(micro_batches),
+                   optimizer_bits=None if optimizer_bits is None else tuple(optimizer_bits),
+                   policies=tuple(policies), data_fractions=tuple(data_fractions),
+                   activation_bits=_check_bits_options(activation_bits))
+    pr = Problem(profile=profile, precision=precision, graph=graph, name=name, step_model=step_model,
+                 law=law, unique=int(unique), seq_len=seq_len, options=options)
+    pr.space(1)  # bad options fail here, before any solve
+    return pr
 
 
 def solve_problem(pr: Problem, budget: Budget, *, seq_len: int | None = None,
@@ -201,7 +233,8 @@ def solve_problem(pr: Problem, budget: Budget, *, seq_len: int | None = None,
 
 def solve(model: nn.Module | str, hw: str | HardwareProfile, budget: Budget, *, seq_len: int = 2048,
           data_tokens: int | None = None, vocab_size: int | None = None, precision: str | None = None,
-          law: LossLaw | None = None, micro_batches=(1, 2, 4, 8, 16), optimizer_bits=(32, 8),
+          law: LossLaw | None = None, micro_batches=(1, 2, 4, 8, 16), optimizer_bits=None,
+          activation_bits=DEFAULT_ACTIVATION_BITS,
           policies=("none", "save_matmuls", "save_attention", "full", "remat"),
           data_fractions=(0.25, 0.5, 0.75, 1.0), memory_limit_bytes: float | None = None,
           time_limit_s: float = 10.0, seed: int = 0, lr: float = 3e-3,
@@ -217,6 +250,11 @@ def solve(model: nn.Module | str, hw: str | HardwareProfile, budget: Budget, *, 
         seq_len: tokens per sequence.
         data_tokens: unique training tokens in the corpus (None: unconstrained).
         vocab_size: overrides the preset's vocabulary (a run uses its tokenizer's).
+        optimizer_bits: Adam-state widths to choose from (None: the precision's two widest the
+            executor runs, `costmodels.step.optimizer_bits_for`: 32 and 8, or 16 and 8 for bf16;
+            4 on request).
+        activation_bits: saved-activation widths to choose from (32 = as computed, 16, 8;
+            `planner.activation_compression`); each one below 32 is captured once more.
         memory_limit_bytes: per-device memory cap below the profile's usable bytes.
         explain: on an infeasible budget, re-solve to name the smallest change that fits
             (`planner.explain`); False raises the solver's own message at once.
@@ -247,7 +285,8 @@ def solve(model: nn.Module | str, hw: str | HardwareProfile, budget: Budget, *, 
     data_methods = check_data_methods(data_methods)
     pr = prepare(model, hw, seq_len=seq_len, data_tokens=data_tokens, vocab_size=vocab_size,
                  precision=precision, law=law, micro_batches=micro_batches,
-                 optimizer_bits=optimizer_bits, policies=policies, data_fractions=data_fractions)
+                 optimizer_bits=optimizer_bits, policies=policies, data_fractions=data_fractions,
+                 activation_bits=activation_bits)
     try:
         plan = solve_problem(pr, budget, memory_limit_bytes=memory_limit_bytes,
                              time_limit_s=time_limit_s, seed=seed, lr=lr, export_path=export_path,
@@ -265,8 +304,8 @@ def solve(model: nn.Module | str, hw: str | HardwareProfile, budget: Budget, *, 
 def plan_for_choice(model: nn.Module | str, hw: str | HardwareProfile, *, seq_len: int,
                     micro_batch: int, checkpoint: tuple[str, ...] | str = "none",
                     checkpoint_sets: dict[str, list[str]] | None = None, sp_degree: int = 1,
-                    devices: int = 1, zero_stage: int = 0, optimizer_bits: int = 32,
-                    precision: str | None = None, data_fraction: float = 1.0, max_steps: int = 10,
+                    devices: int = 1, zero_stage: int = 0, optimizer_bits: int | None = None,
+                    activation_bits: int = 32, precision: str | None = None, data_fraction: float = 1.0, max_steps: int = 10,
                     data_tokens: int | None = None, vocab_size: int | None = None,
                     law: LossLaw | None = None, lr: float = 3e-3, seed: int = 0,
                     data_method: str = "random", selection_every_steps: int = 0) -> Plan:
@@ -285,7 +324,15 @@ def plan_for_choice(model: nn.Module | str, hw: str | HardwareProfile, *, seq_le
 
     _check_seq_len(seq_len)
     profile, precision, graph, name, step_model = _setup(model, hw, precision=precision,
-                                                         vocab_size=vocab_size)
+                                                         vocab_size=vocab_size,
+                                                         activation_bits=(activation_bits,))
+    from costmodels.step import optimizer_bits_for
+
+    valid_bits = optimizer_bits_for(precision)
+    optimizer_bits = valid_bits[0] if optimizer_bits is None else optimizer_bits
+    if isinstance(optimizer_bits, bool) or optimizer_bits not in valid_bits:
+        raise TrainplanError(f"optimizer_bits={optimizer_bits!r} cannot run with precision={precision!r}: "
+                             f"use {', '.join(map(str, valid_bits))}")
     policies = (checkpoint,) * graph.n_layers if isinstance(checkpoint, str) else tuple(checkpoint)
     if len(policies) != graph.n_layers:
         raise TrainplanError(f"checkpoint has {len(policies)} entries; {name} has {graph.n_layers} layers")
@@ -300,14 +347,14 @@ def plan_for_choice(model: nn.Module | str, hw: str | HardwareProfile, *, seq_le
         raise TrainplanError(f"max_steps={max_steps!r} must be a whole number >= 1")
     choice = Choice(sp_degree=sp_degree, zero_stage=zero_stage, micro_batch=micro_batch, seq_len=seq_len,
                     policies=policies, precision=precision, optimizer_bits=optimizer_bits, devices=devices,
-                    sets=tuple(x for x in sets.values() if x.name in policies))
+                    activation_bits=activation_bits, sets=tuple(x for x in sets.values() if x.name in policies))
     law = _law_for(law, profile, name, graph)
     unique = data_tokens if data_tokens is not None else UNLIMITED_DATA_TOKENS
     tokens = max_steps * micro_batch * seq_len * (devices // sp_degree)
-    from costmodels.loss import bits_loss_penalty
+    from costmodels.bits import bits_loss_penalty
 
     loss = law.predict(graph.n_params, tokens, unique_tokens=max(1.0, data_fraction * unique))
-    loss += bits_loss_penalty(optimizer_bits)
+    loss += bits_loss_penalty(optimizer_bits, activation_bits, precision=precision, penalty=law.bits)
     facts = SolverFacts(status="FIXED", objective=0.0, bound=0.0, wall_s=0.0, seed=seed, time_limit_s=0.0)
     plan = _make_plan(step_model, profile, graph, name, choice, budget={"devices": devices, "fixed_steps": max_steps},
                       data_fraction=data_fraction, max_steps=max_steps, predicted_loss=loss,
@@ -328,7 +375,8 @@ def _make_plan(step_model, profile, graph, name, c, *, budget, data_fraction, ma
         devices=c.devices, sp_degree=c.sp_degree, dp_degree=c.devices // c.sp_degree,
         zero_stage=c.zero_stage, micro_batch=c.micro_batch, seq_len=c.seq_len, checkpoint=c.policies,
         checkpoint_sets={x.name: sorted(x.saved) for x in c.sets if x.name in c.policies},
-        precision=c.precision, optimizer_bits=c.optimizer_bits, data_fraction=data_fraction,
+        precision=c.precision, optimizer_bits=c.optimizer_bits, activation_bits=c.activation_bits,
+        data_fraction=data_fraction,
         data_method="random", max_tokens=max_steps * tokens_per_step, max_steps=max_steps,
         governor_threshold=0.0, lr=lr, warmup_steps=max(1, min(20, max_steps // 10)), seed=seed)
     limit = float(profile.usable_bytes if memory_limit_bytes is None

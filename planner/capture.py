@@ -27,38 +27,18 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, field
 
-import networkx as nx
-import sympy
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.experimental.proxy_tensor import make_fx
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils import flop_counter
 
-from costmodels.graph import Poly, Region, StorageRecord
+from costmodels.graph import Region
 from hardware_profiles.errors import TrainplanError
+from planner.activation_compression import check_activation_bits
+from planner.trace import (B_SYM, CPU_ATTENTION_FLOP_FORMULAS, S_SYM, to_poly,  # noqa: F401 (re-exported)
+                           trace_region)
 
-B_SYM, S_SYM = sympy.symbols("b s", positive=True, integer=True)
 _SENTINELS = [(7, 113), (11, 127), (13, 131), (5, 139)]
-
-# FlopCounterMode counts CUDA flash attention but not the CPU kernel; give the CPU ops torch's
-# own SDPA formulas so that predicted and measured FLOPs follow one convention (full s^2, the
-# causal mask not subtracted; the backward counts 2.5x the forward's matmuls, as torch does).
-CPU_ATTENTION_FLOP_FORMULAS = {
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu:
-        flop_counter.shape_wrapper(
-            lambda q, k, v, *args, out_shape=None, **kw: flop_counter.sdpa_flop_count(q, k, v)),
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward:
-        flop_counter.shape_wrapper(
-            lambda g, q, k, v, *args, out_shape=None, **kw:
-            flop_counter.sdpa_backward_flop_count(g, q, k, v)),
-}
-for _f in CPU_ATTENTION_FLOP_FORMULAS.values():
-    _f._get_raw = True
-_FLOP_FORMULAS = {**flop_counter.flop_registry, **CPU_ATTENTION_FLOP_FORMULAS}
-
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy, nats. logits (b, s, V), labels (b, s) already shifted."""
@@ -99,144 +79,9 @@ class ModelGraph:
         return out
 
 
-def _symbolize(shape: tuple[int, ...], b0: int, s0: int):
-    expr = sympy.Integer(1)
-    sym_shape = []
-    for d in shape:
-        d = int(d)
-        if d == b0 * s0:
-            e = B_SYM * S_SYM
-        elif d == s0:
-            e = S_SYM
-        elif d == b0:
-            e = B_SYM
-        else:
-            e = sympy.Integer(d)
-        sym_shape.append(e)
-        expr = expr * e
-    return tuple(sym_shape), expr
-
-
-def _sym_args(x, b0, s0):
-    if isinstance(x, torch.Tensor):
-        return _symbolize(tuple(x.shape), b0, s0)[0]
-    if isinstance(x, (list, tuple)):
-        return type(x)(_sym_args(v, b0, s0) for v in x)
-    return x
-
-
-def _flops(node, b0, s0):
-    packet = getattr(node.target, "overloadpacket", None)
-    if packet not in _FLOP_FORMULAS:
-        return sympy.Integer(0)
-    args = [_sym_args(a.meta.get("val") if isinstance(a, torch.fx.Node) else a, b0, s0)
-            for a in node.args]
-    kwargs = {k: _sym_args(v.meta.get("val") if isinstance(v, torch.fx.Node) else v, b0, s0)
-              for k, v in node.kwargs.items()}
-    out = _sym_args(node.meta.get("val"), b0, s0)
-    return sympy.expand(_FLOP_FORMULAS[packet](*args, out_val=out, **kwargs))
-
-
-def _tensors(val):
-    if isinstance(val, torch.Tensor):
-        return [val]
-    if isinstance(val, (list, tuple)):
-        return [t for v in val for t in _tensors(v)]
-    return []
-
-
-def trace_region(name: str, fn, inputs: dict, *, kinds: dict[str, str], b0: int, s0: int,
-                 block: int | None, autocast_dtype: torch.dtype | None = None) -> Region:
-    """Trace `fn(**inputs)` and summarise it as a Region. `fn` returns
-    (forward_output, [parameter gradients], [other outputs]).
-
-    `kinds` maps each input name to "param", "act" (activation input, e.g. hidden states),
-    "grad" (the incoming gradient) or "const" (e.g. token ids)."""
-    names = list(inputs)
-    def run(*a):
-        if autocast_dtype is None:
-            return fn(**dict(zip(names, a)))
-        with torch.autocast("cpu", dtype=autocast_dtype):
-            return fn(**dict(zip(names, a)))
-
-    gm = make_fx(run, tracing_mode="real")(
-        *[inputs[n] for n in names])
-    nodes = list(gm.graph.nodes)
-    out_node = nodes[-1]
-    fwd_out, param_grads, _ = out_node.args[0]
-    grad_vals = [g.meta["val"] for g in param_grads if isinstance(g, torch.fx.Node)]
-    # a weight gradient is a view (t) of an mm's output: its category goes with the storage
-    grad_keys = {StorageWeakRef(v.untyped_storage()).cdata for v in grad_vals}
-    copied = {StorageWeakRef(v.untyped_storage()).cdata for v in grad_vals if not v.is_contiguous()}
-    order = {n: i for i, n in enumerate(nodes)}
-    boundary = order[fwd_out]
-    placeholders = [n for n in nodes if n.op == "placeholder"]
-    ph_kind = {p: kinds[nm] for p, nm in zip(placeholders, names)}
-
-    graph = nx.DiGraph(name=name)
-    storages: dict[int, dict] = {}
-    for n in nodes:
-        if n.op == "output":
-            continue
-        phase = "fwd" if order[n] <= boundary else "bwd"
-        for t in _tensors(n.meta.get("val")):
-            key = StorageWeakRef(t.untyped_storage()).cdata
-            if key in storages:
-                continue
-            _, numel_expr = _symbolize(tuple(t.shape), b0, s0)
-            nbytes = t.untyped_storage().nbytes()
-            numel_at = int(numel_expr.subs({B_SYM: b0, S_SYM: s0}))
-            coef = sympy.Rational(nbytes, numel_at) if numel_at else sympy.Integer(nbytes)
-            if n.op == "placeholder":
-                category = "param" if ph_kind[n] == "param" else "input"
-            elif key in grad_keys:
-                category = "grad"
-            else:
-                category = "act" if phase == "fwd" else "temp"
-            storages[key] = dict(creator=n.name, created=order[n], category=category,
-                                 input_kind=ph_kind[n] if n.op == "placeholder" else "",
-                                 bytes=sympy.expand(coef * numel_expr), uses=[order[n]],
-                                 fwd_out=n is fwd_out, copied=key in copied)
-        if n.op != "call_function":
-            continue
-        out_bytes = _nbytes(n.meta.get("val"), b0, s0)
-        in_bytes = sum((_nbytes(a.meta.get("val"), b0, s0) for a in n.all_input_nodes),
-                       sympy.Integer(0))
-        graph.add_node(n.name, op=str(n.target), phase=phase, order=order[n], block=block,
-                       out_bytes=to_poly(out_bytes), in_bytes=to_poly(in_bytes),
-                       flops=to_poly(_flops(n, b0, s0)))
-        for a in n.all_input_nodes:
-            if a.op == "call_function":
-                graph.add_edge(a.name, n.name)
-    # last use of each storage: any node reading a tensor that lives in it
-    for n in nodes:
-        for a in n.all_input_nodes:
-            for t in _tensors(a.meta.get("val")):
-                key = StorageWeakRef(t.untyped_storage()).cdata
-                if key in storages:
-                    storages[key]["uses"].append(order[n] if n.op != "output" else len(nodes))
-    records = tuple(
-        StorageRecord(creator=s["creator"], category=s["category"], input_kind=s["input_kind"],
-                      bytes=to_poly(s["bytes"]), created=s["created"],
-                      last_fwd_use=max([u for u in s["uses"] if u <= boundary], default=s["created"]),
-                      last_use=max(s["uses"]), is_fwd_output=s["fwd_out"],
-                      copied_on_accumulate=s["copied"])
-        for s in storages.values())
-    return Region(name=name, graph=graph, storages=records, boundary=boundary, n_nodes=len(nodes))
-
-
-def to_poly(expr) -> Poly:
-    """A sympy polynomial in (b, s) as Poly terms."""
-    expr = sympy.expand(expr)
-    if expr == 0:
-        return ()
-    poly = sympy.Poly(expr, B_SYM, S_SYM)
-    return tuple((int(i), int(j), float(c)) for (i, j), c in poly.terms())
-
-
-def _nbytes(val, b0, s0):
-    return sum((_symbolize(tuple(t.shape), b0, s0)[1] * t.element_size() for t in _tensors(val)),
-               sympy.Integer(0))
+def _variant(name: str, activation_bits: int) -> str:
+    """Region key of `name` captured with saved activations at `activation_bits`."""
+    return name if activation_bits == 32 else f"{name}@a{activation_bits}"
 
 
 def _pick_sentinels(model: nn.Module) -> tuple[int, int]:
@@ -262,7 +107,8 @@ def _block_signature(block: nn.Module) -> tuple:
 
 
 def capture(model: nn.Module, *, dtype: torch.dtype | None = None, name: str | None = None,
-            autocast_dtype: torch.dtype | None = None) -> ModelGraph:
+            autocast_dtype: torch.dtype | None = None,
+            activation_bits: tuple[int, ...] = ()) -> ModelGraph:
     """Capture `model` (a HF-style causal LM: `.model.embed_tokens`, `.model.layers`,
     `.model.norm`, `.model.rotary_emb`, `.lm_head`) as a ModelGraph, on fake tensors.
 
@@ -270,6 +116,9 @@ def capture(model: nn.Module, *, dtype: torch.dtype | None = None, name: str | N
     `torch.autocast` (mixed precision: fp32 parameters, bf16 matmuls), so the casts autocast
     inserts and the dtypes of saved activations are those that run. CPU autocast's op lists
     stand in for CUDA's (both run matmuls and attention in bf16, reductions in fp32).
+    `activation_bits`: saved-activation widths below 32 to capture as well: each region is
+    traced again under that compression and stored as `{region}@a{bits}` (e.g. `block0@a8`),
+    which `costmodels.step.StepModel.region_name` picks for blocks that are not checkpointed.
 
     Raises:
         TrainplanError: the module is not a causal LM of that layout; the message says what
@@ -288,6 +137,7 @@ def capture(model: nn.Module, *, dtype: torch.dtype | None = None, name: str | N
     n_heads, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
     hidden, vocab = cfg.hidden_size, cfg.vocab_size
+    variants = sorted({check_activation_bits(a) for a in activation_bits} - {32}, reverse=True)
     mode = FakeTensorMode()
     regions: dict[str, Region] = {}
 
@@ -310,11 +160,13 @@ def capture(model: nn.Module, *, dtype: torch.dtype | None = None, name: str | N
         return h, [gw], [cos, sin]
 
     ep = _fake_params(emb, mode, dtype)
+    for bits in [32, *variants]:
+        with mode:
+            regions[_variant("head", bits)] = trace_region(
+                _variant("head", bits), head_fn, {"weight": ep["weight"], "ids": ids, "pos": pos, "g": g},
+                kinds={"weight": "param", "ids": "const", "pos": "const", "g": "grad"},
+                b0=b0, s0=s0, block=None, autocast_dtype=autocast_dtype, activation_bits=bits)
     with mode:
-        regions["head"] = trace_region(
-            "head", head_fn, {"weight": ep["weight"], "ids": ids, "pos": pos, "g": g},
-            kinds={"weight": "param", "ids": "const", "pos": "const", "g": "grad"},
-            b0=b0, s0=s0, block=None, autocast_dtype=autocast_dtype)
         cos = torch.empty(1, s0, head_dim, dtype=dtype)
         sin = torch.empty(1, s0, head_dim, dtype=dtype)
 
@@ -339,14 +191,16 @@ def capture(model: nn.Module, *, dtype: torch.dtype | None = None, name: str | N
             dx, *grads = torch.autograd.grad(out, [x] + [params[p] for p in _pnames], g)
             return out, grads, [dx]
 
-        with mode:
-            regions[rname] = trace_region(
-                rname, block_fn, {"x": x, "cos": cos, "sin": sin, "pos": pos, "g": g, **lp},
-                kinds={"x": "act", "cos": "shared", "sin": "shared", "pos": "const", "g": "grad",
-                       **{p: "param" for p in pnames}},
-                b0=b0, s0=s0, block=i, autocast_dtype=autocast_dtype)
+        for bits in [32, *variants]:
+            with mode:
+                regions[_variant(rname, bits)] = trace_region(
+                    _variant(rname, bits), block_fn, {"x": x, "cos": cos, "sin": sin, "pos": pos, "g": g, **lp},
+                    kinds={"x": "act", "cos": "shared", "sin": "shared", "pos": "const", "g": "grad",
+                           **{p: "param" for p in pnames}},
+                    b0=b0, s0=s0, block=i, autocast_dtype=autocast_dtype, activation_bits=bits)
 
     tail_mods = {"norm": core.norm, "lm_head": model.lm_head}
+    held: list = []
     tp = {f"{m}.{k}": v for m, mod in tail_mods.items()
           for k, v in _fake_params(mod, mode, dtype).items()}
     tnames = list(tp)
@@ -356,15 +210,19 @@ def capture(model: nn.Module, *, dtype: torch.dtype | None = None, name: str | N
                                                    if k.startswith("norm.")}, (x,))
         logits = torch.func.functional_call(model.lm_head, {k[8:]: v for k, v in params.items()
                                                             if k.startswith("lm_head.")}, (h,))
+        held.append(logits)  # the executor's lm_loss(logits, ...) holds them until it returns
         loss = lm_loss(logits, labels)
         dx, *grads = torch.autograd.grad(loss, [x] + [params[p] for p in tnames])
         return loss, grads, [dx]
 
-    with mode:
-        regions["tail"] = trace_region(
-            "tail", tail_fn, {"x": x, "labels": labels, **tp},
-            kinds={"x": "act", "labels": "const", **{p: "param" for p in tnames}},
-            b0=b0, s0=s0, block=None, autocast_dtype=autocast_dtype)
+    for bits in [32, *variants]:
+        held.clear()
+        with mode:
+            regions[_variant("tail", bits)] = trace_region(
+                _variant("tail", bits), tail_fn, {"x": x, "labels": labels, **tp},
+                kinds={"x": "act", "labels": "const", **{p: "param" for p in tnames}},
+                b0=b0, s0=s0, block=None, autocast_dtype=autocast_dtype, activation_bits=bits,
+                held_to_output=("aten._log_softmax.default",), held=held)
 
     if getattr(cfg, "tie_word_embeddings", False):
         warnings.warn("tied embeddings: the LM head's weight is counted once in model states",

@@ -66,6 +66,14 @@ def build_parser() -> argparse.ArgumentParser:
         "it stops the run once a step's predicted loss drop is worth less than its cost"))
     s.add_argument("--data-methods", default=DEFAULT_DATA_METHODS, metavar="M1,M2",
                    help=DATA_METHODS_HELP)
+    s.add_argument("--precision", choices=("fp32", "bf16-mixed", "bf16"),
+                   help="training precision (default: fp32 on cpu, bf16-mixed on accelerators)")
+    s.add_argument("--optimizer-bits", metavar="B1,B2",
+                   help="Adam-state widths to choose from, of 32,16,8,4 (default 32,8; 16,8 with "
+                        "--precision bf16; 16 needs bf16, 32 needs fp32 parameters)")
+    s.add_argument("--activation-bits", metavar="B1,B2", default="32",
+                   help="saved-activation widths to choose from: 32 (as computed), 16, 8; "
+                        "default 32 (each more width is one more capture and a larger solve)")
     s.set_defaults(fn=cmd_solve)
 
     r = sub.add_parser("run", help="run a saved plan for real and report prediction vs measurement")

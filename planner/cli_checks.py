@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from costmodels.step import optimizer_bits_for
 from hardware_profiles.errors import DeviceError, OutputPathError, PlanMismatchError, UnknownNameError
 
 __all__ = ["check_device", "check_json_path", "check_out_dir", "check_plan", "check_plan_model",
@@ -128,7 +129,11 @@ def check_plan(plan, path: str | Path) -> None:
         ("decisions.warmup_steps", d.warmup_steps, _whole(d.warmup_steps, 0), "a whole number >= 0"),
         ("decisions.seed", d.seed, _whole(d.seed, 0), "a whole number >= 0"),
         ("decisions.zero_stage", d.zero_stage, d.zero_stage in (0, 1, 2, 3), "0, 1, 2 or 3"),
-        ("decisions.optimizer_bits", d.optimizer_bits, d.optimizer_bits in (32, 8), "32 or 8"),
+        ("decisions.optimizer_bits", d.optimizer_bits,
+         d.optimizer_bits in optimizer_bits_for(d.precision) and not isinstance(d.optimizer_bits, bool),
+         f"one of {', '.join(map(str, optimizer_bits_for(d.precision)))} at precision {d.precision!r}"),
+        ("decisions.activation_bits", d.activation_bits,
+         d.activation_bits in (32, 16, 8) and not isinstance(d.activation_bits, bool), "32, 16 or 8"),
         ("decisions.precision", d.precision, d.precision in ("fp32", "bf16-mixed", "bf16"),
          "fp32, bf16-mixed or bf16"),
         ("decisions.data_fraction", d.data_fraction,

@@ -44,7 +44,8 @@ def _print_plan(plan) -> None:
     print(f"plan: {plan.model} ({plan.model_n_params / 1e9:.3g}B params, {plan.model_n_layers} layers) "
           f"on {d.devices} x {plan.hw}, seq_len {d.seq_len}")
     print(f"  decisions: sp_degree={d.sp_degree} dp_degree={d.dp_degree} zero_stage={d.zero_stage} "
-          f"micro_batch={d.micro_batch} precision={d.precision} optimizer_bits={d.optimizer_bits}")
+          f"micro_batch={d.micro_batch} precision={d.precision} optimizer_bits={d.optimizer_bits} "
+          f"activation_bits={d.activation_bits}")
     print(f"             checkpoint per block: {', '.join(f'{n} x {e}' for e, n in ck.items())}")
     print(f"             data_fraction={d.data_fraction} ({d.data_method}) max_tokens={d.max_tokens:,} "
           f"max_steps={d.max_steps:,}")
@@ -111,6 +112,22 @@ def _copy_frontier(plan_path: Path, out: Path) -> None:
         shutil.copyfile(src, out / "frontier.csv")
 
 
+def parse_bits(flag: str, text: str | None) -> tuple[int, ...] | None:
+    """`32,8` -> (32, 8); None stays None.
+
+    Raises:
+        TrainplanError: not a comma-separated list of whole numbers (the value and flag named)."""
+    if text is None:
+        return None
+    try:
+        out = tuple(int(x) for x in str(text).split(",") if x.strip())
+    except ValueError:
+        out = ()
+    if not out:
+        raise TrainplanError(f"{flag} {text!r} is not a comma-separated list of bit widths, e.g. 32,8")
+    return out
+
+
 def cmd_solve(args) -> int:
     from planner.api import solve
     from planner.data_choice import check_data_methods, choose_data_method
@@ -122,7 +139,9 @@ def cmd_solve(args) -> int:
     fr = None
     try:
         opts = dict(seq_len=args.seq_len, data_tokens=args.data_tokens, time_limit_s=args.time_limit,
-                    seed=args.seed)
+                    seed=args.seed, precision=args.precision,
+                    optimizer_bits=parse_bits("--optimizer-bits", args.optimizer_bits),
+                    activation_bits=parse_bits("--activation-bits", args.activation_bits))
         if args.frontier:
             fr = frontier(args.model, args.hw, _budget(args), **opts)
             plan = choose_data_method(fr.plan, methods=args.data_methods)

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import math
 
-from costmodels.memory import model_state_bytes
-from costmodels.step import PRECISIONS, Choice, StepModel
+from costmodels.step import Choice, StepModel
+from hardware_profiles import HardwareProfile
+from hardware_profiles.errors import InfeasibleError
 from planner.budget import Budget
 
 BYTES_PER_UNIT = 2**16          # memory in 64 KiB units
@@ -48,18 +49,14 @@ def combo_memory(sm: StepModel, base: Choice) -> dict:
       later blocks' gradients (sharded by `grad_scale` once reduce-scattered), DDP's buckets
       (filled in proportion to the gradients made) and FSDP2's whole groups (ZeRO-2: the
       root and blocks 0..i; ZeRO-3: the root, block i and the prefetched one);
-    - `rs`: a block's gradient reduce-scatter buffers (`FsdpLayout.reduce_bytes`), a phase
-      beside its backward peak;
+    - `rs`: a block's gradient reduce-scatter buffers (`FsdpLayout.reduce_bytes`) less its own
+      parameters, resharded before it (`FsdpLayout.at_reduce`), a phase beside its backward peak;
     - `fixed`: the highest bytes of each phase that does not depend on the checkpoint entries
       (`fwd:head`, `bwd:head`, `bwd:root`, `optimizer`)."""
-    wb, gb, master, _ = PRECISIONS[base.precision]
-    states = model_state_bytes(sm.param_numels, weight_bytes=wb, grad_bytes=gb, master_bytes=master,
-                               optimizer_bits=base.optimizer_bits, zero_stage=base.zero_stage,
-                               shard_degree=base.devices, foreach=sm.hw.device_type != "cpu",
-                               as_executed=True)
+    states = sm.model_states(base)
     L = len(sm.blocks)
     fsdp = sm.fsdp_layout(base)
-    head = sm._mem("head", base.micro_batch, base.seq_len // base.sp_degree, "none")
+    head = sm.head_memory(base)
     tail = sm.tail_memory(base)
     g = sm.block_memory(base, 0, "none").grad_bytes
     po = states.params + states.optimizer
@@ -69,7 +66,8 @@ def combo_memory(sm: StepModel, base: Choice) -> dict:
     else:  # identical blocks: a block's forward holds the same, its backward one block more (ZeRO-2)
         u_head, fwd, u_tail, bwd, u_end = fsdp.unsharded(L)
         u_fwd, u_b0, u_b1 = fwd[0], bwd[0], (bwd[1] - bwd[0] if L > 1 else 0.0)
-        root_scale, rs = 1.0, fsdp.reduce_bytes(g)
+        # a block's reduce-scatter, its own parameters resharded first (`FsdpLayout.at_reduce`)
+        root_scale, rs = 1.0, fsdp.reduce_bytes(g) + fsdp.at_reduce(L)[0] - bwd[0]
     total_grads = tail.grad_bytes + L * g + head.grad_bytes
     bucket = states.comm_buffers / total_grads if total_grads else 0.0  # per gradient byte made
     tail_grads = tail.grad_bytes * root_scale
@@ -155,6 +153,34 @@ def undominated(combos: list[dict]) -> list[dict]:
     return keep
 
 
+def prune_narrower(combos: list[dict], L: int, mem_cap: int, bits_pen: dict, wall) -> list[dict]:
+    """Drop each combo that another of the same SP degree, ZeRO stage and micro-batch beats at
+    its fastest: a width of no more loss penalty (`bits_pen`) whose plan with every block
+    unchecked (`none`, no recompute) fits memory (`mem_cap`, in the solver's rounded units) at no
+    more cost per step (seconds, or FLOPs under a FLOP budget) than this combo's own all-`none`
+    plan, which is the cheapest it can run. Exact: lower bits only pay where memory binds."""
+    if any("none" not in c["sets"] for c in combos):
+        return combos
+
+    def cost(c: dict) -> float:
+        return c["fixed_s"] + L * c["block_s"]["none"] if wall is not None else c["flops"]["none"]
+
+    def fits_unchecked(c: dict) -> bool:
+        return all(v <= mem_cap for _, _, v in memory_rows(c, ["none"], {"none": L},
+                                                           lambda v: units(v, BYTES_PER_UNIT)))
+    shape = lambda c: (c["sp"], c["zero"], c["mb"])  # noqa: E731
+    free = [c for c in combos if fits_unchecked(c)]
+    keep = []
+    for c in combos:
+        beaten = any(shape(o) == shape(c) and o is not c and bits_pen[o["bits"]] <= bits_pen[c["bits"]]
+                     and cost(o) <= cost(c) and (bits_pen[o["bits"]] < bits_pen[c["bits"]] or cost(o) < cost(c)
+                                                 or o["bits"] > c["bits"])
+                     for o in free)
+        if not beaten:
+            keep.append(c)
+    return keep
+
+
 def step_cost(c: dict, counts: dict, L: int, wall, devices: int) -> float:
     """One step's cost: seconds under a time budget, FLOPs over all devices under a FLOP one."""
     if wall is not None:
@@ -201,3 +227,31 @@ def uniform_start(combos, entries, L, mem_cap, levels, fractions, terms, loss):
                 if best is None or key < best[0]:
                     best = (key, (i, e, fits[-1], fr))
     return None if best is None else best[1]
+
+
+def lightest_uniform(sm: StepModel, combos: list[Choice], named: list[str]) -> tuple:
+    """(bytes, sp, zero, micro-batch, bits) of the lightest uniform plan over `combos`."""
+    best = None
+    for base in combos:
+        for e in named:
+            c = Choice(**{**_fields(base), "policies": (e,) * len(sm.blocks)})
+            need = sm.evaluate(c).memory.total
+            if best is None or need < best[0]:
+                best = (need, base.sp_degree, base.zero_stage, base.micro_batch,
+                        f"{base.optimizer_bits}-bit optimizer, {base.activation_bits}-bit saved activations")
+    return best
+
+
+def _fields(c: Choice) -> dict:
+    return {f: getattr(c, f) for f in c.__slots__}
+
+
+def memory_infeasible(smallest, limit: float, hw: HardwareProfile, seq_len: int,
+                       capped: bool) -> InfeasibleError:
+    need, sp, zero, mb, bits = smallest
+    where = "the memory cap allows" if capped else f"{hw.name} has"
+    return InfeasibleError(
+        f"per-device memory binds: the smallest plan (sp_degree={sp}, zero_stage={zero}, "
+        f"micro_batch={mb}, {bits}, lightest checkpointing) needs "
+        f"{need / 2**30:.3g} GiB but {where} {limit / 2**30:.3g} GiB usable; "
+        f"use more devices, a sequence shorter than {seq_len}, or a device with more memory")

@@ -53,7 +53,8 @@ from typing import Sequence
 
 from costmodels.data_value import (DEFAULT_QUALITY, METHODS, QualityFit, load_quality_fits,
                                    reference_scoring_flops)
-from costmodels.loss import LossLaw, bits_loss_penalty
+from costmodels.bits import bits_loss_penalty
+from costmodels.loss import LossLaw
 from hardware_profiles.errors import TrainplanError
 from planner.plan import Plan
 
@@ -178,7 +179,7 @@ def data_options(plan: Plan, law: LossLaw | None = None, *,
     d = plan.decisions
     total, step_flops = _budget_steps(plan)
     tps = plan.predictions.tokens_per_step
-    pen = bits_loss_penalty(d.optimizer_bits)
+    pen = bits_loss_penalty(d.optimizer_bits, d.activation_bits, precision=d.precision, penalty=law.bits)
     quality = known_quality(plan.model, plan.vocab_size, plan.model_n_params, methods, fits=fits,
                             cache_dir=cache_dir)
     out = []
@@ -280,6 +281,7 @@ def with_data_method(plan: Plan, method: str, *, selection_every_steps: int = 0,
                        unique_tokens=max(1.0, d.data_fraction * plan.data_tokens), quality=q)
     flops = predicted_scoring_flops(plan, method, every) if d.data_fraction < 1.0 else 0.0
     decisions = dataclasses.replace(d, data_method=method, selection_every_steps=every)
-    predictions = dataclasses.replace(p, final_loss=loss + bits_loss_penalty(d.optimizer_bits),
+    pen = bits_loss_penalty(d.optimizer_bits, d.activation_bits, precision=d.precision, penalty=law.bits)
+    predictions = dataclasses.replace(p, final_loss=loss + pen,
                                       scoring_flops=flops)
     return dataclasses.replace(plan, decisions=decisions, predictions=predictions)

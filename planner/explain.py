@@ -111,15 +111,15 @@ def survey(pr, budget: Budget, *, seq_len: int, memory_limit_bytes: float | None
     space = pr.space(budget.devices, seq_len)
     entries = named_entries(space.policies)
     lightest, cheapest = None, None
-    for sp, zero, mb, bits in itertools.product(space.sp_degrees, space.zero_stages,
-                                                space.micro_batches, space.optimizer_bits):
+    for sp, zero, mb, bits, ab in itertools.product(space.sp_degrees, space.zero_stages, space.micro_batches,
+                                                    space.optimizer_bits, space.activation_bits):
         for e in entries:
             c = Choice(sp_degree=sp, zero_stage=zero, micro_batch=mb, seq_len=seq_len,
                        policies=(e,) * L, precision=space.precision, optimizer_bits=bits,
-                       devices=budget.devices)
+                       devices=budget.devices, activation_bits=ab)
             cost = sm.evaluate(c)
             desc = (f"sp_degree={sp}, zero_stage={zero}, micro_batch={mb}, {bits}-bit optimizer, "
-                    f"every block on {e}")
+                    f"{ab}-bit saved activations, every block on {e}")
             if lightest is None or cost.memory.total < lightest[0]:
                 lightest = (cost.memory.total, desc)
             if cost.memory.total <= limit:

@@ -99,6 +99,7 @@ def _row(plan: Plan, *, fraction: float, cap: float | None, chosen: bool) -> dic
                 budget_fraction=fraction, memory_cap_bytes=math.nan if cap is None else cap,
                 sp_degree=d.sp_degree, dp_degree=d.dp_degree, zero_stage=d.zero_stage,
                 micro_batch=d.micro_batch, optimizer_bits=d.optimizer_bits,
+                activation_bits=d.activation_bits,
                 data_fraction=d.data_fraction, checkpoint=ck, max_steps=d.max_steps,
                 total_tokens=p.total_tokens, step_time_s=p.step_time_s)
 
@@ -113,7 +114,8 @@ def _lightest_bytes(pr, budget: Budget) -> float:
     return min(pr.step_model.evaluate(Choice(
         sp_degree=sp, zero_stage=max(space.zero_stages), micro_batch=min(space.micro_batches),
         seq_len=pr.seq_len, policies=("full",) * L, precision=space.precision,
-        optimizer_bits=min(space.optimizer_bits), devices=budget.devices)).memory.total
+        optimizer_bits=min(space.optimizer_bits), devices=budget.devices,
+        activation_bits=min(space.activation_bits))).memory.total
         for sp in space.sp_degrees)
 
 
@@ -165,7 +167,7 @@ def frontier(model, hw, budget: Budget, *, seq_len: int = 2048, data_tokens: int
              **space_options) -> Frontier:
     """The Pareto frontier over (peak memory per device, device-hours, predicted loss) of the
     plans for `model` on `hw` at up to `budget` (arguments as `planner.solve`'s; `space_options`:
-    micro_batches, optimizer_bits, policies, data_fractions).
+    micro_batches, optimizer_bits, activation_bits, policies, data_fractions).
 
     Raises:
         UnknownNameError: unknown hardware or preset.

@@ -34,7 +34,12 @@ class Decisions:
     precision: str
     """`fp32`, `bf16-mixed` (bf16 compute, fp32 master) or `bf16`."""
     optimizer_bits: int
-    """Adam state width: 32, 16, 8 or 4 bits."""
+    """Adam state width: 32 (fp32, torch), 16 (the pure-bf16 parameters' dtype, torch), 8
+    (bitsandbytes block-wise) or 4 (torchao block-wise) bits (`executor.optimizers`)."""
+    activation_bits: int = 32
+    """Width of the activations autograd saves for the backward outside checkpointed blocks:
+    32 = as computed, 16 = bf16, 8 = int8 with a per-channel scale
+    (`planner.activation_compression`). Plans written before the field read 32."""
     data_fraction: float
     """Fraction of the corpus's training windows kept."""
     data_method: str

@@ -19,14 +19,18 @@ from dataclasses import dataclass, field
 from ortools.sat.python import cp_model
 
 from costmodels import comm
-from costmodels.loss import LossLaw, bits_loss_penalty
+from costmodels.bits import bits_loss_penalty
+from costmodels.loss import LossLaw
 from costmodels.remat import BUILTIN, MENU, resolve
-from costmodels.step import Choice, StepModel
+from costmodels.step import Choice, StepModel, optimizer_bits_for
 from hardware_profiles import HardwareProfile
-from hardware_profiles.errors import InfeasibleError
+from hardware_profiles.errors import InfeasibleError, TrainplanError
+from planner.activation_compression import check_activation_bits
 from planner.budget import Budget
 from planner.combos import (BYTES_PER_UNIT, budget_terms as _budget_terms, combo_memory,
-                            memory_rows, phase_peaks, spent as _spent, undominated as _undominated,
+                            lightest_uniform, memory_infeasible, memory_rows, phase_peaks,
+                            prune_narrower as _prune_narrower,
+                            spent as _spent, undominated as _undominated,
                             uniform_start as _uniform_start, units as _units)
 from planner.remat import add_menus, by_recompute, entry_numbers, menu_index, named_entries
 
@@ -56,6 +60,9 @@ class SearchSpace:
     optimizer_bits: tuple[int, ...]
     data_fractions: tuple[float, ...]
     precision: str
+    activation_bits: tuple[int, ...] = (32,)
+    """Saved-activation widths (32 = as computed); each needs its capture variant
+    (`planner.capture.capture(activation_bits=...)`)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -83,21 +90,44 @@ class Solution:
 
 
 def default_space(*, devices: int, seq_len: int, n_heads: int, n_kv_heads: int,
-                  precision: str, micro_batches=(1, 2, 4, 8, 16), optimizer_bits=(32, 8),
+                  precision: str, micro_batches=(1, 2, 4, 8, 16), optimizer_bits=None,
                   policies=DEFAULT_POLICIES, data_fractions=(0.25, 0.5, 0.75, 1.0),
-                  devices_per_node: int | None = None) -> SearchSpace:
+                  devices_per_node: int | None = None, activation_bits=(32,)) -> SearchSpace:
     """The search space for `devices` devices: SP degrees that divide the device count, the
     heads and the sequence, and, given `devices_per_node` (the profile's), keep each SP group
     inside one node when the run spans nodes (`comm.sp_degrees_within_node`: SP inside a node,
-    data parallelism across nodes); ZeRO stages 0-3 when there is more than one device."""
+    data parallelism across nodes); ZeRO stages 0-3 when there is more than one device;
+    `optimizer_bits` None: the two widest the executor runs at `precision`
+    (`costmodels.step.optimizer_bits_for`: 32 and 8, or 16 and 8 for pure bf16).
+
+    Raises:
+        TrainplanError: an optimizer width that cannot run at `precision`, or an unknown
+            activation width."""
     sps = [p for p in comm.valid_sp_degrees(seq_len, n_heads, n_kv_heads) if devices % p == 0]
     if devices_per_node is not None:
         sps = comm.sp_degrees_within_node(sps, devices=devices, devices_per_node=devices_per_node)
     sps = tuple(sps)
+    optimizer_bits = optimizer_bits_for(precision)[:2] if optimizer_bits is None else tuple(optimizer_bits)
+    check_optimizer_bits(optimizer_bits, precision)
+    activation_bits = tuple(check_activation_bits(b) for b in activation_bits)
     return SearchSpace(sp_degrees=sps, zero_stages=(0, 1, 2, 3) if devices > 1 else (0,),
                        micro_batches=tuple(micro_batches), policies=tuple(policies),
                        optimizer_bits=tuple(optimizer_bits), data_fractions=tuple(data_fractions),
-                       precision=precision)
+                       precision=precision, activation_bits=activation_bits)
+
+
+def check_optimizer_bits(optimizer_bits, precision: str) -> None:
+    """Raises TrainplanError naming the first width in `optimizer_bits` the executor cannot run
+    at `precision` (`costmodels.step.optimizer_bits_for`), or an empty list."""
+    valid = optimizer_bits_for(precision)
+    if isinstance(optimizer_bits, int) or not hasattr(optimizer_bits, "__iter__") or not tuple(optimizer_bits):
+        raise TrainplanError(f"optimizer_bits={optimizer_bits!r} must be a non-empty list of widths from "
+                             f"{', '.join(map(str, valid))}")
+    for b in optimizer_bits:
+        if isinstance(b, bool) or b not in valid:
+            raise TrainplanError(f"optimizer_bits={b!r} cannot run with precision={precision!r}: use "
+                                 f"{', '.join(map(str, valid))} (torch AdamW keeps states in the "
+                                 "parameter dtype: 32 needs fp32 parameters, 16 pure bf16)")
 
 
 def solve_joint(step_model: StepModel, hw: HardwareProfile, budget: Budget, *, seq_len: int,
@@ -126,11 +156,12 @@ def solve_joint(step_model: StepModel, hw: HardwareProfile, budget: Budget, *, s
     limit = hw.usable_bytes if memory_limit_bytes is None else min(memory_limit_bytes, hw.usable_bytes)
     named = named_entries(space.policies)
     combos, dropped = [], []
-    for sp, zero, mb, bits in itertools.product(space.sp_degrees, space.zero_stages,
-                                                space.micro_batches, space.optimizer_bits):
+    for sp, zero, mb, ob, ab in itertools.product(space.sp_degrees, space.zero_stages, space.micro_batches,
+                                                  space.optimizer_bits, space.activation_bits):
+        bits = (ob, ab)  # (optimizer, saved-activation) widths
         base = Choice(sp_degree=sp, zero_stage=zero, micro_batch=mb, seq_len=seq_len,
-                      policies=("none",) * L, precision=space.precision, optimizer_bits=bits,
-                      devices=devices)
+                      policies=("none",) * L, precision=space.precision, optimizer_bits=ob,
+                      devices=devices, activation_bits=ab)
         c = combo_memory(step_model, base)  # bytes per device, as StepModel.evaluate composes them
         if max(c["fixed"].values()) > limit:  # head forward / backward, root reduce-scatter, optimizer
             dropped.append(base)
@@ -141,8 +172,12 @@ def solve_joint(step_model: StepModel, hw: HardwareProfile, budget: Budget, *, s
     if not combos and not diagnose:
         raise InfeasibleError(f"per-device memory binds: no plan fits {limit / 2**30:.3g} GiB")
     if not combos:
-        raise _memory_infeasible(_smallest(step_model, dropped, named), limit, hw, seq_len,
+        raise memory_infeasible(lightest_uniform(step_model, dropped, named), limit, hw, seq_len,
                                  capped=memory_limit_bytes is not None)
+    bits_pen = {(ob, ab): bits_loss_penalty(ob, ab, precision=space.precision, penalty=law.bits)
+                for ob in space.optimizer_bits for ab in space.activation_bits}
+    wall = budget.wall_s_for(devices)
+    combos = _prune_narrower(combos, L, int(limit // BYTES_PER_UNIT), bits_pen, wall)
     if MENU in space.policies:
         add_menus(step_model, combos, named, limit)
     combos = _undominated(combos)
@@ -156,7 +191,6 @@ def solve_joint(step_model: StepModel, hw: HardwareProfile, budget: Budget, *, s
     # token levels: from one step of the smallest batch to the most the budget could buy
     best_rate = max(c["tokens_per_step"] / (c["fixed_s"] + L * min(c["block_s"].values()))
                     for c in combos)
-    wall = budget.wall_s_for(devices)
     if wall is not None:
         max_tokens = best_rate * wall
     else:
@@ -169,7 +203,6 @@ def solve_joint(step_model: StepModel, hw: HardwareProfile, budget: Budget, *, s
             "raise the budget or shorten the sequence")
     levels = sorted({int(min_tokens * (max_tokens / min_tokens) ** (k / (TOKEN_LEVELS - 1)))
                      for k in range(TOKEN_LEVELS)})
-    bits_pen = {b: bits_loss_penalty(b) for b in space.optimizer_bits}
     loss = {(k, f): law.predict(n_params, levels[k], unique_tokens=max(1.0, f * data_tokens))
             for k in range(len(levels)) for f in space.data_fractions}
     # a fraction no better than the whole corpus at every level never wins (ties go to more data)
@@ -179,7 +212,8 @@ def solve_joint(step_model: StepModel, hw: HardwareProfile, budget: Budget, *, s
 
     # ---- variables --------------------------------------------------------------------
     m = cp_model.CpModel()
-    z = [m.new_bool_var(f"combo_sp{c['sp']}_z{c['zero']}_mb{c['mb']}_b{c['bits']}") for c in combos]  # shape knobs
+    z = [m.new_bool_var(f"combo_sp{c['sp']}_z{c['zero']}_mb{c['mb']}_b{c['bits'][0]}_a{c['bits'][1]}")
+         for c in combos]  # shape knobs
     n = {e: m.new_int_var(0, L, f"blocks_{e}") for e in entries}  # blocks per checkpoint entry
     y = [m.new_bool_var(f"tokens_{t}") for t in levels]  # stopping budget level
     x = {f: m.new_bool_var(f"fraction_{f}") for f in fractions}  # data fraction
@@ -223,10 +257,15 @@ def solve_joint(step_model: StepModel, hw: HardwareProfile, budget: Budget, *, s
     # takes the cheapest blocks at the chosen knobs)
     fr_rank = {f: i for i, f in enumerate(sorted(fractions, reverse=True))}
     remat_rank = [n[e] * i for i, e in enumerate(by_recompute(entries))]
-    w_remat = (len(entries) - 1) * L + 1
+    # last: of equal loss, the widest bits (no compression work; at equal penalty 32/16-bit
+    # saved activations cost quantize passes)
+    bits_order = sorted(bits_pen, key=lambda b: (bits_pen[b], -b[0], -b[1]))
+    bits_rank = [zc * bits_order.index(c["bits"]) for zc, c in zip(z, combos)]
+    w_remat = (len(entries) - 1) * L + len(bits_order)
     tie_terms = [y[k] * k * len(fr_rank) for k in range(len(levels))] + [v * fr_rank[f] for f, v in x.items()]
     w_ties = (len(levels) + 1) * len(fr_rank) * w_remat
-    m.minimize(w_ties * (sum(loss_terms) + sum(pen_terms)) + w_remat * sum(tie_terms) + sum(remat_rank))
+    m.minimize(w_ties * (sum(loss_terms) + sum(pen_terms)) + w_remat * sum(tie_terms) + sum(remat_rank)
+               + sum(bits_rank))
     # hint: the best plan with every block on one entry that fits (a feasible start), else
     # the plain plan (no checkpointing)
     start = _uniform_start(combos, entries, L, mem_cap, levels, fractions,
@@ -291,7 +330,7 @@ def solve_joint(step_model: StepModel, hw: HardwareProfile, budget: Budget, *, s
     m.add(y[k] == 1)
     m.add(x[f] == 1)
     token_cost = m.new_int_var(0, POLISH_LEVELS + L + 1, "cost_per_token")  # units of `unit`
-    width = {b: m.new_bool_var(f"polish_bits_{b}") for b in space.optimizer_bits}
+    width = {b: m.new_bool_var(f"polish_bits_{b[0]}_{b[1]}") for b in bits_pen}
     m.add_exactly_one(width.values())
     for zc, c2, (fx, bl) in zip(z, combos, costs):
         m.add_implication(zc, width[c2["bits"]])
@@ -319,23 +358,34 @@ def solve_joint(step_model: StepModel, hw: HardwareProfile, budget: Budget, *, s
     # predicted loss once the budget is spent
     best = (_spent(c, counts, L, wall, budget, devices, law, n_params, f, data_tokens, levels[k],
                    bits_pen), c, counts)
-    for b in sorted(width, key=lambda b: b != c["bits"]):
-        for b2, v in width.items():  # this width only, fixed by its domain (CP-SAT 9.15 aborted
-            m.proto.variables[v.index].domain[0] = int(b2 == b)  # this solve interleaved: 1 worker)
+    # widths of equal penalty are polished together (the cheapest tokens among them); a group
+    # whose penalty alone, over the loss at the most tokens the budget could buy, is no better
+    # than the incumbent cannot win: not solved
+    floor = law.predict(n_params, max_tokens, unique_tokens=max(1.0, f * data_tokens))
+    groups: dict[float, list] = {}
+    for b in sorted(width, key=lambda b: (bits_pen[b] != bits_pen[c["bits"]], bits_pen[b])):
+        groups.setdefault(bits_pen[b], []).append(b)
+    for pen, group in groups.items():
+        mine = c["bits"] in group
+        if not mine and floor + pen >= best[0][0]:
+            continue
+        for b2, v in width.items():  # these widths only, by their domains (CP-SAT 9.15 aborted
+            dom = m.proto.variables[v.index].domain  # this solve interleaved: 1 worker)
+            dom[0], dom[1] = 0, int(b2 in group)
         if solver.solve(m) in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             c2 = combos[next(i for i, v in enumerate(z) if solver.value(v))]
             counts2 = {e: solver.value(n[e]) for e in n}
             got = _spent(c2, counts2, L, wall, budget, devices, law, n_params, f, data_tokens,
                          levels[k], bits_pen)
-            if got[0] < best[0][0] or (b == c["bits"] and got[0] <= best[0][0]):
-                best = (got, c2, counts2)  # the polished plan of the solved width, unless worse
+            if got[0] < best[0][0] or (mine and got[0] <= best[0][0]):
+                best = (got, c2, counts2)  # the polished plan of the solved widths, unless worse
     (_, steps), c, counts = best
     # most-saving entries on the earliest blocks: their activations live the longest
     order = sorted(entries, key=lambda e: c["R"][e])
     policies = tuple(e for e in order for _ in range(counts[e]))
     choice = Choice(sp_degree=c["sp"], zero_stage=c["zero"], micro_batch=c["mb"], seq_len=seq_len,
-                    policies=policies, precision=space.precision, optimizer_bits=c["bits"],
-                    devices=devices,
+                    policies=policies, precision=space.precision, optimizer_bits=c["bits"][0],
+                    devices=devices, activation_bits=c["bits"][1],
                     sets=tuple(c["sets"][e] for e in entries if counts[e] and e not in BUILTIN))
     return Solution(choice=choice, data_fraction=f, total_tokens=steps * c["tokens_per_step"],
                     max_steps=steps, tokens_per_step=c["tokens_per_step"],
@@ -361,30 +411,3 @@ def _deterministic(params, time_limit_s: float, seed: int, workers: int) -> None
     params.interleave_search = workers > 1
     params.num_workers = workers
     params.random_seed = seed
-
-
-def _smallest(sm: StepModel, combos: list[Choice], named: list[str]) -> tuple:
-    """(bytes, sp, zero, micro-batch, bits) of the lightest uniform plan over `combos`."""
-    best = None
-    for base in combos:
-        for e in named:
-            c = Choice(**{**_fields(base), "policies": (e,) * len(sm.blocks)})
-            need = sm.evaluate(c).memory.total
-            if best is None or need < best[0]:
-                best = (need, base.sp_degree, base.zero_stage, base.micro_batch, base.optimizer_bits)
-    return best
-
-
-def _fields(c: Choice) -> dict:
-    return {f: getattr(c, f) for f in c.__slots__}
-
-
-def _memory_infeasible(smallest, limit: float, hw: HardwareProfile, seq_len: int,
-                       capped: bool) -> InfeasibleError:
-    need, sp, zero, mb, bits = smallest
-    where = "the memory cap allows" if capped else f"{hw.name} has"
-    return InfeasibleError(
-        f"per-device memory binds: the smallest plan (sp_degree={sp}, zero_stage={zero}, "
-        f"micro_batch={mb}, {bits}-bit optimizer, lightest checkpointing) needs "
-        f"{need / 2**30:.3g} GiB but {where} {limit / 2**30:.3g} GiB usable; "
-        f"use more devices, a sequence shorter than {seq_len}, or a device with more memory")

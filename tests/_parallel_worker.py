@@ -2,7 +2,8 @@
 
 Modes:
 - ``sp OUT SP:STAGE...``: per case one forward/backward of the tiny Llama with Ulysses SP of degree
-  SP (dp = world / SP) under ZeRO stage STAGE; rank 0 saves loss and full gradients.
+  SP (dp = world / SP) under ZeRO stage STAGE; rank 0 saves loss and full gradients; every rank
+  saves `release_counts` (``executor.collectives`` leaves no reference with gloo).
 - ``zero OUT STAGE...``: pure data parallel, 2 optimizer steps per stage; rank 0 saves the 3 losses.
 - ``mem OUT SP:STAGE...``: per case the executor's own step (``executor.train``'s loss,
   optimizer and held-out evaluation after each step) on a larger Llama (`mem_config`); the third
@@ -147,8 +148,33 @@ def run_sp(out: Path, cases: list[tuple[int, int]]) -> None:
         if rank == 0:
             name = f"sp{sp}_world{world}_stage{stage}.pt"
             torch.save({"loss": loss.item(), "grads": grads}, out / name)
+    torch.save(release_counts(), out / f"release_rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
+
+
+def release_counts(n: int = 20) -> dict[str, list[int]]:
+    """TensorImpl use counts of the tensors `executor.collectives`' all-to-all, all-gather and
+    reduce-scatter were given, right after each returns (1: only this frame holds them; the
+    gloo work object has let go)."""
+    import torch
+    import torch.distributed as dist
+
+    from executor import collectives
+
+    world = dist.get_world_size()
+    counts: dict[str, list[int]] = {"all_to_all": [], "all_gather": [], "reduce_scatter": []}
+    for _ in range(n):
+        x, out = torch.randn(world * 64), torch.empty(world * 64)
+        collectives.all_to_all_single(out, x, None)
+        counts["all_to_all"].append(max(x._use_count(), out._use_count()))
+        x, out = torch.randn(64), torch.empty(world * 64)
+        collectives.ReleasingAllGather()(out, x, dist.group.WORLD)
+        counts["all_gather"].append(max(x._use_count(), out._use_count()))
+        x, out = torch.randn(world * 64), torch.empty(64)
+        collectives.ReleasingReduceScatter()(out, x, dist.group.WORLD, dist.ReduceOp.SUM)
+        counts["reduce_scatter"].append(max(x._use_count(), out._use_count()))
+    return counts
 
 
 def run_zero(out: Path, stages: list[int], steps: int = 2) -> None:

@@ -86,6 +86,37 @@ def torch_threads() -> Callable:
     return _torch_threads
 
 
+@pytest.fixture(scope="session")
+def measured_peak() -> Callable:
+    """`measured_peak(model, opt, b, s, autocast_dtype=None, activation_bits=32)`: MemTracker's
+    peak by category (`executor.measure._measure_memory`) over one real training step of
+    `model` on random tokens (b sequences of s), after two warm-up steps, as the executor
+    measures; the forward under autocast and saved-activation compression when given."""
+    import torch
+
+    from executor.measure import _measure_memory
+    from planner.activation_compression import compress_saved_activations
+    from planner.capture import lm_loss
+
+    def measure(model, opt, b: int, s: int, autocast_dtype=None, activation_bits: int = 32) -> dict:
+        gen = torch.Generator().manual_seed(0)
+        amp = torch.autocast("cpu", dtype=autocast_dtype, enabled=autocast_dtype is not None)
+
+        def step():
+            x = torch.randint(0, model.config.vocab_size, (b, s), generator=gen)
+            with amp, compress_saved_activations(activation_bits):
+                loss = lm_loss(model(input_ids=x).logits, torch.roll(x, -1, dims=1))
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        step()
+        step()
+        return _measure_memory(step, model, opt)
+
+    return measure
+
+
 @pytest.fixture(scope="module")
 def one_thread(cpu_profile) -> Iterator[None]:
     """One torch thread for a whole module (the cpu profile is loaded before)."""

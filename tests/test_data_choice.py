@@ -17,7 +17,8 @@ import torch
 
 from costmodels.data_value import (DEFAULT_QUALITY, QualityFit, load_quality_fits, quality_path,
                                    save_quality_fits)
-from costmodels.loss import LossLaw, bits_loss_penalty
+from costmodels.bits import bits_loss_penalty
+from costmodels.loss import LossLaw
 from hardware_profiles.errors import TrainplanError
 from planner import data_choice
 from planner.data_choice import (check_data_methods, choose_data_method, data_options,

@@ -1,15 +1,14 @@
-"""The compute governor.
+"""The compute governor: its curve fit, its stopping rule and the governed loop.
 
 Synthetic learning curves (no training): the curve fit recovers a known power law; the governor
 stops near the analytic stop step when the threshold is reachable and runs the budget out when
 it is not, stops at once on NaN, on divergence, soon on a flat curve and on a rising one; a
-higher threshold never stops later (hypothesis). The planner: the threshold is a step's cost over
-a nat's value, the predicted stop comes from the loss law (data-constrained: earlier) or from the
-governor's rule simulated over it; old plan JSONs still load; the CLI flag turns it on. Real
-tiny-llama runs through `executor.train.run`: a governed run stops after its cooldown with a
-complete record, governor summary and checkpoint (and the report's rows and figure); the plan's
-threshold alone turns the governor on; an interrupted governed run resumes to the same stop; a
-diverging run stops with `diverged` (or `nan`)."""
+higher threshold never stops later (hypothesis). Real tiny-llama runs through
+`executor.train.run`: a governed run stops after its cooldown with a complete record, governor
+summary and checkpoint (and the report's rows and figure); the plan's threshold alone turns the
+governor on; an interrupted governed run resumes to the same stop; a diverging run stops with
+`diverged` (or `nan`). The planner's side (threshold, predicted stop, calibrated curve):
+tests/test_governor_planner.py."""
 
 from __future__ import annotations
 
@@ -21,8 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from costmodels.governor import (fit_curve, marginal_gain, predict_stop_step,
-                                 predict_stop_step_from_curve, threshold_from_value)
+from costmodels.governor import fit_curve, marginal_gain, predict_stop_step, predict_stop_step_from_curve
 from executor.governor import Governor, lr_multiplier
 from hardware_profiles.errors import TrainplanError
 
@@ -79,23 +77,6 @@ def test_predicted_stop_step_matches_the_closed_form():
     assert from_curve == pytest.approx(exact, abs=2)
     assert predict_stop_step_from_curve(lambda s: float(law_loss(s, **LAW)), thr, 100) == 100
     assert predict_stop_step_from_curve(lambda s: 5.0, thr, 100) == 1  # flat: stop at once
-
-
-def test_predicted_stop_step_from_the_planner_loss_law():
-    from costmodels.loss import LossLaw, learning_curve
-
-    law, n, tps = LossLaw.besiroglu2024(), 7.1e6, 1024
-    loss_at = lambda s: float(learning_curve([s * tps], law=law, n_params=n)[0])  # noqa: E731
-    stop = predict_stop_step_from_curve(loss_at, 1e-4, 10**7)
-    assert 1 < stop < 10**7
-    assert loss_at(stop) - loss_at(stop + 1) < 1e-4 <= loss_at(stop - 1) - loss_at(stop)
-
-
-def test_threshold_from_value_is_cost_over_value():
-    assert threshold_from_value(value_per_nat=10_000.0, cost_per_step=2.0) == pytest.approx(2e-4)
-    for bad in (0.0, -1.0, math.nan, math.inf):
-        with pytest.raises(TrainplanError, match="value_per_nat"):
-            threshold_from_value(bad, 1.0)
 
 
 @pytest.mark.parametrize("steps, losses, match", [
@@ -266,49 +247,6 @@ def test_a_higher_threshold_never_stops_later(alpha, A, seed, thr_lo, factor):
     assert hi.steps <= lo.steps and hi.final_step <= lo.final_step, (lo, hi)
 
 
-# -- the planner: threshold from economics, stop predicted from the loss law ---------------------
-def test_predicted_stop_from_the_law_matches_the_closed_form_and_repetition_brings_it_forward():
-    from costmodels.governor import cooldown_steps, governed_stop_step, predict_stop_from_law
-    from costmodels.loss import LossLaw
-
-    law, n, tps, thr = LossLaw.besiroglu2024(), 7.1e6, 1024.0, 1e-4
-    # no repetition: -dL/ds = beta B tps^-beta s^-(beta+1) = thr
-    exact = (law.beta * law.B * tps ** -law.beta / thr) ** (1.0 / (1.0 + law.beta))
-    stop, final, loss = predict_stop_from_law(law, n_params=n, tokens_per_step=tps, threshold=thr,
-                                              max_steps=10**7)
-    assert stop == pytest.approx(exact, rel=0.01) and final == stop + cooldown_steps(stop)
-    assert loss == pytest.approx(law.predict(n, final * tps), rel=1e-9)
-    # data-constrained: the effective tokens' growth decays after the first epoch
-    few, _, _ = predict_stop_from_law(law, n_params=n, tokens_per_step=tps, threshold=thr,
-                                      max_steps=10**7, unique_tokens=50 * tps)
-    assert 50 < few < stop / 2, (few, stop)
-    # the budget binds: a stop whose cooldown would reach it is not taken
-    assert predict_stop_from_law(law, n_params=n, tokens_per_step=tps, threshold=thr,
-                                 max_steps=int(exact * 1.1))[:2] == (int(exact * 1.1),) * 2
-    assert governed_stop_step(80, 100) == 100 and governed_stop_step(79, 100) == 79
-    assert cooldown_steps(80) == 20 and cooldown_steps(80, 0.0) == 0 and cooldown_steps(1) == 1
-
-
-def test_simulated_stop_is_the_governor_on_the_predicted_curve():
-    """The planner's model of the governor: its own rule replayed over a predicted curve with
-    evaluation noise. It decides at or after the curve's crossing (it waits for an upper bound),
-    later with more noise, and a curve that stays steep runs the budget out."""
-    from costmodels.stopping import simulated_stop_step
-
-    exact = analytic_stop(1e-3, **LAW)
-    loss_at = lambda s: float(law_loss(s, **LAW))  # noqa: E731
-    kw = dict(threshold_nats_per_step=1e-3, max_steps=2000, eval_every=EVERY, refit_every=10)
-    clean, runs = simulated_stop_step(loss_at, noise_nats=0.0, **kw)
-    assert runs == [clean] and exact - 2 * EVERY <= clean <= 1.15 * exact, (clean, exact)
-    noisy, runs = simulated_stop_step(loss_at, noise_nats=0.03, runs=5, **kw)
-    assert len(runs) == 5 and runs == sorted(runs) and noisy == runs[2]
-    assert noisy >= clean - EVERY and runs[-1] < 2000, runs
-    steep, _ = simulated_stop_step(loss_at, noise_nats=0.0, **(kw | {"threshold_nats_per_step": 1e-6}))
-    assert steep == 2000
-    with pytest.raises(TrainplanError, match="noise_nats"):
-        simulated_stop_step(loss_at, noise_nats=-1.0, **kw)
-
-
 @pytest.fixture(scope="module")
 def small_plan():
     """tiny-llama on the cpu profile, a 12,800-token subset of a 400k-token corpus repeated."""
@@ -316,71 +254,6 @@ def small_plan():
 
     return plan_for_choice("tiny-llama", "cpu", seq_len=128, micro_batch=8, max_steps=2000,
                            vocab_size=8192, data_tokens=400_000, data_fraction=0.032)
-
-
-def test_with_governor_prices_a_step_and_predicts_the_stop(small_plan):
-    from costmodels.governor import predict_stop_from_law
-    from costmodels.loss import LossLaw
-    from planner.governor import governed_plan, plan_law, with_governor
-    from planner.plan import Plan
-
-    plan = small_plan
-    assert plan.decisions.governor_threshold == 0.0 and plan.predictions.predicted_stop_step is None
-    assert governed_plan(plan, None) is plan
-    step_dh = plan.predictions.step_time_s * plan.decisions.devices / 3600.0
-    g = with_governor(plan, value_device_hours_per_nat=step_dh / 1e-3)  # 1e-3 nats/step
-    assert g.decisions.governor_threshold == pytest.approx(1e-3)
-    law = plan_law(plan)
-    assert law == LossLaw.besiroglu2024()  # the session cache holds no local law
-    stop, final, loss = predict_stop_from_law(law, n_params=plan.model_n_params, tokens_per_step=1024,
-                                              threshold=1e-3, max_steps=2000, unique_tokens=12_800)
-    assert g.predictions.predicted_stop_step == stop < 2000 and g.predictions.predicted_end_loss == loss
-    assert g.predictions.predicted_end_step == final == stop + math.ceil(stop / 4)
-    assert (g.decisions.max_steps, g.predictions.final_loss) == (2000, plan.predictions.final_loss)
-    assert sum(n.startswith("governor: ") for n in g.notes) == 1 and "predicted stop" in g.notes[-1]
-    assert Plan.from_json(g.to_json()) == g
-    # a larger value of a nat: a lower threshold, a later (or the budget's) stop
-    later = with_governor(plan, threshold_nats_per_step=1e-4)
-    assert later.predictions.predicted_stop_step > stop
-    # with the evaluation noise to expect: the governor's rule simulated over the law's curve
-    sim = with_governor(plan, threshold_nats_per_step=1e-3, noise_nats=0.01, eval_every=40,
-                        governor_settings=dict(refit_every=40))
-    ps = sim.predictions
-    assert stop - 40 <= ps.predicted_stop_step < 2000 and "simulated" in sim.notes[-1], sim.notes[-1]
-    assert ps.predicted_end_step == ps.predicted_stop_step + math.ceil(ps.predicted_stop_step / 4)
-    off = with_governor(g, threshold_nats_per_step=0.0)
-    assert off.decisions.governor_threshold == 0.0 and off.predictions.predicted_stop_step is None
-    with pytest.raises(TrainplanError, match="exactly one"):
-        with_governor(plan)
-    with pytest.raises(TrainplanError, match="value_per_nat"):
-        with_governor(plan, value_device_hours_per_nat=-1.0)
-
-
-def test_a_plan_written_before_the_governor_fields_still_loads(small_plan):
-    from planner.plan import Plan
-
-    raw = json.loads(small_plan.to_json())
-    del raw["decisions"]["governor_threshold"], raw["predictions"]["predicted_stop_step"]
-    del raw["predictions"]["predicted_end_step"], raw["predictions"]["predicted_end_loss"]
-    old = Plan.from_json(json.dumps(raw))
-    assert old.decisions.governor_threshold == 0.0 and old.predictions.predicted_stop_step is None
-    assert old == small_plan
-
-
-def test_cli_solve_with_a_value_of_loss_turns_the_governor_on(capsys, tmp_path):
-    from planner.cli import main
-    from planner.plan import Plan
-
-    path = tmp_path / "p.json"
-    rc = main(["solve", "--model", "tiny-llama", "--hw", "cpu", "--seq-len", "128",
-               "--budget-seconds", "600", "--data-tokens", "20000", "--time-limit", "5",
-               "--loss-value-device-hours-per-nat", "0.5", "--json", str(path)])
-    out, err = capsys.readouterr()
-    assert rc == 0, err
-    plan = Plan.from_json(path)
-    d, p = plan.decisions, plan.predictions
-    assert d.governor_threshold == pytest.approx(p.step_time_s / 3600.0 / 0.5)
-    assert p.predicted_stop_step is not None and f"predicted stop at step {p.predicted_stop_step:,}" in out
 
 
 # -- the loop helper ----------------------------------------------------------------------------

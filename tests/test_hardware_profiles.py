@@ -280,8 +280,9 @@ def test_measure_cpu_quick(quick_cpu):
     assert effs == sorted(effs)
     assert p.missing_sources() == []
     assert HardwareProfile.from_dict(json.loads(json.dumps(p.to_dict()))) == p
-    # the optimizer step as the executor runs it: 32-bit torch AdamW, 8-bit bitsandbytes
-    assert set(p.optimizer_s_per_param) == {"32", "8"}
+    # the optimizer step as the executor runs it: 32/16-bit torch AdamW, 8-bit bitsandbytes,
+    # 4-bit torchao
+    assert set(p.optimizer_s_per_param) == {"32", "16", "8", "4"}
     assert all(0 < v < 1e-5 for v in p.optimizer_s_per_param.values())  # under 10 us per parameter
     with pytest.raises(TrainplanError, match="known dtypes are fp32, bf16, fp16"):
         cpu.measure_cpu(dtype="fp8", quick=True)

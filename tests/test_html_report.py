@@ -17,7 +17,8 @@ import pandas as pd
 import pytest
 from PIL import Image
 
-from costmodels.loss import LossLaw, bits_loss_penalty
+from costmodels.bits import bits_loss_penalty
+from costmodels.loss import LossLaw
 from costmodels.loss_cache import save_local_law
 from executor.figures import (
     CALIBRATION_COLUMNS,

@@ -10,10 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from costmodels.bits import BitsPenalty, bits_loss_penalty
 from costmodels.loss import (
-    BitsPenalty,
     LossLaw,
-    bits_loss_penalty,
     effective_params,
     effective_tokens,
     learning_curve,
@@ -231,7 +230,7 @@ def test_bits_penalty_is_refittable():
 
 @pytest.mark.parametrize(
     "args,valid",
-    [((2,), "[32, 16, 8, 4]"), ((8, 4), "[16, 8]"), ((8, 16, 8), "[32, 16]"), ((True,), "[32")],
+    [((2,), "[32, 16, 8, 4]"), ((8, 4), "[32, 16, 8]"), ((8, 16, 8), "[32, 16]"), ((True,), "[32")],
 )
 def test_bits_penalty_unsupported(args, valid):
     with pytest.raises(TrainplanError) as err:

@@ -72,13 +72,13 @@ def test_memory_binds_70b_at_128k(plan_70b):
     assert limit == usable, (limit, usable)
     assert mem <= limit, f"plan predicts {mem / GIB:.1f} GiB, usable {limit / GIB:.1f} GiB"
     # binding: the same knobs without checkpointing would not fit
-    graph, _, numels = capture_model("llama3-70b", d.precision)
+    graph, _, numels = capture_model("llama3-70b", d.precision, activation_bits=(d.activation_bits,))
     sm = StepModel(graph.regions, graph.blocks, numels, load("mi300"), n_heads=graph.n_heads,
                    n_kv_heads=graph.n_kv_heads, head_dim=graph.head_dim)
     plain = sm.evaluate(Choice(sp_degree=d.sp_degree, zero_stage=d.zero_stage, micro_batch=d.micro_batch,
                                seq_len=d.seq_len, policies=("none",) * graph.n_layers,
                                precision=d.precision, optimizer_bits=d.optimizer_bits,
-                               devices=d.devices)).memory.total
+                               devices=d.devices, activation_bits=d.activation_bits)).memory.total
     assert plain > limit, f"without checkpointing {plain / GIB:.1f} GiB, usable {limit / GIB:.1f} GiB"
     same = sm.evaluate(Choice.from_decisions(d)).memory.total
     assert math.isclose(same, mem, rel_tol=1e-12), (same, mem)
