@@ -7,6 +7,7 @@
 
 from planner.api import solve
 from planner.budget import Budget
+from hardware_profiles.errors import TrainplanError
 from planner.plan import Decisions, Plan, Predictions, SolverFacts
 
-__all__ = ["Budget", "Decisions", "Plan", "Predictions", "SolverFacts", "solve"]
+__all__ = ["Budget", "Decisions", "Plan", "Predictions", "SolverFacts", "TrainplanError", "solve"]

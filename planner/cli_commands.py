@@ -120,7 +120,7 @@ def parse_bits(flag: str, text: str | None) -> tuple[int, ...] | None:
     if text is None:
         return None
     try:
-        out = tuple(int(x) for x in str(text).split(",") if x.strip())
+        out = tuple(int(x) for x in str(text).split(","))
     except ValueError:
         out = ()
     if not out:
@@ -204,6 +204,10 @@ def _report_run(plan, record, out: Path) -> int:
     from executor.report import compare, format_table, report
 
     files = report(plan, record, out)
+    d = plan.decisions
+    print(f"run of {plan.model}: precision={d.precision} optimizer_bits={d.optimizer_bits} "
+          f"activation_bits={d.activation_bits} micro_batch={d.micro_batch} seq_len={d.seq_len} "
+          f"sp_degree={d.sp_degree} zero_stage={d.zero_stage}")
     print(format_table(compare(plan, record)))
     print(f"stopped: {record.stop_reason} after {record.steps} steps ({record.wall_s:.0f} s)")
     print(f"files in {files['html'].parent}: {', '.join(p.name for p in files.values())}")

@@ -124,7 +124,10 @@ def check_optimizer_bits(optimizer_bits, precision: str) -> None:
         raise TrainplanError(f"optimizer_bits={optimizer_bits!r} must be a non-empty list of widths from "
                              f"{', '.join(map(str, valid))}")
     for b in optimizer_bits:
-        if isinstance(b, bool) or b not in valid:
+        if isinstance(b, bool) or b not in (32, 16, 8, 4):
+            raise TrainplanError(f"optimizer_bits={b!r} is not a width: use 32, 16, 8 or 4 (at "
+                                 f"precision {precision!r}: {', '.join(map(str, valid))})")
+        if b not in valid:
             raise TrainplanError(f"optimizer_bits={b!r} cannot run with precision={precision!r}: use "
                                  f"{', '.join(map(str, valid))} (torch AdamW keeps states in the "
                                  "parameter dtype: 32 needs fp32 parameters, 16 pure bf16)")
