@@ -18,20 +18,20 @@ from dataclasses import dataclass, field
 
 from ortools.sat.python import cp_model
 
-from costmodels import comm
 from costmodels.bits import bits_loss_penalty
 from costmodels.loss import LossLaw
 from costmodels.remat import BUILTIN, MENU, resolve
-from costmodels.step import Choice, StepModel, optimizer_bits_for
+from costmodels.step import Choice, StepModel
 from hardware_profiles import HardwareProfile
-from hardware_profiles.errors import InfeasibleError, TrainplanError
-from planner.activation_compression import check_activation_bits
+from hardware_profiles.errors import InfeasibleError
 from planner.budget import Budget
 from planner.combos import (BYTES_PER_UNIT, budget_terms as _budget_terms, combo_memory,
                             lightest_uniform, memory_infeasible, memory_rows, phase_peaks,
                             prune_narrower as _prune_narrower,
                             spent as _spent, undominated as _undominated,
                             uniform_start as _uniform_start, units as _units)
+from planner.space import (DEFAULT_POLICIES, SearchSpace, check_optimizer_bits,  # noqa: F401 (re-exported)
+                           default_space)
 from planner.remat import add_menus, by_recompute, entry_numbers, menu_index, named_entries
 
 LOSS_PER_UNIT = 1e-5            # objective resolution, nats
@@ -45,24 +45,6 @@ WALL_SAFETY = 10.0
 """A solve's wall-clock cap, as a multiple of its time limit (plus as many seconds): only a
 machine far slower or busier than CP-SAT's calibration reaches it, where the result again
 depends on machine load."""
-DEFAULT_POLICIES = ("none", "save_matmuls", "save_attention", "full", MENU)
-"""Checkpoint menu: the built-in entries plus each block shape's solved Pareto menu."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class SearchSpace:
-    """Values each knob may take."""
-
-    sp_degrees: tuple[int, ...]
-    zero_stages: tuple[int, ...]
-    micro_batches: tuple[int, ...]
-    policies: tuple[str, ...]
-    optimizer_bits: tuple[int, ...]
-    data_fractions: tuple[float, ...]
-    precision: str
-    activation_bits: tuple[int, ...] = (32,)
-    """Saved-activation widths (32 = as computed); each needs its capture variant
-    (`planner.capture.capture(activation_bits=...)`)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -87,50 +69,6 @@ class Solution:
     def peak_bytes(self) -> float:
         """The joint model's predicted peak bytes per device of the plan."""
         return max(self.memory_phases.values(), default=0.0)
-
-
-def default_space(*, devices: int, seq_len: int, n_heads: int, n_kv_heads: int,
-                  precision: str, micro_batches=(1, 2, 4, 8, 16), optimizer_bits=None,
-                  policies=DEFAULT_POLICIES, data_fractions=(0.25, 0.5, 0.75, 1.0),
-                  devices_per_node: int | None = None, activation_bits=(32,)) -> SearchSpace:
-    """The search space for `devices` devices: SP degrees that divide the device count, the
-    heads and the sequence, and, given `devices_per_node` (the profile's), keep each SP group
-    inside one node when the run spans nodes (`comm.sp_degrees_within_node`: SP inside a node,
-    data parallelism across nodes); ZeRO stages 0-3 when there is more than one device;
-    `optimizer_bits` None: the two widest the executor runs at `precision`
-    (`costmodels.step.optimizer_bits_for`: 32 and 8, or 16 and 8 for pure bf16).
-
-    Raises:
-        TrainplanError: an optimizer width that cannot run at `precision`, or an unknown
-            activation width."""
-    sps = [p for p in comm.valid_sp_degrees(seq_len, n_heads, n_kv_heads) if devices % p == 0]
-    if devices_per_node is not None:
-        sps = comm.sp_degrees_within_node(sps, devices=devices, devices_per_node=devices_per_node)
-    sps = tuple(sps)
-    optimizer_bits = optimizer_bits_for(precision)[:2] if optimizer_bits is None else tuple(optimizer_bits)
-    check_optimizer_bits(optimizer_bits, precision)
-    activation_bits = tuple(check_activation_bits(b) for b in activation_bits)
-    return SearchSpace(sp_degrees=sps, zero_stages=(0, 1, 2, 3) if devices > 1 else (0,),
-                       micro_batches=tuple(micro_batches), policies=tuple(policies),
-                       optimizer_bits=tuple(optimizer_bits), data_fractions=tuple(data_fractions),
-                       precision=precision, activation_bits=activation_bits)
-
-
-def check_optimizer_bits(optimizer_bits, precision: str) -> None:
-    """Raises TrainplanError naming the first width in `optimizer_bits` the executor cannot run
-    at `precision` (`costmodels.step.optimizer_bits_for`), or an empty list."""
-    valid = optimizer_bits_for(precision)
-    if isinstance(optimizer_bits, int) or not hasattr(optimizer_bits, "__iter__") or not tuple(optimizer_bits):
-        raise TrainplanError(f"optimizer_bits={optimizer_bits!r} must be a non-empty list of widths from "
-                             f"{', '.join(map(str, valid))}")
-    for b in optimizer_bits:
-        if isinstance(b, bool) or b not in (32, 16, 8, 4):
-            raise TrainplanError(f"optimizer_bits={b!r} is not a width: use 32, 16, 8 or 4 (at "
-                                 f"precision {precision!r}: {', '.join(map(str, valid))})")
-        if b not in valid:
-            raise TrainplanError(f"optimizer_bits={b!r} cannot run with precision={precision!r}: use "
-                                 f"{', '.join(map(str, valid))} (torch AdamW keeps states in the "
-                                 "parameter dtype: 32 needs fp32 parameters, 16 pure bf16)")
 
 
 def solve_joint(step_model: StepModel, hw: HardwareProfile, budget: Budget, *, seq_len: int,
