@@ -19,8 +19,6 @@ from unittest import mock
 
 import torch
 
-from costmodels.step import optimizer_bits_for
-from hardware_profiles.errors import TrainplanError
 
 BETAS = (0.9, 0.95)
 WEIGHT_DECAY = 0.1
@@ -30,13 +28,11 @@ def check_optimizer_bits(bits, precision: str) -> int:
     """`bits` as an int, if the executor can run it at `precision`.
 
     Raises:
-        TrainplanError: names the value and the valid ones.
+        TrainplanError: names the value and the valid ones (`planner.space.check_optimizer_bits`).
     """
-    valid = optimizer_bits_for(precision)
-    if isinstance(bits, bool) or bits not in valid:
-        raise TrainplanError(f"optimizer_bits={bits!r} cannot run with precision={precision!r}: use "
-                             f"{', '.join(map(str, valid))} (torch AdamW keeps states in the "
-                             "parameter dtype: 32 needs fp32 parameters, 16 pure bf16)")
+    from planner.space import check_optimizer_bits as check_widths
+
+    check_widths((bits,), precision)
     return int(bits)
 
 

@@ -303,15 +303,7 @@ def test_sp_note_is_empty_when_the_sequence_rules_nothing_out():
 # ---------------------------------------------------------------- API rows
 
 
-class _Rotary(nn.Module):
-    def __init__(self, head_dim: int):
-        super().__init__()
-        self.register_buffer("inv_freq", torch.ones(head_dim // 2))
-
-    def forward(self, x, position_ids):
-        f = position_ids[..., None].float() * self.inv_freq
-        emb = torch.cat([f, f], dim=-1)
-        return emb.cos(), emb.sin()
+from test_fuzz import Rotary as _Rotary  # noqa: E402 (the fuzz tests' rotary stand-in)
 
 
 class _Block(nn.Module):
