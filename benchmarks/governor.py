@@ -33,9 +33,13 @@ decided step. Summary: stop_step_rel_err and loss_given_up are the worst case ov
 thresholds (largest), compute_saved_frac the median (its worst case is the lowest threshold's by
 construction of the grid; `*_worst` and `*_median` of all three are there too).
 compute_saved_frac_incl_pilots charges the median run for all pilots' steps (a one-off
-calibration that later plans of this model reuse).
+calibration that later plans of this model reuse). Not part of the protocol (added after seeds 2
+and 3 ran; the runs do not depend on it): `budget_picked_steps`, the token budget the planner
+would pick from the curve (`with_governor(..., pick_budget=True)`), and whether the governed
+run's end fell within it (`budget_picked_covers_end`; `budget_picked_covers_all` in the summary).
 
-Writes DIR/governor.csv, DIR/governor.json (the summary) and DIR/governor.png (held-out losses of
+Writes DIR/governor.csv, DIR/governor.json (the summary), DIR/governor_curve.json (the pilots'
+curve, for `trainplan solve --heldout-curve`) and DIR/governor.png (held-out losses of
 all runs, the plan's predicted curve and band, budget, predicted and actual stops and final
 losses; predicted against decided stop step). Runs go to DIR/runs/governor-*/ (`--reuse` takes
 finished runs whose plans match from there).
@@ -301,9 +305,15 @@ def main(argv=None) -> int:
         plans = {thr: with_governor(base_plan, threshold_nats_per_step=thr, curve=curve,
                                     eval_every=sc["eval_every"], governor_settings=GOVERNOR,
                                     runs=SIMULATED_RUNS) for thr in thresholds}
+        picked = {thr: with_governor(base_plan, threshold_nats_per_step=thr, curve=curve,
+                                     eval_every=sc["eval_every"], governor_settings=GOVERNOR,
+                                     runs=SIMULATED_RUNS, pick_budget=True).decisions.max_steps
+                  for thr in thresholds}
+        (out / f"{tag}governor_curve.json").write_text(json.dumps(curve.to_dict(), indent=1) + "\n")
         for thr, p in plans.items():
             print(f"threshold {thr:g}: predicted stop {p.predictions.predicted_stop_step}, end "
-                  f"{p.predictions.predicted_end_step}", flush=True)
+                  f"{p.predictions.predicted_end_step}; budget the planner would pick {picked[thr]}",
+                  flush=True)
         # 3. the baseline and the governed runs
         base_f = submit(pool, base_plan, runs_dir / f"governor-{tag}baseline", sc["eval_every"], a,
                         governed=False)
@@ -323,12 +333,15 @@ def main(argv=None) -> int:
         rep = Governor.for_plan(plans[thr], **GOVERNOR).replay(base.train_loss, base.heldout_loss)
         replayed = rep.cooldown_start if rep.reason == "marginal_gain" else rep.steps
         sims = simulated(plans[thr], curve, sc["eval_every"])
-        rows.append(threshold_row(thr, plans[thr], rec, summary, base, replayed, sims))
+        rows.append(threshold_row(thr, plans[thr], rec, summary, base, replayed, sims)
+                    | {"budget_picked_steps": picked[thr], "budget_picked_covers_end": rec.steps <= picked[thr]})
     other = [run_row(c["name"], p, r) for c, (p, r) in zip(pcfg, pilots)]
     other.append(run_row("baseline", base_plan, base))
     pd.DataFrame(rows + other).to_csv(out / "governor.csv", index=False)
     pilot_steps = sum(r.steps for _, r in pilots)
     summary_out = summarise(rows, pilot_steps, n) | {
+        "budget_picked_covers_all": bool(all(r["budget_picked_covers_end"] for r in rows)),
+        **{f"{key(r['threshold_nats_per_step'])}_budget_picked_steps": r["budget_picked_steps"] for r in rows},
         "baseline_final_loss": base.final_heldout_loss, "max_steps": n, "data_fraction": sc["data_fraction"],
         "eval_every": sc["eval_every"], "lr": LR, "seed": SEED,
         "thresholds_nats_per_step": ", ".join(f"{t:g}" for t in thresholds),

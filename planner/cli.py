@@ -64,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--loss-value-device-hours-per-nat", type=float, metavar="V", help=(
         "turn the compute governor on: one nat less held-out loss is worth V device-hours; "
         "it stops the run once a step's predicted loss drop is worth less than its cost"))
+    s.add_argument("--heldout-curve", metavar="FILE", help=(
+        "a held-out curve calibrated on pilot runs (JSON, e.g. benchmarks/governor.py's "
+        "governor_curve.json): the governor's stop is predicted on it and the token budget "
+        "picked from it; needs --loss-value-device-hours-per-nat"))
     s.add_argument("--data-methods", default=DEFAULT_DATA_METHODS, metavar="M1,M2",
                    help=DATA_METHODS_HELP)
     s.add_argument("--precision", choices=("fp32", "bf16-mixed", "bf16"),

@@ -132,10 +132,13 @@ def cmd_solve(args) -> int:
     from planner.api import solve
     from planner.data_choice import check_data_methods, choose_data_method
     from planner.frontier import frontier
-    from planner.governor import governed_plan
+    from planner.governor import CURVE_NEEDS_VALUE, governed_plan, read_heldout_curve
 
     json_path = check_json_path(args.json) if args.json else None
     args.data_methods = check_data_methods(args.data_methods)
+    if args.heldout_curve and args.loss_value_device_hours_per_nat is None:
+        raise TrainplanError(CURVE_NEEDS_VALUE)
+    curve = read_heldout_curve(args.heldout_curve) if args.heldout_curve else None
     fr = None
     try:
         opts = dict(seq_len=args.seq_len, data_tokens=args.data_tokens, time_limit_s=args.time_limit,
@@ -147,7 +150,7 @@ def cmd_solve(args) -> int:
             plan = choose_data_method(fr.plan, methods=args.data_methods)
         else:
             plan = solve(args.model, args.hw, _budget(args), data_methods=args.data_methods, **opts)
-        plan = governed_plan(plan, args.loss_value_device_hours_per_nat)
+        plan = governed_plan(plan, args.loss_value_device_hours_per_nat, curve)
     except InfeasibleError as e:
         note = _sp_note(args)
         if note:

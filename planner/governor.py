@@ -25,13 +25,17 @@ planner fixes the governor's threshold from economics and predicts where it will
 
 `with_governor` returns the plan with both written in (`Decisions.governor_threshold`,
 `Predictions.predicted_stop_step`, `predicted_end_step`, `predicted_end_loss`) and a note
-saying how.
+saying how. With a pilot curve it can also pick the token budget (`pick_budget=True`): the
+steps the governed run is predicted to need, with room for the prediction's error, instead of
+the budget's whole reach (the budget stays the ceiling).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+from pathlib import Path
 
 from costmodels.heldout_curve import HeldoutCurve
 from costmodels.bits import bits_loss_penalty
@@ -44,6 +48,14 @@ from planner.plan import Plan
 LAW_NOTE = "loss law: "
 """How `planner.api` names the plan's loss law in `Plan.notes`."""
 GOVERNOR_NOTE = "governor: "
+CURVE_NEEDS_VALUE = ("--heldout-curve predicts the governor's stop: give "
+                     "--loss-value-device-hours-per-nat V with it")
+BUDGET_QUANTILE = 0.9
+"""`pick_budget`: the simulated decision this far up the sorted series sets the budget."""
+BUDGET_MARGIN = 0.25
+"""`pick_budget`: the budget is (1 + this) x the end (stop + cooldown) of that decision. The
+largest stop-step error `benchmarks/governor.py` measured (seeds 2 and 3, eight governed runs)
+was 16.7%, and the simulated series scatter less than real runs do; 25% covers both with room."""
 
 
 def plan_law(plan: Plan, cache_dir=None) -> LossLaw:
@@ -78,7 +90,7 @@ def with_governor(plan: Plan, *, value_device_hours_per_nat: float | None = None
                   threshold_nats_per_step: float | None = None, law: LossLaw | None = None,
                   curve: HeldoutCurve | None = None, noise_nats: float | None = None,
                   eval_every: int | None = None, governor_settings: dict | None = None,
-                  runs: int = 16, cache_dir=None) -> Plan:
+                  runs: int = 16, pick_budget: bool = False, cache_dir=None) -> Plan:
     """`plan` with the compute governor on: its threshold and predicted stop written in.
 
     Give exactly one of
@@ -99,10 +111,18 @@ def with_governor(plan: Plan, *, value_device_hours_per_nat: float | None = None
         simulated_stop_step`): it waits for an upper confidence bound, so it stops later than
         the curve's crossing. Neither: the crossing of the law's mean curve
         (`costmodels.stop_prediction.predict_stop_from_law`), a lower bound on the stop.
+    pick_budget: with a simulated stop before the budget, also pick the token budget from the
+        curve: max_steps = min(the budget's, ceil((1 + BUDGET_MARGIN) x end)), end = the
+        BUDGET_QUANTILE simulated decision plus its cooldown; the stop is then simulated again
+        under that budget (a governed run's evaluation period follows max_steps). Without a
+        simulation (no curve and no noise) the law's crossing is only a lower bound on the stop
+        and the budget is kept (the note says so).
 
     Returns: a new Plan (`Decisions.governor_threshold`, `Predictions.predicted_stop_step`,
     `predicted_end_step`, `predicted_end_loss`, one `governor: ...` note); the budget is
-    unchanged: it stays the ceiling the governor may not pass.
+    unchanged (the ceiling the governor may not pass) unless `pick_budget` lowered it
+    (`Decisions.max_steps`, `max_tokens`; `Predictions.total_tokens`, `device_hours` and
+    `final_loss`, the curve's at the new budget, cooldown included).
     Raises:
         TrainplanError: both or neither given, a value or threshold not finite and > 0 (>= 0 for
             the threshold), or an unknown law (see `plan_law`).
@@ -149,14 +169,27 @@ def with_governor(plan: Plan, *, value_device_hours_per_nat: float | None = None
                 max_steps=d.max_steps, unique_tokens=unique, offset_nats=offset)
             rule = "where the law's mean drop per step crosses it"
         else:
-            stop, sims = simulated_stop_step(loss_at, threshold_nats_per_step=thr,
-                                             max_steps=d.max_steps, noise_nats=noise,
-                                             eval_every=eval_every, warmup_steps=d.warmup_steps,
-                                             runs=runs, **(governor_settings or {}))
+            def simulate(max_steps: int):
+                return simulated_stop_step(loss_at, threshold_nats_per_step=thr, max_steps=max_steps,
+                                           noise_nats=noise, eval_every=eval_every,
+                                           warmup_steps=d.warmup_steps, runs=runs,
+                                           **(governor_settings or {}))
+
+            stop, sims = simulate(d.max_steps)
+            if pick_budget and stop < d.max_steps:
+                budget = picked_budget(sims, d.max_steps)
+                if budget < d.max_steps:
+                    how += (f"; budget {budget} steps of the {d.max_steps} allowed, picked from the "
+                            f"curve ({1 + BUDGET_MARGIN:g} x the end of the {BUDGET_QUANTILE:.0%} "
+                            "simulated stop)")
+                    d, p = _with_budget(d, p, budget, loss_at(budget) - gain + offset)
+                    stop, sims = simulate(budget)
             final = d.max_steps if stop >= d.max_steps else stop + cooldown_steps(stop)
             loss = loss_at(final) - gain + offset
             rule = (f"the governor simulated over {what} with {noise:.3g} nats of evaluation "
                     f"noise ({len(sims)} runs: steps {sims[0]} to {sims[-1]})")
+        if pick_budget and noise is None:
+            how += "; budget kept (no curve to simulate the stop on: the law's crossing is a lower bound)"
         where = ("the budget binds first" if stop >= d.max_steps else
                  f"predicted stop at step {stop} of {d.max_steps}, end of cooldown at {final}")
         notes.append(f"{GOVERNOR_NOTE}{how}; {where} ({rule})")
@@ -169,12 +202,71 @@ def with_governor(plan: Plan, *, value_device_hours_per_nat: float | None = None
         notes=tuple(notes))
 
 
-def governed_plan(plan: Plan, value_device_hours_per_nat: float | None) -> Plan:
+def picked_budget(sims: list[int], max_steps: int) -> int:
+    """The token budget `pick_budget` picks, in steps: min(max_steps, ceil((1 + BUDGET_MARGIN) x
+    (q + cooldown_steps(q)))), q the BUDGET_QUANTILE decision of the sorted simulated decisions
+    `sims` (max_steps when that one never stopped)."""
+    q = sims[min(len(sims) - 1, int(BUDGET_QUANTILE * len(sims)))]
+    if q >= max_steps:
+        return max_steps
+    return min(max_steps, math.ceil((1.0 + BUDGET_MARGIN) * (q + cooldown_steps(q))))
+
+
+def _with_budget(d, p, steps: int, final_loss: float):
+    """Decisions and predictions with the budget lowered to `steps` (device-hours scaled by the
+    steps; anything else they hold, e.g. selection scoring, kept)."""
+    per_step_dh = p.step_time_s * d.devices / 3600.0
+    d2 = dataclasses.replace(d, max_steps=int(steps), max_tokens=int(steps) * p.tokens_per_step)
+    p2 = dataclasses.replace(p, total_tokens=int(steps) * p.tokens_per_step, final_loss=float(final_loss),
+                             device_hours=p.device_hours - per_step_dh * (d.max_steps - steps))
+    return d2, p2
+
+
+_CURVE_FILE = ("give a JSON file of HeldoutCurve.to_dict(), e.g. benchmarks/governor.py's "
+               "governor_curve.json")
+
+
+def read_heldout_curve(path) -> HeldoutCurve:
+    """The pilot-calibrated held-out curve saved as JSON (`HeldoutCurve.to_dict`, e.g.
+    `benchmarks/governor.py`'s `governor_curve.json`), for `trainplan solve --heldout-curve`.
+
+    Raises:
+        TrainplanError: the file cannot be read, is not JSON, or is not such a curve (the
+            message names the path).
+    """
+    path = Path(path)
+    try:
+        raw = json.loads(path.read_text())
+        curve = HeldoutCurve.from_dict(raw)
+    except OSError as e:
+        raise TrainplanError(f"--heldout-curve {str(path)!r}: cannot read it: {e.strerror}; {_CURVE_FILE}") from None
+    except (ValueError, TypeError, AttributeError) as e:
+        raise TrainplanError(f"--heldout-curve {str(path)!r}: not a held-out curve: "
+                             f"{str(e).splitlines()[0][:120]}; {_CURVE_FILE}") from None
+    vals = [curve.E, curve.B, curve.beta, curve.gamma, curve.kappa, curve.zeta, curve.d_ref_tokens,
+            curve.u_ref_tokens, curve.tokens_per_step, curve.noise_nats]
+    if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in vals) or curve.d_ref_tokens <= 0 \
+            or curve.tokens_per_step <= 0 or curve.noise_nats < 0:
+        raise TrainplanError(f"--heldout-curve {str(path)!r}: its constants must be finite numbers "
+                             f"(d_ref_tokens, tokens_per_step > 0; noise_nats >= 0); {_CURVE_FILE}")
+    return curve
+
+
+def governed_plan(plan: Plan, value_device_hours_per_nat: float | None,
+                  curve: HeldoutCurve | None = None) -> Plan:
     """`with_governor(plan, value_device_hours_per_nat=...)`, or `plan` itself when the value is
-    None (the CLI's `--loss-value-device-hours-per-nat`, not given: no governor)."""
+    None (the CLI's `--loss-value-device-hours-per-nat`, not given: no governor). With a pilot
+    `curve` (`--heldout-curve`) the stop is simulated over it and the budget picked from it
+    (`pick_budget`).
+
+    Raises: TrainplanError for a curve without a value (the curve only serves the governor)."""
     if value_device_hours_per_nat is None:
+        if curve is not None:
+            raise TrainplanError(CURVE_NEEDS_VALUE)
         return plan
-    return with_governor(plan, value_device_hours_per_nat=value_device_hours_per_nat)
+    return with_governor(plan, value_device_hours_per_nat=value_device_hours_per_nat, curve=curve,
+                         pick_budget=curve is not None)
 
 
-__all__ = ["governed_plan", "plan_law", "with_governor"]
+__all__ = ["BUDGET_MARGIN", "BUDGET_QUANTILE", "governed_plan", "picked_budget", "plan_law",
+           "read_heldout_curve", "with_governor"]

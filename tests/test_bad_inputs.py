@@ -137,6 +137,15 @@ CLI_ROWS: dict[str, tuple[str, type, list[str]]] = {
                                      ["optimizer_bits=16", "precision='fp32'", "32, 8, 4"]),
     "bits-not-a-list": (f"{TINY} --budget-seconds 60 --optimizer-bits eight", TrainplanError,
                         ["--optimizer-bits 'eight'", "e.g. 32,8"]),
+    "curve-missing-file": (f"{TINY} --budget-seconds 60 --heldout-curve no_such_curve.json "
+                           "--loss-value-device-hours-per-nat 1", TrainplanError,
+                           ["'no_such_curve.json'", "No such file", "HeldoutCurve.to_dict()"]),
+    "curve-not-a-curve": (f"{TINY} --budget-seconds 60 --heldout-curve garbage.json "
+                          "--loss-value-device-hours-per-nat 1", TrainplanError,
+                          ["'garbage.json': not a held-out curve", "HeldoutCurve.to_dict()"]),
+    "curve-without-value": (f"{TINY} --budget-seconds 60 --heldout-curve garbage.json", TrainplanError,
+                            ["--heldout-curve predicts the governor's stop",
+                             "--loss-value-device-hours-per-nat V"]),
     "huge-seconds": (f"{TINY} --budget-seconds 1e300", BudgetError,
                      ["wall_clock_s=1e+300", "at most 1e+09 s"]),
     "huge-device-hours": (f"{TINY} --budget-device-hours 1e300", BudgetError,

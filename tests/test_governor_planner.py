@@ -274,3 +274,63 @@ def test_pilot_curve_keeps_a_runs_constant_rate_points(overfit_plan):
         overfit_plan.decisions, data_fraction=1.0))
     assert pilot_curve(fresh, dataclasses.replace(rec, stop_reason="interrupted")).final_step is None
     assert pilot_curve(fresh, rec).unique_tokens is None and len(pilot_curve(fresh, rec, skip_fraction=0).steps) == 30
+
+
+def test_the_plan_picks_its_budget_from_the_curve_with_room_for_the_stop(overfit_plan):
+    """pick_budget lowers a 1000-step budget to 1.25 x the end of the 90% simulated stop; the
+    governor, replayed on noisy evaluations of the true curve under the picked budget, decides
+    where it does under the full one (the budget does not bind first); tokens, device-hours and
+    the final loss follow the budget; without a curve (the law's crossing, a lower bound) the
+    budget is kept."""
+    from costmodels.stop_prediction import cooldown_steps
+    from planner.governor import BUDGET_MARGIN, picked_budget, with_governor
+
+    settings = dict(refit_every=10, min_points=8, confidence=0.9)
+    long = dataclasses.replace(overfit_plan, decisions=dataclasses.replace(overfit_plan.decisions, max_steps=1000))
+    fit = fit_heldout_curve([pilot(None, 400, 10), pilot(U / 2, 200, 5, seed=1),
+                             pilot(0.75 * U, 300, 5, seed=2)])
+    kept = with_governor(long, threshold_nats_per_step=3e-4, curve=fit, eval_every=10,
+                         governor_settings=settings, runs=5)
+    plan = with_governor(long, threshold_nats_per_step=3e-4, curve=fit, eval_every=10,
+                         governor_settings=settings, runs=5, pick_budget=True)
+    d, p, d0, p0 = plan.decisions, plan.predictions, kept.decisions, kept.predictions
+    assert d0.max_steps == 1000 and "picked from the curve" in plan.notes[-1], plan.notes[-1]
+    end = p.predicted_end_step
+    assert math.ceil((1 + BUDGET_MARGIN) * end) <= d.max_steps < 0.6 * d0.max_steps
+    assert (d.max_tokens, p.total_tokens) == (d.max_steps * p.tokens_per_step,) * 2
+    per_step_dh = p.step_time_s * d.devices / 3600.0
+    assert p.device_hours == pytest.approx(p0.device_hours - per_step_dh * (d0.max_steps - d.max_steps))
+    assert p.final_loss == pytest.approx(float(fit.for_run(tokens_per_step=p.tokens_per_step, unique_tokens=U)
+                                               .loss_at(d.max_steps)), abs=1e-9)
+    assert p.predicted_stop_step == p0.predicted_stop_step
+    s = np.arange(10, 1001, 10)
+    for seed in range(3):
+        y = TRUE.loss_at(s) + np.random.default_rng(200 + seed).normal(0.0, fit.noise_nats, s.size)
+        full = Governor.for_plan(kept, **settings).replay(heldout_loss=list(zip(s.tolist(), y.tolist())))
+        cut = [(a, b) for a, b in zip(s.tolist(), y.tolist()) if a <= d.max_steps]
+        picked = Governor.for_plan(plan, **settings).replay(heldout_loss=cut)
+        assert full.reason == picked.reason == "marginal_gain"
+        assert picked.cooldown_start == full.cooldown_start < d.max_steps
+    assert picked_budget([100, 120, 140], 1000) == math.ceil(1.25 * (140 + cooldown_steps(140)))
+    assert picked_budget([100, 120, 1000], 1000) == 1000 and picked_budget([790], 800) == 800
+    law = with_governor(long, threshold_nats_per_step=3e-4, pick_budget=True)
+    assert law.decisions.max_steps == 1000 and "budget kept" in law.notes[-1]
+
+
+def test_cli_solve_with_a_heldout_curve_picks_the_budget(capsys, tmp_path):
+    """`trainplan solve --heldout-curve` predicts the stop on the curve and lowers the budget."""
+    from planner.cli import main
+    from planner.plan import Plan
+
+    curve = tmp_path / "curve.json"
+    curve.write_text(json.dumps(TRUE.to_dict()))
+    argv = ["solve", "--model", "tiny-llama", "--hw", "cpu", "--seq-len", "128", "--budget-seconds", "3000",
+            "--data-tokens", "20000", "--time-limit", "5", "--loss-value-device-hours-per-nat", "2"]
+    assert main(argv + ["--json", str(tmp_path / "a.json")]) == 0
+    assert main(argv + ["--json", str(tmp_path / "b.json"), "--heldout-curve", str(curve)]) == 0
+    out = capsys.readouterr().out
+    a, b = Plan.from_json(tmp_path / "a.json"), Plan.from_json(tmp_path / "b.json")
+    assert b.decisions.max_steps < a.decisions.max_steps, (a.decisions.max_steps, b.decisions.max_steps)
+    assert b.predictions.predicted_end_step < b.decisions.max_steps
+    assert "picked from the curve" in b.notes[-1] and "pilots' held-out curve" in b.notes[-1]
+    assert f"max_steps={b.decisions.max_steps:,}" in out
