@@ -14,7 +14,8 @@ menu (`menu_s`). Joint: `planner.solve` for llama3-70b (80 layers) at 131,072 to
 transformers Llama module are already imported (`solve_s_llama3_70b`); the same solve's
 capture and solver parts are reported beside it. Scale: the same for llama3.1-405b (126 layers)
 at 8,192 tokens on 1024 x mi300, 128 nodes of 8 (SP inside a node, data parallelism across
-nodes; `solve_s_405b_1024`, target 10 s). torch and CP-SAT use 2 threads.
+nodes; `solve_s_405b_1024`, target 10 s). Frontier: `planner.frontier` for llama3-8b on 8 x h100
+at 8,192 tokens (`frontier_s_llama3_8b`; not with --quick). torch and CP-SAT use 2 threads.
 
 Writes DIR/solve_speed.csv (one row per graph) and DIR/solve_speed.json (summary), prints the
 summary last.
@@ -116,6 +117,18 @@ def joint(model: str, devices: int, seq_len: int, device_hours: float) -> dict:
                 predicted_step_s=plan.predictions.step_time_s, predicted_loss=plan.predictions.final_loss)
 
 
+def frontier_8b() -> float:
+    """Seconds of `planner.frontier` for llama3-8b on 8 x h100 at 8,192 tokens (1000
+    device-hours): the joint solve at every rung of its budget and memory-cap ladder (about 30 s
+    on 2 idle cores; tests/test_frontier.py checks the frontier itself)."""
+    from planner.budget import Budget
+    from planner.frontier import frontier
+
+    t0 = time.perf_counter()
+    frontier("llama3-8b", "h100", Budget(devices=8, device_hours=1000), seq_len=8192)
+    return time.perf_counter() - t0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer graphs, well under a minute")
@@ -133,6 +146,9 @@ def main(argv=None) -> int:
     big = joint_405b_1024()
     print(f"  {big['graph']}: {big['solve_s']:.2f} s (sp {big['sp_degree']} x dp {big['dp_degree']}, "
           f"zero {big['zero_stage']}, {big['checkpoint']})", flush=True)
+    frontier_s = None if a.quick else frontier_8b()
+    if frontier_s is not None:
+        print(f"  frontier llama3-8b, 8 x h100, seq 8192: {frontier_s:.2f} s", flush=True)
     rows = []
     presets = [("tiny-llama", 1, 4096, 1, 4), ("llama3-8b", 1, 8192, 1, 32),
                ("llama3-70b", 1, 16384, 8, 80), ("llama3.1-405b", 1, 16384, 8, 126)]
@@ -157,6 +173,7 @@ def main(argv=None) -> int:
         "block_solve_s_max": float(blocks["block_solve_s"].max()),
         "block_menu_s_max": float(blocks["menu_s"].max()),
         "largest_block_graph_nodes": int(blocks["graph_nodes"].max()),
+        "frontier_s_llama3_8b": frontier_s,
         "targets_met": bool(joint["solve_s"] <= 5.0 and blocks["block_solve_s"].max() <= 2.0
                             and big["solve_s"] <= 10.0),
         "quick": a.quick,

@@ -34,12 +34,13 @@ def check_json_path(path: str | Path) -> Path:
 
 def check_out_dir(out: str | Path, *, option: str = "--out", resume: bool = False,
                   overwrite: bool = True) -> Path:
-    """A run or report folder: not a file (nor under one); with `overwrite=False`, not a folder
-    that already holds a run (record.json or checkpoints) unless `resume`.
+    """A run or report folder: not a file (nor under one), creatable if missing (tried, then
+    removed again); with `overwrite=False`, not a folder that already holds a run (record.json
+    or checkpoints) unless `resume`.
 
     Raises:
-        OutputPathError: the path or a folder above it is a regular file; or a run is there and
-            neither --resume nor --overwrite was given.
+        OutputPathError: the path or a folder above it is a regular file; a run is there and
+            neither --resume nor --overwrite was given; or the folder cannot be created.
     """
     from executor.checkpoint import CHECKPOINT_DIR
 
@@ -57,6 +58,14 @@ def check_out_dir(out: str | Path, *, option: str = "--out", resume: bool = Fals
             raise OutputPathError(
                 f"{option} {str(p)!r} already holds a run ({', '.join(held)}); continue it with "
                 "--resume, replace it with --overwrite, or choose another --out")
+    if not p.exists():  # a folder that cannot be made fails here, not after the build
+        top = next(q for q in (*reversed(p.parents), p) if not q.exists())
+        try:
+            top.mkdir()
+            top.rmdir()
+        except OSError as e:
+            raise OutputPathError(f"{option} {str(p)!r}: cannot create the folder: {e.strerror}; "
+                                  "give a folder path in a writable place") from None
     return p
 
 
@@ -130,10 +139,10 @@ def check_plan(plan, path: str | Path) -> None:
         ("decisions.seed", d.seed, _whole(d.seed, 0), "a whole number >= 0"),
         ("decisions.zero_stage", d.zero_stage, d.zero_stage in (0, 1, 2, 3), "0, 1, 2 or 3"),
         ("decisions.optimizer_bits", d.optimizer_bits,
-         d.optimizer_bits in optimizer_bits_for(d.precision) and not isinstance(d.optimizer_bits, bool),
+         _whole(d.optimizer_bits, 1) and d.optimizer_bits in optimizer_bits_for(d.precision),
          f"one of {', '.join(map(str, optimizer_bits_for(d.precision)))} at precision {d.precision!r}"),
         ("decisions.activation_bits", d.activation_bits,
-         d.activation_bits in (32, 16, 8) and not isinstance(d.activation_bits, bool), "32, 16 or 8"),
+         _whole(d.activation_bits, 1) and d.activation_bits in (32, 16, 8), "32, 16 or 8"),
         ("decisions.precision", d.precision, d.precision in ("fp32", "bf16-mixed", "bf16"),
          "fp32, bf16-mixed or bf16"),
         ("decisions.data_fraction", d.data_fraction,

@@ -113,7 +113,7 @@ def _copy_frontier(plan_path: Path, out: Path) -> None:
 
 
 def parse_bits(flag: str, text: str | None) -> tuple[int, ...] | None:
-    """`32,8` -> (32, 8); None stays None.
+    """`32,8` -> (32, 8); None stays None; a width given twice counts once (`8,8` -> (8,)).
 
     Raises:
         TrainplanError: not a comma-separated list of whole numbers (the value and flag named)."""
@@ -125,7 +125,7 @@ def parse_bits(flag: str, text: str | None) -> tuple[int, ...] | None:
         out = ()
     if not out:
         raise TrainplanError(f"{flag} {text!r} is not a comma-separated list of bit widths, e.g. 32,8")
-    return out
+    return tuple(dict.fromkeys(out))
 
 
 def cmd_solve(args) -> int:

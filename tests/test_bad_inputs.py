@@ -52,6 +52,7 @@ def workdir(tmp_path_factory, cpu_profile) -> Path:
                        "plan_h100.json": {"hw": "h100"},
                        "plan_bad_field.json": {"decisions": raw["decisions"] | {"seq_len": "abc"}},
                        "plan_bad_sp.json": {"decisions": raw["decisions"] | {"sp_degree": 3}},
+                       "plan_bits_float.json": {"decisions": raw["decisions"] | {"activation_bits": 8.0}},
                        "plan_format_2.json": {"format": 2}}.items():
         (d / name).write_text(json.dumps(raw | edit))
     (d / "garbage.json").write_bytes(b"\xff\xfe\x00\x81 not a plan")
@@ -198,6 +199,10 @@ CLI_ROWS: dict[str, tuple[str, type, list[str]]] = {
                            ["decisions.seq_len='abc'", "whole number >= 1", "solve it again"]),
     "plan-sp-inconsistent": ("run plan_bad_sp.json --out out", PlanMismatchError,
                              ["sp_degree=3 x dp_degree=1 must equal devices=1"]),
+    "plan-bits-not-whole": ("run plan_bits_float.json --out out", PlanMismatchError,
+                            ["decisions.activation_bits=8.0", "32, 16 or 8"]),
+    "out-not-creatable": ("run plan.json --out /proc/no_such/run", OutputPathError,
+                          ["--out '/proc/no_such/run': cannot create the folder", "writable place"]),
     "plan-params-edited": ("run plan_params.json --out out", PlanMismatchError,
                            ["123 parameters", "has 7,096,576", "solve it again"]),
     "plan-for-another-model": ("run plan_8b.json --out out", PlanMismatchError,

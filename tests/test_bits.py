@@ -305,3 +305,10 @@ def test_4bit_states_and_8bit_activations_checkpoint_and_resume_exactly(tmp_path
     resumed = run(plan, data=data, out=tmp_path / "cut", progress=False, device="cpu", resume=True,
                   check_fits=False)
     assert resumed.steps == 8 and resumed.train_loss == full.train_loss
+
+
+def test_cli_bit_widths_given_twice_count_once():
+    from planner.cli_commands import parse_bits
+
+    assert parse_bits("--optimizer-bits", "8,8,32,8") == (8, 32)
+    assert parse_bits("--activation-bits", None) is None

@@ -5,9 +5,6 @@ a temporary cache (so nothing is measured and the user's cache is untouched)."""
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import math
 
 import numpy as np
 import pytest

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import time
 
 import pandas as pd
 import pytest
@@ -92,11 +91,9 @@ def test_cli_solve_frontier_writes_beside_the_plan_and_run_copies_it(tmp_path, c
 
 
 @pytest.mark.slow
-def test_8b_frontier_on_8_h100_is_non_dominated_and_quick():
-    t0 = time.perf_counter()
+def test_8b_frontier_on_8_h100_is_non_dominated():
+    """(Its time is a benchmark figure: `frontier_s_llama3_8b` in benchmarks/solve_speed.py.)"""
     fr = frontier("llama3-8b", "h100", Budget(devices=8, device_hours=1000), seq_len=8192)
-    took = time.perf_counter() - t0
     free = fr.table[~fr.table["dominated"]].reset_index(drop=True)
     assert _dominated_by_any(free) == []
     assert len(fr.table) >= 4, fr.table
-    assert took < 60.0, f"frontier took {took:.0f} s (target about 30 s on 2 idle cores)"
