@@ -18,13 +18,25 @@ from __future__ import annotations
 import json
 import math
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
-from matplotlib.figure import Figure
 
 from executor.record import RunRecord
+
+# The figure's frames and drawing live in executor.report_data and executor.report_plot;
+# every name stays importable from here.
+from executor.report_data import CURVE_COLUMNS as CURVE_COLUMNS
+from executor.report_data import MIB as MIB
+from executor.report_data import (MEMORY_CATEGORIES, ReportFrames, _num, loss_frame, memory_frame,
+                                  report_frames, step_time_frame)
+from executor.report_plot import LIMIT_SCALE as LIMIT_SCALE
+from executor.report_plot import STEP_TIME_NOTE as STEP_TIME_NOTE
+from executor.report_plot import _loss_ylim as _loss_ylim
+from executor.report_plot import _plot_loss as _plot_loss
+from executor.report_plot import _plot_memory as _plot_memory
+from executor.report_plot import _plot_step_time as _plot_step_time
+from executor.report_plot import plot_report
 from hardware_profiles.errors import PlanMismatchError
 from planner.plan import Plan
 
@@ -34,28 +46,6 @@ __all__ = ["COLUMNS", "MEMORY_CATEGORIES", "ReportFrames", "compare", "format_ta
 
 COLUMNS = ("term", "predicted", "measured", "unit", "rel_err")
 """Columns of `compare`'s DataFrame, in order."""
-
-MEMORY_CATEGORIES = ("params", "grads", "optimizer", "activations", "temporaries")
-"""Per-category memory terms (MemTracker's categories; on CUDA only `total` is measured)."""
-
-MIB = 2**20
-"""Bytes per MiB (figure unit for memory)."""
-
-LIMIT_SCALE = 3.0
-"""Draw the usable-memory limit only when it is at most this many times the tallest bar."""
-
-STEP_TIME_NOTE = "different hardware: times not compared"
-
-CURVE_COLUMNS = ("curve", "step", "tokens", "loss", "lower", "upper")
-"""Columns of the predicted loss curves (`executor.figures.predicted_loss_frame`)."""
-
-
-def _num(x) -> float:
-    """`x` as a float; NaN for None or a non-number."""
-    try:
-        return float(x)
-    except (TypeError, ValueError):
-        return math.nan
 
 
 def _rel_err(predicted: float, measured: float) -> float:
@@ -100,200 +90,6 @@ def compare(plan: Plan, record: RunRecord) -> pd.DataFrame:
     df = pd.DataFrame(rows, columns=list(COLUMNS[:4]))
     df["rel_err"] = [_rel_err(p, m) for p, m in zip(df["predicted"], df["measured"])]
     return df
-
-
-# --- frames for the figure --------------------------------------------------------------------
-
-
-def memory_frame(plan: Plan, record: RunRecord) -> pd.DataFrame:
-    """Memory per device by category, in MiB.
-
-    Columns `category, predicted_mib, measured_mib`; one row per category in
-    `MEMORY_CATEGORIES` then `total`. A category the run did not measure has measured NaN
-    (on CUDA every row but `total`); one the plan did not predict has predicted NaN.
-    """
-    cats = [*MEMORY_CATEGORIES, "total"]
-    return pd.DataFrame({
-        "category": cats,
-        "predicted_mib": [_num(plan.predictions.memory_bytes.get(c)) / MIB for c in cats],
-        "measured_mib": [_num(record.peak_memory_bytes.get(c)) / MIB for c in cats],
-    })
-
-
-def step_time_frame(plan: Plan, record: RunRecord) -> pd.DataFrame:
-    """Step time in seconds, predicted by component beside the measured median.
-
-    Columns `source, component, seconds`. `source == "predicted"` rows are the plan's
-    `step_time_breakdown_s` (compute, recompute, communication, in that order, then any other
-    key); a single `total` row when the breakdown is empty. One `source == "measured"` row,
-    component `median` (median step wall time after warm-up; NaN when no step was timed).
-    Whether the two are comparable is `RunRecord.same_hardware`, not part of this frame.
-    """
-    breakdown = dict(plan.predictions.step_time_breakdown_s)
-    order = [k for k in ("compute", "recompute", "communication") if k in breakdown]
-    order += [k for k in breakdown if k not in order]
-    rows = [("predicted", k, _num(breakdown[k])) for k in order]
-    if not rows:
-        rows = [("predicted", "total", _num(plan.predictions.step_time_s))]
-    rows.append(("measured", "median", _num(record.median_step_time_s)))
-    return pd.DataFrame(rows, columns=["source", "component", "seconds"])
-
-
-def loss_frame(record: RunRecord) -> pd.DataFrame:
-    """The loss curve, long format.
-
-    Columns `step, split, loss, tokens`: `split == "train"` rows from `record.train_loss`
-    (tokens NaN), `split == "heldout"` rows from `record.heldout_loss` (tokens seen so far).
-    Loss in nats/token. Empty (with those columns) when nothing was recorded.
-    """
-    rows = [(int(s), "train", _num(loss), math.nan) for s, loss in record.train_loss]
-    rows += [(int(s), "heldout", _num(loss), _num(tok)) for s, tok, loss in record.heldout_loss]
-    df = pd.DataFrame(rows, columns=["step", "split", "loss", "tokens"])
-    return df.astype({"step": "int64", "split": "object", "loss": "float64", "tokens": "float64"})
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ReportFrames:
-    """Everything `plot_report` draws: three frames and the scalars that annotate them."""
-
-    memory: pd.DataFrame
-    """`memory_frame`: category, predicted_mib, measured_mib."""
-    step_time: pd.DataFrame
-    """`step_time_frame`: source, component, seconds."""
-    loss: pd.DataFrame
-    """`loss_frame`: step, split, loss, tokens."""
-    title: str
-    memory_limit_mib: float
-    """Usable memory per device (MiB), `Predictions.memory_limit_bytes`."""
-    same_hardware: bool
-    """False: the step-time panel says times are not compared."""
-    predicted_final_loss: float
-    """nats/token."""
-    planned_steps: int
-    """`Decisions.max_steps`: where the predicted final loss is placed."""
-    stop_step: int
-    """Steps the run took (its last step)."""
-    stop_reason: str
-    predicted_loss: pd.DataFrame = field(
-        default_factory=lambda: pd.DataFrame(columns=list(CURVE_COLUMNS)))
-    """Predicted loss curves (`executor.figures.predicted_loss_frame` rows): curve, step, tokens,
-    loss, lower, upper. Empty when the law behind the plan is not known."""
-
-
-def report_frames(plan: Plan, record: RunRecord, *,
-                  predicted_loss: pd.DataFrame | None = None) -> ReportFrames:
-    """The frames and annotations of the report figure (pure; no I/O). `predicted_loss`:
-    curves from `executor.figures.plan_loss_curves` (which reads the local law file)."""
-    loss = loss_frame(record)
-    stop_step = record.steps
-    if stop_step <= 0 and not loss.empty:
-        stop_step = int(loss["step"].max())
-    d = plan.decisions
-    title = (f"{plan.model} on {plan.hw} x {d.devices} device{'s' if d.devices != 1 else ''}"
-             f" (ran on {record.device}, world size {record.world_size})")
-    return ReportFrames(
-        memory=memory_frame(plan, record), step_time=step_time_frame(plan, record), loss=loss,
-        title=title, memory_limit_mib=_num(plan.predictions.memory_limit_bytes) / MIB,
-        same_hardware=bool(record.same_hardware),
-        predicted_final_loss=_num(plan.predictions.final_loss), planned_steps=int(d.max_steps),
-        stop_step=int(stop_step), stop_reason=record.stop_reason or "unknown",
-        predicted_loss=(predicted_loss if predicted_loss is not None
-                        else pd.DataFrame(columns=list(CURVE_COLUMNS))))
-
-
-def _plot_memory(ax, frames: ReportFrames) -> None:
-    mem, width = frames.memory, 0.4
-    x = list(range(len(mem)))
-    ax.bar([i - width / 2 for i in x], mem["predicted_mib"].fillna(0), width, label="predicted")
-    measured = mem["measured_mib"]
-    ax.bar([i + width / 2 for i, m in zip(x, measured) if pd.notna(m)],
-           measured.dropna(), width, label="measured")
-    ax.set_xticks(x, mem["category"], rotation=30, ha="right")
-    ax.set_ylabel("MiB per device")
-    ax.set_title("memory at peak")
-    tallest = pd.concat([mem["predicted_mib"], measured]).max()
-    limit = frames.memory_limit_mib
-    if math.isfinite(limit) and pd.notna(tallest) and 0 < limit <= LIMIT_SCALE * tallest:
-        ax.axhline(limit, color="black", linestyle=":", label=f"usable limit {limit:,.0f} MiB")
-    ax.legend(fontsize="small")
-
-
-def _plot_step_time(ax, frames: ReportFrames) -> None:
-    st = frames.step_time
-    bottom = 0.0
-    for _, row in st[st["source"] == "predicted"].iterrows():
-        ax.bar(0, row["seconds"], 0.6, bottom=bottom, label=f"predicted {row['component']}")
-        bottom += row["seconds"] if pd.notna(row["seconds"]) else 0.0
-    measured = st.loc[st["source"] == "measured", "seconds"]
-    if not measured.empty and pd.notna(measured.iloc[0]):
-        ax.bar(1, measured.iloc[0], 0.6, color="gray",
-               hatch=None if frames.same_hardware else "//", label="measured median")
-    ax.set_xticks([0, 1], ["predicted", "measured"])
-    ax.set_ylabel("s per step")
-    ax.set_title("step time" if frames.same_hardware else f"step time\n({STEP_TIME_NOTE})")
-    top = max(bottom, measured.max() if not measured.empty else 0.0)
-    if pd.notna(top) and top > 0:
-        ax.set_ylim(0, 1.45 * top)  # room for the legend above the bars
-    ax.legend(fontsize="small", loc="upper center", ncol=2)
-
-
-def _plot_loss(ax, frames: ReportFrames) -> None:
-    lf = frames.loss
-    train, held = lf[lf["split"] == "train"], lf[lf["split"] == "heldout"]
-    if not train.empty:
-        ax.plot(train["step"], train["loss"], linewidth=0.7, label="train")
-    if not held.empty:
-        ax.plot(held["step"], held["loss"], "o", markersize=4, label="held-out")
-    curves = frames.predicted_loss
-    for i, (name, c) in enumerate(curves.groupby("curve", sort=False)):
-        color = ("C3", "C4", "C5")[i % 3]
-        ax.plot(c["step"], c["loss"], color=color, linewidth=1.2, label=f"predicted: {name}")
-        ax.fill_between(c["step"], c["lower"], c["upper"], color=color, alpha=0.15, linewidth=0)
-    if frames.planned_steps > 0:
-        ax.axvline(frames.planned_steps, color="gray", linestyle="--", linewidth=0.8,
-                   label=f"planned budget: {frames.planned_steps} steps")
-    if math.isfinite(frames.predicted_final_loss):
-        ax.axhline(frames.predicted_final_loss, color="C3", linestyle="--", linewidth=1,
-                   label=f"predicted final {frames.predicted_final_loss:.3f}"
-                         f" (step {frames.planned_steps})")
-        ax.plot([frames.planned_steps], [frames.predicted_final_loss], "*", color="C3",
-                markersize=9)
-    if frames.stop_step > 0:
-        ax.axvline(frames.stop_step, color="black", linewidth=0.8,
-                   label=f"stop at step {frames.stop_step}: {frames.stop_reason}")
-    if lf.empty:
-        ax.text(0.5, 0.5, "no loss recorded", transform=ax.transAxes, ha="center")
-    _loss_ylim(ax, frames)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats/token)")
-    ax.set_title("loss")
-    ax.legend(fontsize="small")
-
-
-def _loss_ylim(ax, frames: ReportFrames) -> None:
-    """Fit the y axis to the measured losses, the predicted final loss and the curves' ends:
-    a law's curve starts far above any measurement and would flatten the rest."""
-    curves = frames.predicted_loss
-    ends = curves.groupby("curve", sort=False).tail(1)
-    values = pd.concat([frames.loss["loss"], ends["lower"], ends["upper"],
-                        pd.Series([frames.predicted_final_loss])]).astype(float)
-    values = values[values.map(math.isfinite)]
-    if len(values) and not curves.empty:
-        lo, hi = float(values.min()), float(values.max())
-        pad = 0.08 * (hi - lo) if hi > lo else 0.1 * abs(hi) or 1.0
-        ax.set_ylim(lo - pad, hi + pad)
-
-
-def plot_report(frames: ReportFrames) -> Figure:
-    """Three panels: memory by category, step time, loss curve. Returns an unattached Figure
-    (no pyplot state; save it with `fig.savefig`)."""
-    fig = Figure(figsize=(16, 5), layout="constrained")
-    axes = fig.subplots(1, 3)
-    _plot_memory(axes[0], frames)
-    _plot_step_time(axes[1], frames)
-    _plot_loss(axes[2], frames)
-    fig.suptitle(frames.title)
-    return fig
 
 
 # --- files ------------------------------------------------------------------------------------
