@@ -145,7 +145,10 @@ def load_run(run_dir: str | Path) -> tuple[Plan, RunRecord]:
             texts[name] = path.read_text()
             if not isinstance(json.loads(texts[name]), dict):
                 raise ValueError("not a JSON object")
-        except (OSError, UnicodeDecodeError, ValueError) as e:
+        except OSError as e:
+            raise PlanMismatchError(f"cannot read {str(path)!r}: {e.strerror}; is {str(run_dir)!r} the "
+                                    "--out folder of `trainplan run` or `trainplan demo`?") from None
+        except (UnicodeDecodeError, ValueError) as e:
             raise PlanMismatchError(f"cannot read {str(path)!r}: {e}") from None
     try:
         plan = Plan.from_json(texts["plan.json"])
