@@ -34,9 +34,14 @@ class BitsPenalty:
     """4-bit Adam states. Li, Chen & Zhu 2023, "Memory Efficient Optimizers with 4-bit States"
     (NeurIPS; arXiv:2309.01507): comparable accuracy on fine-tuning and Transformer pretraining
     (WMT14), no LLM pretraining reported; 0.01 nats is a placeholder."""
+    activation_16bit_nats: float = 0.0
+    """16-bit saved activations: bf16 storage of what was computed (a no-op for tensors mixed
+    precision already computes in bf16). Mixed precision keeps activations in 16 bits at fp32
+    accuracy (Micikevicius et al. 2018, "Mixed Precision Training", ICLR; arXiv:1710.03740,
+    Sec. 4): no penalty by default. A component of its own so that calibration does not take a
+    bf16-compressed run for a full-width one (`executor.calibrate_bits`)."""
     activation_8bit_nats: float = 0.005
-    """8-bit saved activations (int8, per-channel scale; 16-bit ones are bf16 storage, as mixed
-    precision keeps activations, Micikevicius et al. 2018: no penalty). ActNN (Chen et al. 2021, ICML; arXiv:2104.14129) compresses
+    """8-bit saved activations (int8, per-channel scale). ActNN (Chen et al. 2021, ICML; arXiv:2104.14129) compresses
     saved activations to 2 bits with negligible accuracy loss (vision models); Jetfire (Xi et al.
     2024, ICML; arXiv:2403.12422) pretrains GPT-2 with INT8 data flow at comparable loss.
     0.005 nats is a placeholder."""
@@ -72,7 +77,7 @@ class BitsPenalty:
                 raise TrainplanError(f"{name}={bits!r} is not supported; valid: {list(valid)}")
         opt = {32: 0.0, 16: self.optimizer_16bit_nats, 8: self.optimizer_8bit_nats,
                4: self.optimizer_4bit_nats}[int(optimizer_bits)]
-        act = self.activation_8bit_nats if int(activation_bits) == 8 else 0.0
+        act = {8: self.activation_8bit_nats, 16: self.activation_16bit_nats}.get(int(activation_bits), 0.0)
         wgt = self.weight_16bit_nats if int(weight_bits) == 16 else 0.0
         return opt + act + wgt + (self.pure_bf16_nats if precision == "bf16" else 0.0)
 
@@ -106,7 +111,7 @@ def bits_loss_penalty(
 
 
 COMPONENTS = ("optimizer_16bit_nats", "optimizer_8bit_nats", "optimizer_4bit_nats",
-              "activation_8bit_nats", "pure_bf16_nats")
+              "activation_16bit_nats", "activation_8bit_nats", "pure_bf16_nats")
 """The penalty fields a setting can switch on (`components`), in `BitsPenalty` order."""
 
 
@@ -115,5 +120,5 @@ def components(optimizer_bits: int, activation_bits: int = 32, precision: str = 
     row of the calibration's least squares. Raises TrainplanError as `bits_loss_penalty`."""
     DEFAULT_BITS_PENALTY.penalty(optimizer_bits, activation_bits, 16, precision)  # validates
     on = {f"optimizer_{optimizer_bits}bit_nats", "pure_bf16_nats" if precision == "bf16" else "",
-          "activation_8bit_nats" if activation_bits == 8 else ""}
+          f"activation_{activation_bits}bit_nats" if activation_bits in (16, 8) else ""}
     return {c: int(c in on) for c in COMPONENTS}

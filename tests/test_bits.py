@@ -273,6 +273,13 @@ def test_calibration_refits_the_penalties_seen_and_keeps_the_rest():
     pen, _ = fit_bits_penalty([_fake_run("b", "fp32", 32, 32, 5.0), _fake_run("o8", "fp32", 8, 32, 4.9)])
     assert pen.optimizer_8bit_nats == 0.0
     assert fit_bits_penalty([_fake_run("b", "fp32", 32, 32, 5.0)])[0] is None
+    # bf16-compressed activations are a setting of their own, not a second baseline (pooled,
+    # their +0.06 would have lowered every other delta by 0.03)
+    pen, record = fit_bits_penalty([_fake_run("b", "fp32", 32, 32, 5.00), _fake_run("a16", "fp32", 32, 16, 5.06),
+                                    _fake_run("o4", "fp32", 4, 32, 5.10)])
+    assert all(o["baseline"] == ["b"] for o in record["observations"])
+    assert pen.activation_16bit_nats == pytest.approx(0.06, abs=1e-9)
+    assert pen.optimizer_4bit_nats == pytest.approx(0.10, abs=1e-9)
 
 
 def test_fitted_penalties_travel_with_the_local_law(tmp_path):
