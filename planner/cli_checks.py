@@ -8,9 +8,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from costmodels.step import optimizer_bits_for
-from hardware_profiles.errors import DeviceError, OutputPathError, PlanMismatchError, UnknownNameError
+from hardware_profiles.errors import DeviceError, OutputPathError, PlanMismatchError, TrainplanError, UnknownNameError
 
-__all__ = ["check_device", "check_json_path", "check_out_dir", "check_plan", "check_plan_model",
+__all__ = ["check_device", "check_json_path", "check_loss_value", "check_out_dir", "check_plan", "check_plan_model",
            "valid_devices"]
 
 
@@ -20,6 +20,8 @@ def check_json_path(path: str | Path) -> Path:
     Raises:
         OutputPathError: the path is a folder, or its folder does not exist or is a file.
     """
+    if not str(path):
+        raise OutputPathError("--json is empty; give a file path such as plan.json")
     p = Path(path)
     if p.is_dir():
         raise OutputPathError(f"--json {str(p)!r} is a folder; give a file path such as "
@@ -44,6 +46,8 @@ def check_out_dir(out: str | Path, *, option: str = "--out", resume: bool = Fals
     """
     from executor.checkpoint import CHECKPOINT_DIR
 
+    if not str(out):
+        raise OutputPathError(f"{option} is empty; give a folder path (it is created if missing)")
     p = Path(out)
     for q in (p, *p.parents):
         if q.exists():
@@ -67,6 +71,17 @@ def check_out_dir(out: str | Path, *, option: str = "--out", resume: bool = Fals
             raise OutputPathError(f"{option} {str(p)!r}: cannot create the folder: {e.strerror}; "
                                   "give a folder path in a writable place") from None
     return p
+
+
+def check_loss_value(value: float | None) -> None:
+    """`--loss-value-device-hours-per-nat`: None (no governor) or a finite number > 0.
+
+    Raises: TrainplanError naming the flag and the value."""
+    import math
+
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise TrainplanError(f"--loss-value-device-hours-per-nat {value!r}: give a finite number > 0 "
+                             "(device-hours one nat less held-out loss is worth)")
 
 
 def valid_devices() -> list[str]:

@@ -11,7 +11,8 @@ from pathlib import Path
 
 from hardware_profiles.errors import (DeviceError, InfeasibleError, OutputPathError, TrainplanError,
                                       UnknownNameError)
-from planner.cli_checks import check_device, check_json_path, check_out_dir, check_plan, check_plan_model
+from planner.cli_checks import (check_device, check_json_path, check_loss_value, check_out_dir, check_plan,
+                                check_plan_model)
 
 DEMO_BUDGET_FLOPS = 4e13
 """The demo's compute budget: about 290 steps of tiny-llama at 16 x 256 tokens, about 5 minutes
@@ -66,6 +67,9 @@ def _print_plan(plan) -> None:
         print(f"  governor: stop below {d.governor_threshold:.3g} nats/step of loss drop; predicted "
               f"stop at step {p.predicted_stop_step:,} of {d.max_steps:,}, end at "
               f"{p.predicted_end_step:,} with loss {p.predicted_end_loss:.3f} nats")
+        picked = next((n for n in plan.notes if "picked from the curve" in n), None)
+        if picked:
+            print("  budget: " + picked[picked.index("budget ") + len("budget "):].split(";")[0])
     s = plan.solver
     status = s.status
     if s.status == "FEASIBLE":  # the time limit ended the search: best found, not proven optimal
@@ -134,11 +138,12 @@ def cmd_solve(args) -> int:
     from planner.frontier import frontier
     from planner.governor import CURVE_NEEDS_VALUE, governed_plan, read_heldout_curve
 
-    json_path = check_json_path(args.json) if args.json else None
+    json_path = check_json_path(args.json) if args.json is not None else None
     args.data_methods = check_data_methods(args.data_methods)
-    if args.heldout_curve and args.loss_value_device_hours_per_nat is None:
+    check_loss_value(args.loss_value_device_hours_per_nat)
+    if args.heldout_curve is not None and args.loss_value_device_hours_per_nat is None:
         raise TrainplanError(CURVE_NEEDS_VALUE)
-    curve = read_heldout_curve(args.heldout_curve) if args.heldout_curve else None
+    curve = read_heldout_curve(args.heldout_curve) if args.heldout_curve is not None else None
     fr = None
     try:
         opts = dict(seq_len=args.seq_len, data_tokens=args.data_tokens, time_limit_s=args.time_limit,
@@ -298,6 +303,7 @@ def cmd_demo(args) -> int:
     from planner.governor import governed_plan
 
     out = check_out_dir(args.out)  # the demo replaces its own earlier run
+    check_loss_value(args.loss_value_device_hours_per_nat)
     budget = (Budget(wall_clock_s=args.budget_seconds) if args.budget_seconds is not None
               else Budget(flops=args.budget_flops))
     tokens = count_corpus_tokens(vocab_size=8192)

@@ -178,7 +178,7 @@ class Plan:
             if not src.lstrip().startswith("{"):
                 src = Path(src).read_text()
             raw = json.loads(src)
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
             why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
             raise PlanMismatchError(f"cannot read plan {str(text_or_path)[:200]!r}: {why}; give a plan "
                                     "JSON file written by `trainplan solve --json`") from None

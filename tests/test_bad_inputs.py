@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 import planner.cli as cli
+from costmodels.heldout_curve import HeldoutCurve
 from executor.record import RunRecord
 from hardware_profiles.errors import (BudgetError, CaptureError, DataError, DeviceError,
                                       InfeasibleError, OutputPathError, PlanMismatchError,
@@ -56,6 +57,9 @@ def workdir(tmp_path_factory, cpu_profile) -> Path:
                        "plan_format_2.json": {"format": 2}}.items():
         (d / name).write_text(json.dumps(raw | edit))
     (d / "garbage.json").write_bytes(b"\xff\xfe\x00\x81 not a plan")
+    (d / "curve_neg.json").write_text(json.dumps(HeldoutCurve(
+        E=2.5, B=2.9, beta=0.17, gamma=-0.03, kappa=1.3, zeta=0.5, d_ref_tokens=1e5, u_ref_tokens=4e4,
+        tokens_per_step=1024.0, unique_tokens=4e4).to_dict()))
     (d / "small.txt").write_text("hello world\n")
     (d / "mid.txt").write_text(_words(300, 0))
     (d / "bad.txt").write_bytes(b"\xff\xfe bad bytes")
@@ -144,6 +148,12 @@ CLI_ROWS: dict[str, tuple[str, type, list[str]]] = {
     "curve-not-a-curve": (f"{TINY} --budget-seconds 60 --heldout-curve garbage.json "
                           "--loss-value-device-hours-per-nat 1", TrainplanError,
                           ["'garbage.json': not a held-out curve", "HeldoutCurve.to_dict()"]),
+    "curve-out-of-range": (f"{TINY} --budget-seconds 60 --heldout-curve curve_neg.json "
+                           "--loss-value-device-hours-per-nat 1", TrainplanError,
+                           ["'curve_neg.json': gamma=-0.03 is out of range (>= 0.0)", "HeldoutCurve.to_dict()"]),
+    "loss-value-zero": (f"{TINY} --budget-seconds 60 --loss-value-device-hours-per-nat 0", TrainplanError,
+                        ["--loss-value-device-hours-per-nat 0.0", "finite number > 0"]),
+    "json-empty": (f"{TINY} --budget-seconds 60 --json ''", OutputPathError, ["--json is empty"]),
     "curve-without-value": (f"{TINY} --budget-seconds 60 --heldout-curve garbage.json", TrainplanError,
                             ["--heldout-curve predicts the governor's stop",
                              "--loss-value-device-hours-per-nat V"]),
@@ -201,6 +211,7 @@ CLI_ROWS: dict[str, tuple[str, type, list[str]]] = {
                              ["sp_degree=3 x dp_degree=1 must equal devices=1"]),
     "plan-bits-not-whole": ("run plan_bits_float.json --out out", PlanMismatchError,
                             ["decisions.activation_bits=8.0", "32, 16 or 8"]),
+    "out-empty": ("run plan.json --out ''", OutputPathError, ["--out is empty", "give a folder path"]),
     "out-not-creatable": ("run plan.json --out /proc/no_such/run", OutputPathError,
                           ["--out '/proc/no_such/run': cannot create the folder", "writable place"]),
     "plan-params-edited": ("run plan_params.json --out out", PlanMismatchError,
