@@ -74,21 +74,10 @@ SIGNIFICANT = 0.01
 _DATA = {}
 
 
-def _reused(plan, run_dir: Path):
-    """The finished run's record in `run_dir` when it ran the same decisions, else None."""
-    from executor.record import RunRecord
-    from planner.plan import Plan
-
-    try:
-        old, rec = Plan.from_json(run_dir / "plan.json"), RunRecord.from_json(run_dir / "record.json")
-    except Exception:  # noqa: BLE001 -- anything unreadable means: run it again
-        return None
-    return rec if old.decisions == plan.decisions and rec.stop_reason == "budget" else None
-
-
 def _run(setting, steps: int, out: str, seed: int = 0, reuse: bool = False) -> dict:
     """One setting and seed run for real (in a worker process), or reused: its CSV row."""
     from executor.data import load_corpus
+    from _runs import reusable_record
     from executor.train import run
     from planner.api import plan_for_choice
 
@@ -101,7 +90,7 @@ def _run(setting, steps: int, out: str, seed: int = 0, reuse: bool = False) -> d
                            optimizer_bits=ob, activation_bits=ab, max_steps=steps,
                            vocab_size=data.vocab_size, seed=seed)
     run_dir = Path(out) / "runs" / f"{precision}_opt{ob}_act{ab}_seed{seed}"
-    rec = _reused(plan, run_dir) if reuse else None
+    rec = reusable_record(plan, run_dir) if reuse else None
     was_reused = rec is not None
     if rec is None:
         shutil.rmtree(run_dir, ignore_errors=True)

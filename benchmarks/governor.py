@@ -63,6 +63,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from _runs import reusable_record
 from costmodels.heldout_curve import fit_heldout_curve
 from executor.data import load_corpus
 from executor.governor import Governor, pilot_curve
@@ -106,18 +107,6 @@ def make_plan(cfg: dict, data_tokens: int):
                            data_fraction=cfg["data_fraction"], data_tokens=data_tokens, seed=SEED)
 
 
-def reused(plan, run_dir: Path):
-    """The finished run's record in `run_dir` when it ran the same decisions, else None."""
-    from planner.plan import Plan
-
-    try:
-        old, rec = Plan.from_json(run_dir / "plan.json"), RunRecord.from_json(run_dir / "record.json")
-    except Exception:  # noqa: BLE001 -- anything unreadable means: run it again
-        return None
-    done = rec.stop_reason in ("budget", "marginal_gain")
-    return rec if old.decisions == plan.decisions and done else None
-
-
 def run_job(plan_json: str, out: str, eval_every: int, governed: bool, threads: int) -> str:
     """One real run (in a worker process): the record as JSON text."""
     from executor.train import run
@@ -134,7 +123,7 @@ def run_job(plan_json: str, out: str, eval_every: int, governed: bool, threads: 
 
 def submit(pool, plan, run_dir: Path, eval_every: int, a, *, governed: bool):
     """A future of the record of `plan` run in `run_dir` (or the record, reused with --reuse)."""
-    rec = reused(plan, run_dir) if a.reuse else None
+    rec = reusable_record(plan, run_dir, ("budget", "marginal_gain")) if a.reuse else None
     if rec is not None:
         REUSED.append(run_dir.name)
         return rec

@@ -172,11 +172,42 @@ class HeldoutCurve:
 
     @classmethod
     def from_dict(cls, raw: dict) -> "HeldoutCurve":
-        """Inverse of `to_dict`."""
+        """Inverse of `to_dict`.
+
+        Raises: TrainplanError when a constant is not a real finite number or is outside the
+        fit's own bounds, a parameter name is unknown or the covariance has the wrong shape;
+        TypeError / ValueError when `raw` is not such a mapping (missing or unknown fields)."""
         kw = dict(raw)
         kw["param_names"] = tuple(kw.get("param_names", PARAMS))
         kw["cov"] = tuple(tuple(float(v) for v in r) for r in kw.get("cov", ()))
-        return cls(**kw)
+        curve = cls(**kw)
+        bad = _curve_problem(curve)
+        if bad:
+            raise TrainplanError(bad)
+        return curve
+
+
+def _curve_problem(c: "HeldoutCurve") -> str | None:
+    """What makes `c` unusable as eq. (1) (None when nothing): constants that are not real
+    finite numbers or out of the fit's own bounds (`fit_heldout_curve`), unknown parameter
+    names, a covariance of the wrong shape."""
+    ranges = {"E": (0.0, None), "B": (0.0, None), "beta": BETA_BOUNDS, "gamma": (0.0, None),
+              "kappa": KAPPA_BOUNDS, "zeta": ZETA_BOUNDS, "d_ref_tokens": (0.0, None),
+              "u_ref_tokens": (0.0, None), "tokens_per_step": (0.0, None), "noise_nats": (0.0, None),
+              "rms_nats": (0.0, None), "cooldown_gain_nats": (None, None)}
+    for name, (lo, hi) in ranges.items():
+        v = getattr(c, name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            return f"{name}={v!r} must be a finite number"
+        strict = name in ("d_ref_tokens", "u_ref_tokens", "tokens_per_step")
+        if (lo is not None and (v <= lo if strict else v < lo)) or (hi is not None and v > hi):
+            return f"{name}={v!r} is out of range ({'>' if strict else '>='} {lo}" + \
+                (f", <= {hi})" if hi is not None else ")")
+    if not set(c.param_names) <= set(PARAMS) or len(set(c.param_names)) != len(c.param_names):
+        return f"param_names={list(c.param_names)!r} must be distinct names of {list(PARAMS)}"
+    if c.cov and (len(c.cov) != len(c.param_names) or any(len(r) != len(c.param_names) for r in c.cov)):
+        return f"cov must be {len(c.param_names)} x {len(c.param_names)} (one row per name in param_names)"
+    return None
 
 
 def _model(theta, tokens, unique, d_ref, u_ref) -> np.ndarray:

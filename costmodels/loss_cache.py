@@ -39,14 +39,22 @@ def cache_root(cache_dir: str | Path | None = None) -> Path:
 
 def law_path(model: str, vocab_size: int, cache_dir: str | Path | None = None) -> Path:
     """Path of the local law for `model` (preset name) at `vocab_size` tokens:
-    `<cache root>/laws/<model>-v<vocab_size>.json` (characters other than letters, digits,
-    `.`, `_`, `-` in the model name become `_`)."""
+    `<cache root>/laws/<model>-v<vocab_size>.json` (`model_file`)."""
+    return model_file("laws", model, vocab_size, cache_dir)
+
+
+def model_file(kind: str, model: str, vocab_size: int, cache_dir: str | Path | None = None) -> Path:
+    """`<cache root>/<kind>/<model>-v<vocab_size>.json`: a per-(model, vocabulary) cache file
+    (characters other than letters, digits, `.`, `_`, `-` in the model name become `_`).
+
+    Raises: TrainplanError on an empty model name or a vocabulary size that is not a whole
+    number >= 1."""
     if not isinstance(model, str) or not model.strip():
         raise TrainplanError(f"model must be a non-empty name, got {model!r}")
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
         raise TrainplanError(f"vocab_size must be a positive whole number, got {vocab_size!r}")
     safe = re.sub(r"[^A-Za-z0-9._-]", "_", model.strip())
-    return cache_root(cache_dir) / "laws" / f"{safe}-v{vocab_size}.json"
+    return cache_root(cache_dir) / kind / f"{safe}-v{vocab_size}.json"
 
 
 def save_local_law(law: LossLaw, *, model: str, vocab_size: int, fit: dict[str, Any] | None = None,
@@ -103,5 +111,5 @@ def load_local_law(model: str, vocab_size: int, cache_dir: str | Path | None = N
         return None
 
 
-__all__ = ["LAW_CACHE_FORMAT", "cache_root", "law_path", "load_local_law",
+__all__ = ["LAW_CACHE_FORMAT", "cache_root", "law_path", "load_local_law", "model_file",
            "read_local_law_file", "save_local_law"]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 import warnings
 from pathlib import Path
 from typing import Iterable
@@ -29,14 +28,9 @@ def quality_path(model: str, vocab_size: int, cache_dir: str | Path | None = Non
     """`<cache root>/quality/<model>-v<vocab_size>.json` (the cache root as
     `costmodels.loss_cache.cache_root`; characters other than letters, digits, `.`, `_`, `-` in
     the model name become `_`)."""
-    from costmodels.loss_cache import cache_root
+    from costmodels.loss_cache import model_file
 
-    if not isinstance(model, str) or not model.strip():
-        raise TrainplanError(f"model must be a non-empty name, got {model!r}")
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
-        raise TrainplanError(f"vocab_size must be a positive whole number, got {vocab_size!r}")
-    safe = re.sub(r"[^A-Za-z0-9._-]", "_", model.strip())
-    return cache_root(cache_dir) / "quality" / f"{safe}-v{vocab_size}.json"
+    return model_file("quality", model, vocab_size, cache_dir)
 
 
 def save_quality_fits(fits: Iterable[QualityFit] | dict[str, QualityFit], *, model: str,

@@ -243,38 +243,12 @@ def read_heldout_curve(path) -> HeldoutCurve:
         curve = HeldoutCurve.from_dict(raw)
     except OSError as e:
         raise TrainplanError(f"{where}: cannot read it: {e.strerror}; {_CURVE_FILE}") from None
+    except TrainplanError as e:  # constants out of range (HeldoutCurve.from_dict)
+        raise TrainplanError(f"{where}: {e}; {_CURVE_FILE}") from None
     except (ValueError, TypeError, AttributeError, RecursionError) as e:
         raise TrainplanError(f"{where}: not a held-out curve: {str(e).splitlines()[0][:120]}; "
                              f"{_CURVE_FILE}") from None
-    bad = _curve_problem(curve)
-    if bad:
-        raise TrainplanError(f"{where}: {bad}; {_CURVE_FILE}")
     return curve
-
-
-def _curve_problem(c: HeldoutCurve) -> str | None:
-    """What makes `c` unusable as eq. (1) (None when nothing): constants that are not real
-    finite numbers or out of the fit's own bounds (`fit_heldout_curve`), unknown parameter
-    names, a covariance of the wrong shape."""
-    from costmodels.heldout_curve import BETA_BOUNDS, KAPPA_BOUNDS, PARAMS, ZETA_BOUNDS
-
-    ranges = {"E": (0.0, None), "B": (0.0, None), "beta": BETA_BOUNDS, "gamma": (0.0, None),
-              "kappa": KAPPA_BOUNDS, "zeta": ZETA_BOUNDS, "d_ref_tokens": (0.0, None),
-              "u_ref_tokens": (0.0, None), "tokens_per_step": (0.0, None), "noise_nats": (0.0, None),
-              "rms_nats": (0.0, None), "cooldown_gain_nats": (None, None)}
-    for name, (lo, hi) in ranges.items():
-        v = getattr(c, name)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            return f"{name}={v!r} must be a finite number"
-        strict = name in ("d_ref_tokens", "u_ref_tokens", "tokens_per_step")
-        if (lo is not None and (v <= lo if strict else v < lo)) or (hi is not None and v > hi):
-            return f"{name}={v!r} is out of range ({'>' if strict else '>='} {lo}" + \
-                (f", <= {hi})" if hi is not None else ")")
-    if not set(c.param_names) <= set(PARAMS) or len(set(c.param_names)) != len(c.param_names):
-        return f"param_names={list(c.param_names)!r} must be distinct names of {list(PARAMS)}"
-    if c.cov and (len(c.cov) != len(c.param_names) or any(len(r) != len(c.param_names) for r in c.cov)):
-        return f"cov must be {len(c.param_names)} x {len(c.param_names)} (one row per name in param_names)"
-    return None
 
 
 def governed_plan(plan: Plan, value_device_hours_per_nat: float | None,
