@@ -175,10 +175,17 @@ def predict_stop_from_law(law, *, n_params: float, tokens_per_step: float, thres
     return stop, final, loss_at(final) + offset_nats
 
 
-def simulated_stop_step(loss_at: Callable[[int], float], *, threshold_nats_per_step: float,
-                        max_steps: int, noise_nats: float, eval_every: int | None = None,
-                        warmup_steps: int = 0, runs: int = 16, seed: int = 0,
-                        **settings) -> tuple[int, list[int]]:
+def simulated_stop_step(loss_at: Callable[[int], float], **kw) -> tuple[int, list[int]]:
+    """`simulated_stops`' decisions: (the median decision, upper median for an even count; all
+    decisions, sorted), in steps done. Same arguments and errors as `simulated_stops`."""
+    decisions = sorted(d for d, _ in simulated_stops(loss_at, **kw))
+    return int(decisions[len(decisions) // 2]), decisions
+
+
+def simulated_stops(loss_at: Callable[[int], float], *, threshold_nats_per_step: float,
+                    max_steps: int, noise_nats: float, eval_every: int | None = None,
+                    warmup_steps: int = 0, runs: int = 16, seed: int = 0,
+                    **settings) -> list[tuple[int, int]]:
     """Where the governor is expected to decide to stop a run whose held-out loss follows
     `loss_at(steps done)` (nats/token), measured every `eval_every` steps (default
     `costmodels.stopping.default_eval_every`) with independent Gaussian noise of `noise_nats`:
@@ -195,8 +202,10 @@ def simulated_stop_step(loss_at: Callable[[int], float], *, threshold_nats_per_s
     run's decision scatters. A simulated run that never stops on marginal gain counts as
     `max_steps` (the budget binds). `settings`: other `Governor` fields (refit_every, ...).
 
-    Returns: (the median decision, upper median for an even count; all decisions, sorted), in
-    steps done.
+    Returns: one (decision, end) per simulated run, in steps done, sorted: the end is the
+    decision plus its cooldown, the decision itself when the governor ended the run at once
+    (held-out loss no longer falling, `Governor.skip_cooldown_when_rising`), `max_steps` when
+    the budget binds. `simulated_stop_step` gives the median decision.
     Raises: TrainplanError on a negative noise, fewer than 1 run or bad Governor settings.
     """
     from costmodels.stopping import Governor, default_eval_every
@@ -209,7 +218,7 @@ def simulated_stop_step(loss_at: Callable[[int], float], *, threshold_nats_per_s
     steps = np.arange(every, max_steps + 1, every)
     curve = np.array([float(loss_at(int(s))) for s in steps])
     rng = np.random.default_rng(seed)
-    decisions = []
+    out = []
     for _ in range(runs if noise_nats > 0 else 1):
         y = curve + rng.normal(0.0, noise_nats, steps.size) if noise_nats > 0 else curve
         gov = Governor(threshold_nats_per_step=threshold_nats_per_step, max_steps=max_steps,
@@ -217,10 +226,12 @@ def simulated_stop_step(loss_at: Callable[[int], float], *, threshold_nats_per_s
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
             dec = gov.replay(heldout_loss=list(zip(steps.tolist(), y.tolist())))
-        decisions.append(dec.cooldown_start if dec.reason == "marginal_gain" else max_steps)
-    decisions.sort()
-    return int(decisions[len(decisions) // 2]), decisions
+        if dec.reason == "marginal_gain":
+            out.append((int(dec.decided_at), int(dec.final_step)))
+        else:
+            out.append((max_steps, max_steps))
+    return sorted(out)
 
 
 __all__ = ["cooldown_steps", "governed_stop_step", "predict_stop_from_law", "predict_stop_step",
-           "predict_stop_step_from_curve", "simulated_stop_step", "threshold_from_value"]
+           "predict_stop_step_from_curve", "simulated_stop_step", "simulated_stops", "threshold_from_value"]

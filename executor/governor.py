@@ -142,8 +142,10 @@ class GovernedLoop:
             parts = [f"{name} {g[2]:.3g}" for name, g in (("fitted curve", dec.gain_per_step),
                                                           ("trend", dec.trend_per_step)) if g]
             what += (f": upper bound of the loss drop per step ({', '.join(parts)}) below the "
-                     f"threshold {self.gov.threshold_nats_per_step:.3g} nats/step; cooldown to "
-                     f"step {dec.final_step}")
+                     f"threshold {self.gov.threshold_nats_per_step:.3g} nats/step; " +
+                     (f"cooldown to step {dec.final_step}" if dec.cooldown_start is not None else
+                      "held-out loss no longer falling (trend's mean drop <= 0): ends at once, "
+                      "no cooldown"))
         if self.predicted_stop_step is not None:
             what += f"; the plan predicted a stop at step {self.predicted_stop_step}"
         return what

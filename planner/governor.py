@@ -40,7 +40,7 @@ from pathlib import Path
 from costmodels.heldout_curve import HeldoutCurve
 from costmodels.bits import bits_loss_penalty
 from costmodels.loss import LossLaw, learning_curve
-from costmodels.stop_prediction import (cooldown_steps, predict_stop_from_law, simulated_stop_step,
+from costmodels.stop_prediction import (cooldown_steps, predict_stop_from_law, simulated_stops,
                                         threshold_from_value)
 from hardware_profiles.errors import TrainplanError
 from planner.plan import Plan
@@ -170,12 +170,14 @@ def with_governor(plan: Plan, *, value_device_hours_per_nat: float | None = None
             rule = "where the law's mean drop per step crosses it"
         else:
             def simulate(max_steps: int):
-                return simulated_stop_step(loss_at, threshold_nats_per_step=thr, max_steps=max_steps,
-                                           noise_nats=noise, eval_every=eval_every,
-                                           warmup_steps=d.warmup_steps, runs=runs,
-                                           **(governor_settings or {}))
+                pairs = simulated_stops(loss_at, threshold_nats_per_step=thr, max_steps=max_steps,
+                                        noise_nats=noise, eval_every=eval_every,
+                                        warmup_steps=d.warmup_steps, runs=runs,
+                                        **(governor_settings or {}))
+                ends = sorted(e for _, e in pairs)
+                return pairs[len(pairs) // 2][0], [s for s, _ in pairs], ends[len(ends) // 2]
 
-            stop, sims = simulate(d.max_steps)
+            stop, sims, final = simulate(d.max_steps)
             if pick_budget and stop < d.max_steps:
                 budget = picked_budget(sims, d.max_steps)
                 if budget < d.max_steps:
@@ -183,15 +185,19 @@ def with_governor(plan: Plan, *, value_device_hours_per_nat: float | None = None
                             f"curve ({1 + BUDGET_MARGIN:g} x the end of the {BUDGET_QUANTILE:.0%} "
                             "simulated stop)")
                     d, p = _with_budget(d, p, budget, loss_at(budget) - gain + offset)
-                    stop, sims = simulate(budget)
-            final = d.max_steps if stop >= d.max_steps else stop + cooldown_steps(stop)
-            loss = loss_at(final) - gain + offset
+                    stop, sims, final = simulate(budget)
+            final = d.max_steps if stop >= d.max_steps else final
+            # the pilots' cooldown gain only when a cooldown runs (not on an end at once)
+            loss = loss_at(final) - (gain if final > stop or stop >= d.max_steps else 0.0) + offset
             rule = (f"the governor simulated over {what} with {noise:.3g} nats of evaluation "
                     f"noise ({len(sims)} runs: steps {sims[0]} to {sims[-1]})")
         if pick_budget and noise is None:
             how += "; budget kept (no curve to simulate the stop on: the law's crossing is a lower bound)"
         where = ("the budget binds first" if stop >= d.max_steps else
-                 f"predicted stop at step {stop} of {d.max_steps}, end of cooldown at {final}")
+                 f"predicted stop at step {stop} of {d.max_steps}, end of cooldown at {final}"
+                 if final > stop else
+                 f"predicted stop at step {stop} of {d.max_steps}, at once (held-out loss no longer "
+                 "falling: no cooldown)")
         notes.append(f"{GOVERNOR_NOTE}{how}; {where} ({rule})")
     else:
         notes.append(f"{GOVERNOR_NOTE}off")

@@ -130,7 +130,7 @@ def test_flat_curve_stops_on_marginal_gain_soon_after_min_points():
     dec = gov.replay(heldout_loss=flat)
     assert dec.reason == "marginal_gain"
     # the first fit needs 8 points at steps >= fit_from x steps: step 55; allow a few refits
-    assert dec.cooldown_start <= 150, dec.cooldown_start
+    assert dec.decided_at <= 150, dec.decided_at
     assert abs(dec.gain_per_step[0]) < 1e-4
 
 
@@ -143,8 +143,39 @@ def test_a_rising_heldout_loss_stops_on_the_trend():
     y = mean + rng.normal(0, 0.01, s.size)
     dec = governed(1e-5, max_steps=1000).replay(heldout_loss=list(zip(s.tolist(), y.tolist())))
     lowest = int(s[np.argmin(mean)])
-    assert dec.reason == "marginal_gain" and lowest < dec.cooldown_start < 1.6 * lowest, (lowest, dec)
+    assert dec.reason == "marginal_gain" and lowest < dec.decided_at < 1.6 * lowest, (lowest, dec)
     assert dec.trend_per_step[2] < 1e-5
+    # decided on a rising loss: no cooldown (it would anneal towards the repeated data), ends now
+    assert dec.trend_per_step[0] <= 0 and dec.cooldown_start is None
+    assert dec.end_now and dec.final_step == dec.decided_at
+
+
+def u_shaped(max_steps=1000, seed=2):
+    """Held-out losses that fall to a minimum near step 470 and rise after (overfitting)."""
+    s = np.arange(EVERY, max_steps + 1, EVERY)
+    mean = law_loss(s, **LAW) + 2e-6 * np.maximum(s - 300, 0) ** 2
+    y = mean + np.random.default_rng(seed).normal(0, 0.01, s.size)
+    return list(zip(s.tolist(), y.tolist()))
+
+
+def test_a_stop_on_a_falling_loss_cools_down_and_one_on_a_rising_loss_does_not():
+    # 3e-3 nats/step is reached on the way down: the trend still falls, the cooldown runs
+    falling = governed(3e-3, max_steps=1000)
+    dec = falling.replay(heldout_loss=u_shaped())
+    assert dec.reason == "marginal_gain" and dec.trend_per_step[0] > 0
+    assert dec.cooldown_start == dec.decided_at and dec.final_step == dec.decided_at + math.ceil(dec.decided_at / 4)
+    assert not falling.summary()["cooldown_skipped"]
+    # 1e-5 is reached only once the loss rises: ends at once ...
+    rising = governed(1e-5, max_steps=1000)
+    dec = rising.replay(heldout_loss=u_shaped())
+    assert dec.final_step == dec.decided_at and rising.summary()["cooldown_skipped"]
+    assert rising.lr_multiplier(dec.decided_at - 1) == 1.0  # no decay before the end
+    # ... unless told to cool down anyway (the same decision step, a cooldown after it)
+    always = governed(1e-5, max_steps=1000, skip_cooldown_when_rising=False)
+    dec2 = always.replay(heldout_loss=u_shaped())
+    assert dec2.decided_at == dec.decided_at and dec2.final_step == dec.decided_at + math.ceil(dec.decided_at / 4)
+    with pytest.raises(TrainplanError, match="skip_cooldown_when_rising"):
+        governed(1e-5, skip_cooldown_when_rising="yes")
 
 
 def test_nan_train_loss_stops_at_once():

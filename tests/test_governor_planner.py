@@ -240,14 +240,16 @@ def test_the_plan_predicts_where_the_governor_stops_a_run_that_overfits(overfit_
                          governor_settings=settings, runs=5)
     p = plan.predictions
     assert "pilots' held-out curve" in plan.notes[-1] and p.predicted_stop_step < 400, plan.notes[-1]
-    assert p.predicted_end_step == p.predicted_stop_step + math.ceil(p.predicted_stop_step / 4)
+    # a cooldown, or none when the simulated stops fall where the loss rises (the run ends at once)
+    assert p.predicted_end_step in (p.predicted_stop_step,
+                                    p.predicted_stop_step + math.ceil(p.predicted_stop_step / 4))
     assert p.predicted_end_loss == pytest.approx(float(TRUE.loss_at(p.predicted_end_step)), abs=0.03)
     s = np.arange(10, 401, 10)
     decided = []
     for seed in range(3):
         y = TRUE.loss_at(s) + np.random.default_rng(100 + seed).normal(0.0, fit.noise_nats, s.size)
         dec = Governor.for_plan(plan, **settings).replay(heldout_loss=list(zip(s.tolist(), y.tolist())))
-        decided.append(dec.cooldown_start if dec.reason == "marginal_gain" else 400)
+        decided.append(dec.decided_at if dec.reason == "marginal_gain" else 400)
     actual = float(np.median(decided))
     assert abs(p.predicted_stop_step - actual) <= 0.15 * actual, (p.predicted_stop_step, decided)
     if thr <= 3e-4:  # where the stop is set by the rise, which a curve without a penalty lacks
