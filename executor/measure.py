@@ -4,6 +4,8 @@ wall time), held-out loss, per-rank values gathered to every rank, and the progr
 
 from __future__ import annotations
 
+import math
+import sys
 import time
 
 import torch
@@ -123,10 +125,58 @@ def device_name(dev: torch.device) -> str:
     return str(dev)
 
 
-def progress_bar(total: int, enabled: bool, initial: int = 0):
-    """A tqdm bar on stderr; off when not `enabled` or when stderr is not a terminal (logs and
-    captured output stay free of carriage-return noise)."""
+def progress_bar(total: int, enabled: bool, initial: int = 0, file=None):
+    """The training progress on `file` (default stderr): a tqdm bar when it is a terminal; when
+    it is not (a log file, a pipe, CI), a plain line now and then (`LogProgress`), so that logs
+    show signs of life without carriage-return noise (tqdm redraws its line with carriage
+    returns on any stream); nothing at all when not `enabled`."""
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, initial=initial, disable=None if enabled else True, desc="train",
-                unit="step", leave=False)
+    stream = file if file is not None else sys.stderr
+    if enabled and not _is_tty(stream):
+        return LogProgress(total, initial=initial, file=stream)
+    return tqdm(total=total, initial=initial, disable=not enabled, desc="train", unit="step",
+                leave=False, file=stream)
+
+
+def _is_tty(stream) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
+
+
+class LogProgress:
+    """The progress bar's stand-in on a stream that is not a terminal: one line per ~10% of the
+    steps or per `every_s` seconds, whichever comes first, and one at the end if the last line
+    was not already there, e.g. `train: step 30/300 (10%), loss 3.412, 12.3 s`. The calls are
+    the tqdm bar's it replaces; a postfix is shown from the next line on, so set it before
+    `update` (as with tqdm's `set_postfix(..., refresh=False)`)."""
+
+    def __init__(self, total: int, *, initial: int = 0, file, every_s: float = 30.0,
+                 fraction: float = 0.1, desc: str = "train"):
+        self.total, self.n, self.file, self.desc = total, initial, file, desc
+        self.every_s, self.step_every = every_s, max(1, math.ceil(total * fraction))
+        self.postfix: dict[str, str] = {}
+        self.t0 = self.t_last = time.perf_counter()
+        self.n_last = initial
+
+    def set_postfix(self, refresh: bool = True, **kw) -> None:
+        self.postfix = {k: str(v) for k, v in kw.items()}
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        now = time.perf_counter()
+        if self.n // self.step_every > self.n_last // self.step_every or now - self.t_last >= self.every_s:
+            self._line(now)
+
+    def close(self) -> None:
+        if self.n != self.n_last:
+            self._line(time.perf_counter())
+
+    def _line(self, now: float) -> None:
+        self.t_last, self.n_last = now, self.n
+        pct = f" ({100 * self.n / self.total:.0f}%)" if self.total else ""
+        extra = "".join(f", {k} {v}" for k, v in self.postfix.items())
+        print(f"{self.desc}: step {self.n}/{self.total}{pct}{extra}, {now - self.t0:.1f} s",
+              file=self.file, flush=True)

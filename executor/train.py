@@ -297,8 +297,8 @@ def run(plan: Plan, model: nn.Module | None = None, data: TokenCorpus | None = N
             rec.steps = step + 1
             rec.tokens = rec.steps * d.micro_batch * d.seq_len * d.dp_degree
             rec.train_loss.append((step, loss))
+            bar.set_postfix(loss=f"{loss:.3f}", refresh=False)  # shown by the update
             bar.update(1)
-            bar.set_postfix(loss=f"{loss:.3f}")
             if stop_after_steps is not None and rec.steps >= stop_after_steps:
                 stop["reason"], stop["by"] = "interrupted", f"stop_after_steps={stop_after_steps}"
             if not math.isfinite(loss):
@@ -310,6 +310,9 @@ def run(plan: Plan, model: nn.Module | None = None, data: TokenCorpus | None = N
                 if rank == 0:
                     rec.to_json(out / "record.json")
             if gov.on and (reason := gov.after_step(rec)):
+                if reason == "marginal_gain" and (not rec.heldout_loss or rec.heldout_loss[-1][0] != rec.steps):
+                    # ended at once (no cooldown) between evaluations: the final loss at the stop
+                    rec.heldout_loss.append((rec.steps, rec.tokens, heldout_loss(model, held, forward_loss)))
                 stop["reason"] = reason
                 break
             if checkpoint_every and rec.steps % checkpoint_every == 0 and rec.steps < d.max_steps:

@@ -116,7 +116,9 @@ def _spy_main(argv: list[str], monkeypatch) -> tuple[int, BaseException | None]:
 
 
 def one_error_line(err: str) -> str:
-    lines = [ln for ln in err.splitlines() if ln.strip()]
+    """The one error line of `err`, less the training progress lines a run prints before it
+    (`executor.measure.LogProgress`: stderr is not a terminal here)."""
+    lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith("train: step ")]
     assert "Traceback" not in err, err
     assert len(lines) == 1, f"expected one stderr line, got {len(lines)}:\n{err}"
     assert lines[0].startswith("trainplan: error: "), lines[0]

@@ -125,6 +125,17 @@ def test_report_writes_four_files(ran, plan, tmp_path):
 # ---------------------------------------------------------------- does the plan fit here
 
 
+def test_run_prints_progress_lines_when_stderr_is_not_a_terminal(plan, corpus, tmp_path, capsys,
+                                                                   torch_threads):
+    # under capsys stderr is not a terminal, as in a log file or CI: plain lines, no tqdm bar
+    with torch_threads(1):
+        run(plan, data=corpus, out=tmp_path, device="cpu", progress=True, checkpoint_every=0)
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("train: step ")]
+    assert "\r" not in err and len(lines) == STEPS, err
+    assert lines[-1].startswith(f"train: step {STEPS}/{STEPS} (100%), loss ") and lines[-1].endswith(" s")
+
+
 def test_run_refuses_a_plan_whose_memory_exceeds_this_machine(plan, corpus, tmp_path):
     """Checked before the model is built: one typed error naming both numbers and the fix."""
     from executor.fit_check import PlanDoesNotFitError, available_ram_bytes
