@@ -386,6 +386,43 @@ def test_a_governed_run_ends_with_a_complete_record_and_checkpoint(tmp_path, tin
     assert "governed end step" in html
 
 
+class _Rising(Governor):
+    """A governor that sees a held-out loss no longer falling whenever it decides (a real tiny
+    run does not overfit within 40 steps), and may stop from step `from_step` on only."""
+
+    rising = property(lambda self: self.skip_cooldown_when_rising)
+    from_step = 17
+
+    def decide(self, steps):
+        self.threshold_nats_per_step = 1.0 if steps >= self.from_step else 0.0
+        return super().decide(steps)
+
+
+def test_a_governed_run_that_ends_at_once_measures_its_loss_and_checkpoints(tmp_path, tiny_run):
+    """A stop decided on a held-out loss that no longer falls ends the real run at once, between
+    two evaluations (every 3 steps, refits every 2): no cooldown, the held-out loss measured at
+    the stop all the same, a complete record and a checkpoint at the final step."""
+    from executor.checkpoint import latest_checkpoint
+    from executor.record import RunRecord
+
+    gov = _Rising(threshold_nats_per_step=1.0, max_steps=40, warmup_steps=4, refit_every=2, min_points=4)
+    # first fit at an evaluation (step 15), the next ones every 2 steps: it decides at step 17
+    rec = tiny_run("at-once", governor=gov, eval_every=3)
+    dec = gov.decide(rec.steps)
+    assert rec.stop_reason == "marginal_gain" and dec.cooldown_start is None, (rec.stop_reason, rec.notes)
+    assert rec.steps == dec.decided_at == dec.final_step < 40
+    assert rec.steps % 3 != 0  # decided between evaluations: the loop measured the loss at the stop
+    assert gov.lr_multiplier(rec.steps - 1) == 1.0  # no decay was run
+    assert rec.heldout_loss[-1][0] == rec.steps and rec.final_heldout_loss == rec.heldout_loss[-1][-1]
+    assert [s for s, _ in rec.train_loss] == list(range(rec.steps))
+    assert any("ends at once, no cooldown" in n for n in rec.notes), rec.notes
+    assert RunRecord.from_json(tmp_path / "at-once" / "record.json") == rec
+    summary = json.loads((tmp_path / "at-once" / "governor.json").read_text())
+    assert summary["cooldown_skipped"] and summary["final_step"] == rec.steps
+    ckpt = latest_checkpoint(tmp_path / "at-once")
+    assert ckpt is not None and ckpt.name == f"step-{rec.steps:06d}", ckpt
+
+
 def test_the_plan_threshold_governs_and_an_interrupted_governed_run_resumes_to_the_same_stop(tiny_run):
     """The plan's threshold alone turns the governor on (defaults: evaluations every step of the
     40-step budget, first fit once 8 exist). Interrupted during its cooldown and resumed, the run
