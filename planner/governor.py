@@ -54,8 +54,8 @@ BUDGET_QUANTILE = 0.9
 """`pick_budget`: the simulated decision this far up the sorted series sets the budget."""
 BUDGET_MARGIN = 0.25
 """`pick_budget`: the budget is (1 + this) x the end (stop + cooldown) of that decision. The
-largest stop-step error `benchmarks/governor.py` measured (seeds 2 and 3, eight governed runs)
-was 16.7%, and the simulated series scatter less than real runs do; 25% covers both with room."""
+largest stop-step error `benchmarks/governor.py` measured (seeds 2 to 7, 24 governed runs) was
+20.0%, and the simulated series scatter less than real runs do; 25% covers both."""
 
 
 def plan_law(plan: Plan, cache_dir=None) -> LossLaw:
