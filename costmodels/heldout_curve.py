@@ -187,6 +187,12 @@ class HeldoutCurve:
         return curve
 
 
+COOLDOWN_GAIN_MAX_NATS = 1.0
+"""Largest cooldown gain (either sign) a curve file may carry, nats: the pilots of
+`benchmarks/governor.py` measured 0.07-0.15 nats on tiny-llama; ten times that is no pilot fit
+(a gain of 1e9 once gave a predicted loss of -1e9)."""
+
+
 def _curve_problem(c: "HeldoutCurve") -> str | None:
     """What makes `c` unusable as eq. (1) (None when nothing): constants that are not real
     finite numbers or out of the fit's own bounds (`fit_heldout_curve`), unknown parameter
@@ -194,15 +200,16 @@ def _curve_problem(c: "HeldoutCurve") -> str | None:
     ranges = {"E": (0.0, None), "B": (0.0, None), "beta": BETA_BOUNDS, "gamma": (0.0, None),
               "kappa": KAPPA_BOUNDS, "zeta": ZETA_BOUNDS, "d_ref_tokens": (0.0, None),
               "u_ref_tokens": (0.0, None), "tokens_per_step": (0.0, None), "noise_nats": (0.0, None),
-              "rms_nats": (0.0, None), "cooldown_gain_nats": (None, None)}
+              "rms_nats": (0.0, None), "cooldown_gain_nats": (-COOLDOWN_GAIN_MAX_NATS, COOLDOWN_GAIN_MAX_NATS)}
     for name, (lo, hi) in ranges.items():
         v = getattr(c, name)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
             return f"{name}={v!r} must be a finite number"
         strict = name in ("d_ref_tokens", "u_ref_tokens", "tokens_per_step")
         if (lo is not None and (v <= lo if strict else v < lo)) or (hi is not None and v > hi):
-            return f"{name}={v!r} is out of range ({'>' if strict else '>='} {lo}" + \
-                (f", <= {hi})" if hi is not None else ")")
+            valid = ([f"{'>' if strict else '>='} {lo}"] if lo is not None else []) + \
+                ([f"<= {hi}"] if hi is not None else [])
+            return f"{name}={v!r} is out of range ({', '.join(valid)})"
     if not set(c.param_names) <= set(PARAMS) or len(set(c.param_names)) != len(c.param_names):
         return f"param_names={list(c.param_names)!r} must be distinct names of {list(PARAMS)}"
     if c.cov and (len(c.cov) != len(c.param_names) or any(len(r) != len(c.param_names) for r in c.cov)):

@@ -139,8 +139,15 @@ def check_plan(plan, path: str | Path) -> None:
     """
     import math
 
-    d = plan.decisions
+    d, p = plan.decisions, plan.predictions
+
+    def number(v) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+    mem = p.memory_bytes
     checks = [
+        ("model", plan.model, isinstance(plan.model, str) and bool(plan.model.strip()), "a model name"),
+        ("data_tokens", plan.data_tokens, _whole(plan.data_tokens, 1), "a whole number >= 1"),
         ("model_n_params", plan.model_n_params, _whole(plan.model_n_params, 1), "a whole number >= 1"),
         ("model_n_layers", plan.model_n_layers, _whole(plan.model_n_layers, 1), "a whole number >= 1"),
         ("vocab_size", plan.vocab_size, _whole(plan.vocab_size, 1), "a whole number >= 1"),
@@ -168,6 +175,14 @@ def check_plan(plan, path: str | Path) -> None:
          _whole(d.selection_every_steps, 0), "a whole number >= 0"),
         ("decisions.lr", d.lr, isinstance(d.lr, (int, float)) and math.isfinite(d.lr) and d.lr > 0,
          "a positive finite number"),
+        ("decisions.governor_threshold", d.governor_threshold,
+         number(d.governor_threshold) and d.governor_threshold >= 0,
+         "a finite number >= 0 (nats/step; 0: no governor)"),
+        ("predictions.memory_bytes", mem, isinstance(mem, dict) and "total" in mem
+         and all(number(v) and v >= 0 for v in mem.values()),
+         "bytes by category, each a finite number >= 0, with a total"),
+        ("predictions.step_time_s", p.step_time_s, number(p.step_time_s) and p.step_time_s > 0,
+         "a positive finite number of seconds"),
     ]
     for name, value, ok, valid in checks:
         if not ok:
@@ -176,6 +191,9 @@ def check_plan(plan, path: str | Path) -> None:
     relations = [
         (d.sp_degree * d.dp_degree == d.devices,
          f"sp_degree={d.sp_degree} x dp_degree={d.dp_degree} must equal devices={d.devices}"),
+        (d.warmup_steps <= d.max_steps,
+         f"warmup_steps={d.warmup_steps} must be at most max_steps={d.max_steps} (a solved plan warms "
+         "up over a tenth of its steps, at most 20)"),
         (d.seq_len % d.sp_degree == 0,
          f"sp_degree={d.sp_degree} must divide seq_len={d.seq_len}"),
         (len(d.checkpoint) == plan.model_n_layers and all(isinstance(c, str) for c in d.checkpoint),

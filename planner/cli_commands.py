@@ -64,9 +64,16 @@ def _print_plan(plan) -> None:
     print(f"  run: {p.total_tokens:,} tokens, {p.device_hours:.4g} device-hours, predicted final loss "
           f"{p.final_loss:.3f} nats")
     if d.governor_threshold > 0 and p.predicted_stop_step is not None:
-        print(f"  governor: stop below {d.governor_threshold:.3g} nats/step of loss drop; predicted "
-              f"stop at step {p.predicted_stop_step:,} of {d.max_steps:,}, end at "
-              f"{p.predicted_end_step:,} with loss {p.predicted_end_loss:.3f} nats")
+        if p.predicted_stop_step >= d.max_steps:
+            when = f"the budget binds first ({d.max_steps:,} steps)"
+        elif p.predicted_end_step > p.predicted_stop_step:
+            when = (f"predicted stop at step {p.predicted_stop_step:,} of {d.max_steps:,}, cooldown to "
+                    f"{p.predicted_end_step:,}")
+        else:
+            when = (f"predicted stop at step {p.predicted_stop_step:,} of {d.max_steps:,}, at once "
+                    "(held-out loss no longer falling)")
+        print(f"  governor: stop below {d.governor_threshold:.3g} nats/step of loss drop; {when}; "
+              f"end loss {p.predicted_end_loss:.3f} nats")
         picked = next((n for n in plan.notes if "picked from the curve" in n), None)
         if picked:
             print("  budget: " + picked[picked.index("budget ") + len("budget "):].split(";")[0])
@@ -178,6 +185,10 @@ def _corpus_for(plan, data_paths, progress: bool):
     """The corpus (default: Shakespeare) tokenized for `plan`, checked to feed it."""
     from executor.data import check_corpus_for_plan, load_corpus
 
+    if data_paths and any(not str(d).strip() for d in data_paths):
+        raise TrainplanError(f"--data {' '.join(map(repr, data_paths))} has an empty path (it would read "
+                             "the current folder); give .txt/.jsonl files or folders, or leave --data "
+                             "out for the default corpus")
     data = load_corpus(data_paths or None, vocab_size=plan.vocab_size, progress=progress)
     check_corpus_for_plan(data, seq_len=plan.decisions.seq_len, vocab_size=plan.vocab_size)
     return data
@@ -231,6 +242,8 @@ def cmd_run(args) -> int:
     from planner.plan import Plan
 
     check_device(args.device)
+    if args.plan is not None and not str(args.plan).strip():
+        raise TrainplanError("PLAN is empty; give a plan JSON file written by `trainplan solve --json`")
     out = check_out_dir(args.out, resume=args.resume, overwrite=args.overwrite)
     if args.plan is None and not args.resume:
         raise TrainplanError("give a PLAN to run, or --resume to continue the run in --out")

@@ -54,12 +54,18 @@ def workdir(tmp_path_factory, cpu_profile) -> Path:
                        "plan_bad_field.json": {"decisions": raw["decisions"] | {"seq_len": "abc"}},
                        "plan_bad_sp.json": {"decisions": raw["decisions"] | {"sp_degree": 3}},
                        "plan_bits_float.json": {"decisions": raw["decisions"] | {"activation_bits": 8.0}},
+                       "plan_gov_str.json": {"decisions": raw["decisions"] | {"governor_threshold": "x"}},
+                       "plan_warmup.json": {"decisions": raw["decisions"] | {"warmup_steps": 1000}},
+                       "plan_step_time.json": {"predictions": raw["predictions"] | {"step_time_s": -1}},
                        "plan_format_2.json": {"format": 2}}.items():
         (d / name).write_text(json.dumps(raw | edit))
     (d / "garbage.json").write_bytes(b"\xff\xfe\x00\x81 not a plan")
     (d / "curve_neg.json").write_text(json.dumps(HeldoutCurve(
         E=2.5, B=2.9, beta=0.17, gamma=-0.03, kappa=1.3, zeta=0.5, d_ref_tokens=1e5, u_ref_tokens=4e4,
         tokens_per_step=1024.0, unique_tokens=4e4).to_dict()))
+    (d / "curve_gain.json").write_text(json.dumps(HeldoutCurve(
+        E=2.5, B=2.9, beta=0.17, gamma=0.03, kappa=1.3, zeta=0.5, d_ref_tokens=1e5, u_ref_tokens=4e4,
+        tokens_per_step=1024.0, unique_tokens=4e4, cooldown_gain_nats=1e9).to_dict()))
     (d / "small.txt").write_text("hello world\n")
     (d / "mid.txt").write_text(_words(300, 0))
     (d / "bad.txt").write_bytes(b"\xff\xfe bad bytes")
@@ -150,6 +156,9 @@ CLI_ROWS: dict[str, tuple[str, type, list[str]]] = {
     "curve-not-a-curve": (f"{TINY} --budget-seconds 60 --heldout-curve garbage.json "
                           "--loss-value-device-hours-per-nat 1", TrainplanError,
                           ["'garbage.json': not a held-out curve", "HeldoutCurve.to_dict()"]),
+    "curve-gain-out-of-range": (f"{TINY} --budget-seconds 60 --heldout-curve curve_gain.json "
+                                "--loss-value-device-hours-per-nat 1", TrainplanError,
+                                ["cooldown_gain_nats=1000000000.0 is out of range (>= -1.0, <= 1.0)"]),
     "curve-out-of-range": (f"{TINY} --budget-seconds 60 --heldout-curve curve_neg.json "
                            "--loss-value-device-hours-per-nat 1", TrainplanError,
                            ["'curve_neg.json': gamma=-0.03 is out of range (>= 0.0)", "HeldoutCurve.to_dict()"]),
@@ -213,6 +222,15 @@ CLI_ROWS: dict[str, tuple[str, type, list[str]]] = {
                              ["sp_degree=3 x dp_degree=1 must equal devices=1"]),
     "plan-bits-not-whole": ("run plan_bits_float.json --out out", PlanMismatchError,
                             ["decisions.activation_bits=8.0", "32, 16 or 8"]),
+    "plan-governor-not-a-number": ("run plan_gov_str.json --out out", PlanMismatchError,
+                                   ["decisions.governor_threshold='x'", "finite number >= 0"]),
+    "plan-warmup-past-budget": ("run plan_warmup.json --out out", PlanMismatchError,
+                                ["warmup_steps=1000 must be at most max_steps=2"]),
+    "plan-step-time-negative": ("run plan_step_time.json --out out", PlanMismatchError,
+                                ["predictions.step_time_s=-1", "positive finite number of seconds"]),
+    "plan-path-empty": ("run '' --out out", TrainplanError, ["PLAN is empty", "trainplan solve --json"]),
+    "data-empty-path": ("run plan.json --out out --data ''", TrainplanError,
+                        ["--data '' has an empty path", "leave --data out"]),
     "out-empty": ("run plan.json --out ''", OutputPathError, ["--out is empty", "give a folder path"]),
     "out-not-creatable": ("run plan.json --out /proc/no_such/run", OutputPathError,
                           ["--out '/proc/no_such/run': cannot create the folder", "writable place"]),
