@@ -191,6 +191,10 @@ def check_plan(plan, path: str | Path) -> None:
     relations = [
         (d.sp_degree * d.dp_degree == d.devices,
          f"sp_degree={d.sp_degree} x dp_degree={d.dp_degree} must equal devices={d.devices}"),
+        (p.tokens_per_step == d.micro_batch * d.seq_len * d.dp_degree,
+         f"predictions.tokens_per_step={p.tokens_per_step!r} is not micro_batch={d.micro_batch} x "
+         f"seq_len={d.seq_len} x dp_degree={d.dp_degree}: the decisions were edited after the "
+         "predictions (memory and time) were made"),
         (d.warmup_steps <= d.max_steps,
          f"warmup_steps={d.warmup_steps} must be at most max_steps={d.max_steps} (a solved plan warms "
          "up over a tenth of its steps, at most 20)"),

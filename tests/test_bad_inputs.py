@@ -56,6 +56,7 @@ def workdir(tmp_path_factory, cpu_profile) -> Path:
                        "plan_bits_float.json": {"decisions": raw["decisions"] | {"activation_bits": 8.0}},
                        "plan_gov_str.json": {"decisions": raw["decisions"] | {"governor_threshold": "x"}},
                        "plan_warmup.json": {"decisions": raw["decisions"] | {"warmup_steps": 1000}},
+                       "plan_mb_edited.json": {"decisions": raw["decisions"] | {"micro_batch": 100000}},
                        "plan_step_time.json": {"predictions": raw["predictions"] | {"step_time_s": -1}},
                        "plan_format_2.json": {"format": 2}}.items():
         (d / name).write_text(json.dumps(raw | edit))
@@ -226,6 +227,9 @@ CLI_ROWS: dict[str, tuple[str, type, list[str]]] = {
                                    ["decisions.governor_threshold='x'", "finite number >= 0"]),
     "plan-warmup-past-budget": ("run plan_warmup.json --out out", PlanMismatchError,
                                 ["warmup_steps=1000 must be at most max_steps=2"]),
+    "plan-decisions-edited": ("run plan_mb_edited.json --out out", PlanMismatchError,
+                              ["predictions.tokens_per_step=128 is not micro_batch=100000",
+                               "edited after the predictions"]),
     "plan-step-time-negative": ("run plan_step_time.json --out out", PlanMismatchError,
                                 ["predictions.step_time_s=-1", "positive finite number of seconds"]),
     "plan-path-empty": ("run '' --out out", TrainplanError, ["PLAN is empty", "trainplan solve --json"]),
