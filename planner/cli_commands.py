@@ -229,7 +229,9 @@ def _report_run(plan, record, out: Path) -> int:
           f"sp_degree={d.sp_degree} zero_stage={d.zero_stage}")
     print(format_table(compare(plan, record)))
     print(f"stopped: {record.stop_reason} after {record.steps} steps ({record.wall_s:.0f} s)")
-    print(f"files in {files['html'].parent}: {', '.join(p.name for p in files.values())}")
+    folder = files["html"].parent  # the report's files, and the run's own (plan, record, checkpoint/, ...)
+    names = sorted(p.name + ("/" if p.is_dir() else "") for p in folder.iterdir() if not p.name.endswith(".tmp"))
+    print(f"files in {folder}: {', '.join(names)}")
     print(f"report: {files['html']} (self-contained HTML: open it in a browser)")
     return 0
 
