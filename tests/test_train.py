@@ -46,7 +46,9 @@ def corpus(corpus_path):
 def _capped(plan: Plan, steps: int, **decisions) -> Plan:
     d = dataclasses.replace(plan.decisions, max_steps=steps, warmup_steps=2, **decisions)
     d = dataclasses.replace(d, max_tokens=steps * d.micro_batch * d.seq_len * d.dp_degree)
-    return dataclasses.replace(plan, decisions=d)
+    # the tokens a step takes follow the edited layout (`trainplan run` checks they agree)
+    p = dataclasses.replace(plan.predictions, tokens_per_step=d.micro_batch * d.seq_len * d.dp_degree)
+    return dataclasses.replace(plan, decisions=d, predictions=p)
 
 
 @pytest.fixture(scope="module")
