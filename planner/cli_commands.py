@@ -146,6 +146,11 @@ def cmd_solve(args) -> int:
     from planner.governor import CURVE_NEEDS_VALUE, governed_plan, read_heldout_curve
 
     json_path = check_json_path(args.json) if args.json is not None else None
+    if args.frontier_out is not None:
+        if not args.frontier:
+            raise TrainplanError(f"--frontier-out {args.frontier_out!r} is for --frontier; add --frontier "
+                                 "or leave --frontier-out out")
+        check_out_dir(args.frontier_out, option="--frontier-out")
     args.data_methods = check_data_methods(args.data_methods)
     check_loss_value(args.loss_value_device_hours_per_nat)
     if args.heldout_curve is not None and args.loss_value_device_hours_per_nat is None:
@@ -288,9 +293,12 @@ def cmd_report(args) -> int:
     from executor.html_report import compare_runs, summary_line, verdict_frame
     from executor.report import compare, format_table, load_run, report
 
-    if args.out:
-        check_out_dir(args.out)
+    if args.out is not None:
+        check_out_dir(args.out)  # an empty --out is refused, not taken for the default
     for run_dir in args.run_dirs:
+        if not str(run_dir).strip():
+            raise TrainplanError("a run folder is empty (''); pass the --out folder of `trainplan run` "
+                                 "or `trainplan demo`")
         if not Path(run_dir).is_dir():
             raise TrainplanError(f"run folder {run_dir!r} does not exist or is not a folder; pass the "
                                  "--out folder of `trainplan run` or `trainplan demo`")
@@ -350,6 +358,9 @@ def cmd_profiles(args) -> int:
 def cmd_calibrate(args) -> int:
     from executor.calibrate import calibrate
 
+    if any(not str(d).strip() for d in args.run_dirs):
+        raise TrainplanError("a run folder is empty (''); pass finished run folders (the --out of "
+                             "`trainplan run`)")
     calibrate(args.run_dirs)
     return 0
 
