@@ -69,6 +69,13 @@ def check_fits(plan: Plan, dev: torch.device, *, in_worker: bool = False) -> Non
     """
     d = plan.decisions
     n = d.devices
+    tps = d.micro_batch * d.seq_len * d.dp_degree
+    if plan.predictions.tokens_per_step != tps:  # the memory checked below is the plan's prediction
+        raise PlanMismatchError(
+            f"plan's predictions are for {plan.predictions.tokens_per_step} tokens per step but its "
+            f"decisions take micro_batch={d.micro_batch} x seq_len={d.seq_len} x dp_degree={d.dp_degree}"
+            f" = {tps}: the decisions were edited after the predictions (memory, time) were made; "
+            "solve again (or planner.api.plan_for_choice) for the edited layout")
     need = float(plan.predictions.memory_bytes.get("total", 0.0) or 0.0)
     if dev.type == "cpu":
         if in_worker:

@@ -160,8 +160,7 @@ def test_launch_refuses_more_processes_than_this_machine_can_host(plan, tmp_path
 
     monkeypatch.setattr(fit.os, "cpu_count", lambda: 1)
     n = fit.CPU_PROCESSES_PER_CORE + 1
-    d = dataclasses.replace(plan.decisions, devices=n, dp_degree=n, sp_degree=1)
-    dataclasses.replace(plan, decisions=d).to_json(tmp_path / "plan.json")
+    _capped(plan, plan.decisions.max_steps, devices=n, dp_degree=n, sp_degree=1).to_json(tmp_path / "plan.json")
     monkeypatch.setattr(worker, "run_torchrun", lambda *a, **k: pytest.fail("torchrun started"))
     with pytest.raises(PlanDoesNotFitError, match=rf"plan runs {n} processes .* 1 CPU core"):
         worker.launch(tmp_path / "plan.json", tmp_path / "run", None, "cpu")
@@ -181,7 +180,7 @@ def test_fit_check_on_cuda_counts_devices_and_each_ranks_free_memory(plan, monke
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     mem = dict(plan.predictions.memory_bytes, total=2.0 * gib)
     big = dataclasses.replace(plan, predictions=dataclasses.replace(plan.predictions, memory_bytes=mem))
-    two = dataclasses.replace(big, decisions=dataclasses.replace(big.decisions, devices=2, dp_degree=2))
+    two = _capped(big, big.decisions.max_steps, devices=2, dp_degree=2)
     cuda = torch.device("cuda")
     with pytest.raises(PlanDoesNotFitError, match="plan uses 2 devices but torch sees 1 cuda device"):
         check_fits(two, cuda)
@@ -190,6 +189,20 @@ def test_fit_check_on_cuda_counts_devices_and_each_ranks_free_memory(plan, monke
     with pytest.raises(PlanDoesNotFitError, match="1.00 GiB free"):
         check_fits(two, cuda, in_worker=True)  # a rank checks its own device
     check_fits(plan, cuda)  # the tiny plan fits
+
+
+def test_fit_check_refuses_decisions_edited_after_the_predictions(plan):
+    """The memory checked is the plan's prediction: a micro-batch edited without solving again
+    (the predictions kept) is refused before anything is built, on any device."""
+    import torch
+
+    from executor.fit_check import check_fits
+    from hardware_profiles.errors import PlanMismatchError
+
+    edited = dataclasses.replace(plan, decisions=dataclasses.replace(plan.decisions, micro_batch=100000))
+    for dev in ("cpu", "cuda"):
+        with pytest.raises(PlanMismatchError, match="micro_batch=100000 .* edited after the predictions"):
+            check_fits(edited, torch.device(dev))
 
 
 # ---------------------------------------------------------------- two processes
