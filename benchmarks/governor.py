@@ -78,7 +78,7 @@ from executor.data import load_corpus
 from executor.governor import Governor, pilot_curve
 from executor.record import RunRecord
 from planner.api import plan_for_choice
-from planner.governor import with_governor
+from planner.governor import picked_budget, with_governor
 
 SHAPE = dict(seq_len=128, micro_batch=8, vocab_size=8192)
 LR = 1e-3
@@ -250,8 +250,10 @@ class Seed:
         kw = dict(curve=curve, eval_every=sc["eval_every"], governor_settings=GOVERNOR, runs=SIMULATED_RUNS)
         self.plans = {thr: with_governor(base_plan, threshold_nats_per_step=thr, **kw)
                       for thr in self.thresholds}
-        self.picked = {thr: with_governor(base_plan, threshold_nats_per_step=thr, pick_budget=True,
-                                          **kw).decisions.max_steps for thr in self.thresholds}
+        # the simulated decisions behind each prediction (quartiles), and the budget the planner
+        # would pick from them (`with_governor(..., pick_budget=True)`'s rule)
+        self.sims = {thr: simulated(p, curve, sc["eval_every"]) for thr, p in self.plans.items()}
+        self.picked = {thr: picked_budget(sims, base_plan.decisions.max_steps) for thr, sims in self.sims.items()}
         for thr, p in self.plans.items():
             print(f"seed {s} threshold {thr:g}: predicted stop {p.predictions.predicted_stop_step}, end "
                   f"{p.predictions.predicted_end_step}; budget the planner would pick {self.picked[thr]}",
@@ -263,7 +265,7 @@ class Seed:
 
     def finish(self) -> tuple[list[dict], dict]:
         """Wait for the runs; write this seed's CSV, JSON, curve and figure; (rows, summary)."""
-        sc, s, n = self.sc, self.seed, self.sc["max_steps"]
+        s, n = self.seed, self.sc["max_steps"]
         base = result(self.base_f)
         print(f"seed {s} baseline: {base.steps} steps, final held-out {base.final_heldout_loss:.4f}", flush=True)
         done, rows = [], []
@@ -275,8 +277,8 @@ class Seed:
                   f"ended at {rec.steps}, final held-out {rec.final_heldout_loss:.4f}", flush=True)
             rep = Governor.for_plan(self.plans[thr], **GOVERNOR).replay(base.train_loss, base.heldout_loss)
             replayed = rep.decided_at if rep.reason == "marginal_gain" else rep.steps
-            sims = simulated(self.plans[thr], self.curve, sc["eval_every"])
-            rows.append({"seed": s} | threshold_row(thr, self.plans[thr], rec, summary, base, replayed, sims)
+            rows.append({"seed": s} | threshold_row(thr, self.plans[thr], rec, summary, base, replayed,
+                                                    self.sims[thr])
                         | {"cooldown_skipped": bool(summary.get("cooldown_skipped")),
                            "budget_picked_steps": self.picked[thr],
                            "budget_picked_covers_end": rec.steps <= self.picked[thr]})

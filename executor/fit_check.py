@@ -23,7 +23,7 @@ import os
 import torch
 
 from hardware_profiles.errors import PlanMismatchError
-from planner.plan import Plan
+from planner.plan import Plan, edited_layout
 
 CPU_PROCESSES_PER_CORE = 4
 """Most processes per CPU core a plan may place on this host. benchmarks/sp.py runs 2 per core
@@ -69,13 +69,10 @@ def check_fits(plan: Plan, dev: torch.device, *, in_worker: bool = False) -> Non
     """
     d = plan.decisions
     n = d.devices
-    tps = d.micro_batch * d.seq_len * d.dp_degree
-    if plan.predictions.tokens_per_step != tps:  # the memory checked below is the plan's prediction
-        raise PlanMismatchError(
-            f"plan's predictions are for {plan.predictions.tokens_per_step} tokens per step but its "
-            f"decisions take micro_batch={d.micro_batch} x seq_len={d.seq_len} x dp_degree={d.dp_degree}"
-            f" = {tps}: the decisions were edited after the predictions (memory, time) were made; "
-            "solve again (or planner.api.plan_for_choice) for the edited layout")
+    edited = edited_layout(plan)
+    if edited:  # the memory checked below is the plan's prediction
+        raise PlanMismatchError(f"plan: {edited}; solve again (or planner.api.plan_for_choice) for the "
+                                "edited layout")
     need = float(plan.predictions.memory_bytes.get("total", 0.0) or 0.0)
     if dev.type == "cpu":
         if in_worker:

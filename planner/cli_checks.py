@@ -9,6 +9,7 @@ from pathlib import Path
 
 from costmodels.step import optimizer_bits_for
 from hardware_profiles.errors import DeviceError, OutputPathError, PlanMismatchError, TrainplanError, UnknownNameError
+from planner.plan import edited_layout
 
 __all__ = ["check_device", "check_json_path", "check_loss_value", "check_out_dir", "check_plan", "check_plan_model",
            "valid_devices"]
@@ -188,13 +189,11 @@ def check_plan(plan, path: str | Path) -> None:
         if not ok:
             raise PlanMismatchError(f"plan {str(path)!r}: {name}={value!r} must be {valid}; the plan "
                                     "file is corrupt or edited: solve it again")
+    layout = edited_layout(plan)
     relations = [
         (d.sp_degree * d.dp_degree == d.devices,
          f"sp_degree={d.sp_degree} x dp_degree={d.dp_degree} must equal devices={d.devices}"),
-        (p.tokens_per_step == d.micro_batch * d.seq_len * d.dp_degree,
-         f"predictions.tokens_per_step={p.tokens_per_step!r} is not micro_batch={d.micro_batch} x "
-         f"seq_len={d.seq_len} x dp_degree={d.dp_degree}: the decisions were edited after the "
-         "predictions (memory and time) were made"),
+        (layout is None, layout),
         (d.warmup_steps <= d.max_steps,
          f"warmup_steps={d.warmup_steps} must be at most max_steps={d.max_steps} (a solved plan warms "
          "up over a tenth of its steps, at most 20)"),

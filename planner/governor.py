@@ -186,18 +186,21 @@ def with_governor(plan: Plan, *, value_device_hours_per_nat: float | None = None
                             "simulated stop)")
                     d, p = _with_budget(d, p, budget, loss_at(budget) - gain + offset)
                     stop, sims, final = simulate(budget)
-            final = d.max_steps if stop >= d.max_steps else final
-            # the pilots' cooldown gain only when a cooldown runs (not on an end at once)
-            loss = loss_at(final) - (gain if final > stop or stop >= d.max_steps else 0.0) + offset
+            if stop >= d.max_steps:
+                final = d.max_steps
+            at_once = final == stop < d.max_steps  # no cooldown: none of the pilots' cooldown gain
+            loss = loss_at(final) - (0.0 if at_once else gain) + offset
             rule = (f"the governor simulated over {what} with {noise:.3g} nats of evaluation "
                     f"noise ({len(sims)} runs: steps {sims[0]} to {sims[-1]})")
         if pick_budget and noise is None:
             how += "; budget kept (no curve to simulate the stop on: the law's crossing is a lower bound)"
-        where = ("the budget binds first" if stop >= d.max_steps else
-                 f"predicted stop at step {stop} of {d.max_steps}, end of cooldown at {final}"
-                 if final > stop else
-                 f"predicted stop at step {stop} of {d.max_steps}, at once (held-out loss no longer "
-                 "falling: no cooldown)")
+        if stop >= d.max_steps:
+            where = "the budget binds first"
+        elif final > stop:
+            where = f"predicted stop at step {stop} of {d.max_steps}, end of cooldown at {final}"
+        else:
+            where = (f"predicted stop at step {stop} of {d.max_steps}, at once (held-out loss no "
+                     "longer falling: no cooldown)")
         notes.append(f"{GOVERNOR_NOTE}{how}; {where} ({rule})")
     else:
         notes.append(f"{GOVERNOR_NOTE}off")

@@ -198,3 +198,17 @@ class Plan:
         except (KeyError, TypeError) as e:
             raise PlanMismatchError(f"plan JSON is missing or has unexpected fields: {e}; give a plan "
                                     "written by `trainplan solve --json` (or solve it again)") from None
+
+
+def edited_layout(plan: Plan) -> str | None:
+    """Why `plan`'s predictions do not belong to its decisions, or None: the tokens a step takes
+    (micro_batch x seq_len x dp_degree) differ from `predictions.tokens_per_step`, i.e. the batch
+    layout was edited after the predictions (memory, time) were made, which every memory check
+    then reads stale. A plan written by `solve` or `plan_for_choice` always agrees."""
+    d = plan.decisions
+    tps = d.micro_batch * d.seq_len * d.dp_degree
+    if plan.predictions.tokens_per_step == tps:
+        return None
+    return (f"predictions.tokens_per_step={plan.predictions.tokens_per_step!r} is not "
+            f"micro_batch={d.micro_batch} x seq_len={d.seq_len} x dp_degree={d.dp_degree}: the "
+            "decisions were edited after the predictions (memory and time) were made")
