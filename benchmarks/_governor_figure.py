@@ -25,7 +25,7 @@ def figure(base_plan, base: RunRecord, runs: list[tuple], curve, rows: list[dict
             lw=1.2, label=f"budget run out: {base.final_heldout_loss:.3f} at {base.steps}")
     s = np.arange(max(d.warmup_steps, 1), n + 1)
     lo, hi = c.band(s, 0.9)
-    ax.plot(s, c.loss_at(s), "--", color="k", lw=1, label="plan's predicted curve (pilots)")
+    ax.plot(s, c.loss_with_early(s), "--", color="k", lw=1, label="plan's predicted curve (pilots)")
     ax.fill_between(s, np.maximum(lo, 0), hi, color="k", alpha=0.1, label="90% band of its fit")
     for i, ((thr, rec, summary), row) in enumerate(zip(runs, rows)):
         col = f"C{i}"

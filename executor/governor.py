@@ -166,26 +166,30 @@ class GovernedLoop:
 
 def pilot_curve(plan, record, *, skip_fraction: float = 0.2):
     """A finished run's held-out points as a `costmodels.heldout_curve.PilotCurve`, to calibrate
-    the planner's curve on (`fit_heldout_curve`): the points at a constant learning rate (after
-    `warmup_steps`, up to the step `executor.train.lr_at` starts its cooldown, the last 20% of
-    `max_steps`), less the first `skip_fraction` of them (default 0.2, the share
-    `executor.calibrate` skips as warm-up); with the run's final held-out loss when it ran its
-    budget out (the cooldown's gain). Unique tokens: `plan.data_tokens x data_fraction`, None
-    (fresh data) when the run saw fewer tokens than that."""
+    the planner's curve on (`costmodels.heldout_fit.fit_heldout_curve`): the points at a constant
+    learning rate (after `warmup_steps`, up to the step `executor.train.lr_at` starts its
+    cooldown, the last 20% of `max_steps`), less the first `skip_fraction` of them (default 0.2,
+    the share `executor.calibrate` skips as warm-up; kept apart as `early_steps` and
+    `early_losses`, the start the planner adds to the fitted curve); with the run's final
+    held-out loss when it ran its budget out (the cooldown's gain). Unique tokens:
+    `plan.data_tokens x data_fraction`, None (fresh data) when the run saw fewer tokens than
+    that."""
     from costmodels.heldout_curve import PilotCurve
 
     d, p = plan.decisions, plan.predictions
     cool_from = d.max_steps - max(1, int(0.2 * d.max_steps))
     pts = [(int(r[0]), float(r[-1])) for r in record.heldout_loss
            if d.warmup_steps < int(r[0]) <= cool_from and np.isfinite(float(r[-1]))]
-    pts = pts[int(skip_fraction * len(pts)):]
+    skip = int(skip_fraction * len(pts))
+    early, pts = pts[:skip], pts[skip:]
     unique = float(plan.data_tokens) * float(d.data_fraction)
     fresh = record.steps * p.tokens_per_step <= unique
     done = record.stop_reason == "budget" and record.steps == d.max_steps and record.heldout_loss
     return PilotCurve(steps=tuple(float(s) for s, _ in pts), losses=tuple(v for _, v in pts),
                       tokens_per_step=float(p.tokens_per_step), unique_tokens=None if fresh else unique,
                       final_step=int(record.steps) if done else None,
-                      final_loss=float(record.final_heldout_loss) if done else None)
+                      final_loss=float(record.final_heldout_loss) if done else None,
+                      early_steps=tuple(float(s) for s, _ in early), early_losses=tuple(v for _, v in early))
 
 
 def curve_frame(heldout_loss: Iterable[tuple], summary: dict, *, max_steps: int,

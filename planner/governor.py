@@ -13,10 +13,11 @@ planner fixes the governor's threshold from economics and predicts where it will
 - predicted stop step: the step at which the governor's own rule (`costmodels.stopping.
   Governor`: the same refit cadence, fit window, confidence bound, trend check and cooldown
   rule), run over a predicted held-out curve evaluated as the run will be (every `eval_every`
-  steps, with the pilots' evaluation noise), decides to stop: the median over simulated
+  steps, with the noise a pilot's held-out curve showed about its fit), decides to stop: the median over simulated
   evaluation series (`costmodels.stop_prediction.simulated_stop_step`). The curve is, best, the
   one calibrated on pilot runs (`curve=`, `costmodels.heldout_curve`: a fresh-data law plus a
-  penalty for repeated data, which can rise, as an overfitting run's held-out loss does);
+  penalty for repeated data, which can rise, as an overfitting run's held-out loss does, and
+  the pilots' measured start before their fitted range);
   without one, the plan's loss law along the run (the local law of `trainplan calibrate` on the
   cpu profile, else the published one, data-constrained through Muennighoff et al. 2023's
   effective tokens), which only flattens and so misplaces a stop that overfitting sets; and
@@ -97,11 +98,13 @@ def with_governor(plan: Plan, *, value_device_hours_per_nat: float | None = None
         value_device_hours_per_nat: device-hours one nat of held-out loss is worth; the
             threshold is then the plan's predicted cost of one step (device-hours) over it;
         threshold_nats_per_step: the threshold itself (0: the governor off, no prediction).
-    curve: the held-out curve calibrated on pilot runs (`costmodels.heldout_curve.
+    curve: the held-out curve calibrated on pilot runs (`costmodels.heldout_fit.
         fit_heldout_curve`); it is moved to the plan's tokens per step and unique tokens
-        (`HeldoutCurve.for_run`) and the governor simulated over it with `noise_nats` (default:
-        the pilots' `curve.noise_nats`). The predicted end loss is the curve at the end step
-        less the pilots' cooldown gain.
+        (`HeldoutCurve.for_run`) and the governor simulated over it, its start as the pilots
+        measured it (`HeldoutCurve.loss_with_early`), with `noise_nats` (default:
+        `curve.sim_noise_nats`, the larger of the fit's RMS residual and the pilots'
+        evaluation noise). The predicted end loss is the curve at the end step less the pilots'
+        cooldown gain.
     law: without a curve, the loss law to predict the curve with (default: the plan's,
         `plan_law`).
     noise_nats: the held-out evaluation noise expected (nats). With a curve or a noise, the
@@ -151,11 +154,11 @@ def with_governor(plan: Plan, *, value_device_hours_per_nat: float | None = None
                                    penalty=fitted)
         if curve is not None:
             curve = curve.for_run(tokens_per_step=p.tokens_per_step, unique_tokens=unique)
-            noise = curve.noise_nats if noise_nats is None else noise_nats
+            noise = curve.sim_noise_nats if noise_nats is None else noise_nats
             what, gain = f"the pilots' held-out curve ({curve.source})", curve.cooldown_gain_nats
 
             def loss_at(s: int) -> float:
-                return float(curve.loss_at(s))
+                return float(curve.loss_with_early(s))
         else:
             law = law or plan_law(plan, cache_dir)
             noise, what, gain = noise_nats, f"the law's curve (law: {law.source})", 0.0

@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 
 from costmodels.governor import predict_stop_step_from_curve, threshold_from_value
-from costmodels.heldout_curve import HeldoutCurve, PilotCurve, fit_heldout_curve
+from costmodels.heldout_curve import HeldoutCurve, PilotCurve
+from costmodels.heldout_fit import fit_heldout_curve
 from executor.governor import Governor
 from hardware_profiles.errors import TrainplanError
 
@@ -270,6 +271,8 @@ def test_pilot_curve_keeps_a_runs_constant_rate_points(overfit_plan):
                     heldout_loss=heldout, stop_reason="budget")
     pc = pilot_curve(overfit_plan, rec, skip_fraction=0.2)
     assert pc.steps == tuple(float(s) for s in range(90, 321, 10)) and pc.losses[0] == 5.0 + 1.0 / 90
+    assert pc.early_steps == tuple(float(s) for s in range(30, 81, 10))  # after warm-up, skipped
+    assert pc.early_losses == tuple(5.0 + 1.0 / s for s in range(30, 81, 10))
     assert (pc.final_step, pc.final_loss, pc.unique_tokens) == (400, 5.0 + 1.0 / 400, U)
     assert pc.tokens_per_step == TPS
     fresh = dataclasses.replace(overfit_plan, data_tokens=10**7, decisions=dataclasses.replace(
