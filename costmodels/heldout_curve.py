@@ -84,6 +84,10 @@ class PilotCurve:
     the start of the curve the planner simulates (`HeldoutCurve.early_offsets`)."""
     early_losses: tuple[float, ...] = ()
     """Held-out loss at `early_steps`, nats/token."""
+    model: str = ""
+    """The model the pilot trained ("" when not recorded)."""
+    vocab_size: int = 0
+    """Its tokenizer's vocabulary size (0 when not recorded)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -132,6 +136,12 @@ class HeldoutCurve:
     nats) at each pilot's evaluations after warm-up up to and including its first fitted one:
     how the start of a real curve departs from eq. (1) extrapolated backwards (warm-up, the
     unigram plateau). `loss_with_early` adds them; () when the pilots had no early points."""
+    model: str = ""
+    """The model the pilots trained ("" when not recorded, e.g. a curve file written before this
+    field): the constants belong to one model, and losses are nats per token of one tokenizer,
+    so `planner.governor.with_governor` refuses a curve of another model or vocabulary."""
+    vocab_size: int = 0
+    """The pilots' tokenizer vocabulary size (0 when not recorded)."""
     source: str = ""
     """How the constants were obtained."""
 
@@ -267,6 +277,10 @@ def _curve_problem(c: "HeldoutCurve") -> str | None:
         return f"param_names={list(c.param_names)!r} must be distinct names of {list(PARAMS)}"
     if c.cov and (len(c.cov) != len(c.param_names) or any(len(r) != len(c.param_names) for r in c.cov)):
         return f"cov must be {len(c.param_names)} x {len(c.param_names)} (one row per name in param_names)"
+    if not isinstance(c.model, str):
+        return f"model={c.model!r} must be a model name (a string; '' when not recorded)"
+    if isinstance(c.vocab_size, bool) or not isinstance(c.vocab_size, int) or c.vocab_size < 0:
+        return f"vocab_size={c.vocab_size!r} must be a whole number >= 0 (0 when not recorded)"
     for row in c.early_offsets:
         ok = len(row) == 3 and all(isinstance(v, (int, float)) and not isinstance(v, bool)
                                    and math.isfinite(v) for v in row)

@@ -39,10 +39,12 @@ def fit_heldout_curve(pilots: Sequence[PilotCurve], *, tokens_per_step: float | 
     pilot's early offsets (`HeldoutCurve.early_offsets`: its `early_steps` and first fitted
     evaluation, measured - fitted; offsets beyond +-EARLY_OFFSET_MAX_NATS are clipped to it).
 
-    Args: pilots (at least p + 2 points in all, p the fitted parameters; finite, losses > 0);
+    Args: pilots (at least p + 2 points in all, p the fitted parameters; finite, losses > 0;
+    of one model and vocabulary, which the curve records);
     tokens_per_step, unique_tokens: the run the returned curve is for (default: the last
     pilot's).
-    Raises: TrainplanError on too few or bad points.
+    Raises: TrainplanError on too few or bad points, or pilots of different models or
+    vocabularies.
     """
     if not pilots:
         raise TrainplanError("fit_heldout_curve needs at least one pilot")
@@ -62,6 +64,11 @@ def fit_heldout_curve(pilots: Sequence[PilotCurve], *, tokens_per_step: float | 
     rep = tokens > unique
     sizes = np.unique(unique[rep])
     names = PARAMS[:3] + (("gamma", "kappa") if rep.any() else ()) + (("zeta",) if sizes.size > 1 else ())
+    models = {p.model for p in pilots if p.model}
+    vocabs = {p.vocab_size for p in pilots if p.vocab_size}
+    if len(models) > 1 or len(vocabs) > 1:
+        raise TrainplanError(f"the pilots trained different models or vocabularies ({sorted(models)}, "
+                             f"{sorted(vocabs)}): fit one curve per model and vocabulary")
     if loss.size < len(names) + 2:
         raise TrainplanError(f"fit_heldout_curve needs at least {len(names) + 2} points, got {loss.size}")
     d_ref = float(tokens.max())
@@ -119,7 +126,8 @@ def fit_heldout_curve(pilots: Sequence[PilotCurve], *, tokens_per_step: float | 
         unique_tokens=last.unique_tokens if tokens_per_step is None and unique_tokens is None
         else unique_tokens, param_names=names, cov=tuple(tuple(float(v) for v in row) for row in cov),
         noise_nats=float(np.median(noise)), rms_nats=math.sqrt(float(r @ r) / loss.size),
-        n_points=int(loss.size),
+        n_points=int(loss.size), model=models.pop() if models else "",
+        vocab_size=vocabs.pop() if vocabs else 0,
         source=source or f"fit to {len(pilots)} pilot run(s), {loss.size} held-out points")
     gains = []
     for p in pilots:

@@ -189,7 +189,8 @@ def pilot_curve(plan, record, *, skip_fraction: float = 0.2):
                       tokens_per_step=float(p.tokens_per_step), unique_tokens=None if fresh else unique,
                       final_step=int(record.steps) if done else None,
                       final_loss=float(record.final_heldout_loss) if done else None,
-                      early_steps=tuple(float(s) for s, _ in early), early_losses=tuple(v for _, v in early))
+                      early_steps=tuple(float(s) for s, _ in early), early_losses=tuple(v for _, v in early),
+                      model=str(plan.model), vocab_size=int(plan.vocab_size))
 
 
 def curve_frame(heldout_loss: Iterable[tuple], summary: dict, *, max_steps: int,

@@ -128,7 +128,8 @@ def with_governor(plan: Plan, *, value_device_hours_per_nat: float | None = None
     `final_loss`, the curve's at the new budget, cooldown included).
     Raises:
         TrainplanError: both or neither given, a value or threshold not finite and > 0 (>= 0 for
-            the threshold), or an unknown law (see `plan_law`).
+            the threshold), an unknown law (see `plan_law`), or a curve of another model or
+            vocabulary than the plan's.
     """
     if (value_device_hours_per_nat is None) == (threshold_nats_per_step is None):
         raise TrainplanError("give exactly one of value_device_hours_per_nat and "
@@ -153,6 +154,7 @@ def with_governor(plan: Plan, *, value_device_hours_per_nat: float | None = None
         offset = bits_loss_penalty(d.optimizer_bits, d.activation_bits, precision=d.precision,
                                    penalty=fitted)
         if curve is not None:
+            _check_curve_model(curve, plan)
             curve = curve.for_run(tokens_per_step=p.tokens_per_step, unique_tokens=unique)
             noise = curve.sim_noise_nats if noise_nats is None else noise_nats
             what, gain = f"the pilots' held-out curve ({curve.source})", curve.cooldown_gain_nats
@@ -212,6 +214,16 @@ def with_governor(plan: Plan, *, value_device_hours_per_nat: float | None = None
         predictions=dataclasses.replace(p, predicted_stop_step=stop, predicted_end_step=final,
                                         predicted_end_loss=loss),
         notes=tuple(notes))
+
+
+def _check_curve_model(curve: HeldoutCurve, plan: Plan) -> None:
+    """Refuse a pilot curve of another model or vocabulary than the plan's (its constants and
+    nats per token belong to both); a curve that records neither is taken as it is."""
+    if (curve.model and curve.model != plan.model) or (curve.vocab_size and curve.vocab_size != plan.vocab_size):
+        raise TrainplanError(
+            f"the held-out curve was fitted on pilots of {curve.model or '?'} (vocabulary "
+            f"{curve.vocab_size or '?'}); the plan is {plan.model} (vocabulary {plan.vocab_size}): "
+            "fit pilots of this model and vocabulary (benchmarks/governor.py shows how)")
 
 
 def picked_budget(sims: list[int], max_steps: int) -> int:

@@ -67,6 +67,9 @@ def workdir(tmp_path_factory, cpu_profile) -> Path:
     (d / "curve_gain.json").write_text(json.dumps(HeldoutCurve(
         E=2.5, B=2.9, beta=0.17, gamma=0.03, kappa=1.3, zeta=0.5, d_ref_tokens=1e5, u_ref_tokens=4e4,
         tokens_per_step=1024.0, unique_tokens=4e4, cooldown_gain_nats=1e9).to_dict()))
+    (d / "curve_8b.json").write_text(json.dumps(HeldoutCurve(
+        E=2.5, B=2.9, beta=0.17, gamma=0.03, kappa=1.3, zeta=0.5, d_ref_tokens=1e5, u_ref_tokens=4e4,
+        tokens_per_step=1024.0, unique_tokens=4e4, model="llama3-8b", vocab_size=128256).to_dict()))
     (d / "small.txt").write_text("hello world\n")
     (d / "mid.txt").write_text(_words(300, 0))
     (d / "bad.txt").write_bytes(b"\xff\xfe bad bytes")
@@ -163,6 +166,10 @@ CLI_ROWS: dict[str, tuple[str, type, list[str]]] = {
     "curve-out-of-range": (f"{TINY} --budget-seconds 60 --heldout-curve curve_neg.json "
                            "--loss-value-device-hours-per-nat 1", TrainplanError,
                            ["'curve_neg.json': gamma=-0.03 is out of range (>= 0.0)", "HeldoutCurve.to_dict()"]),
+    "curve-of-another-model": (f"{TINY} --budget-seconds 60 --heldout-curve curve_8b.json "
+                               "--loss-value-device-hours-per-nat 1", TrainplanError,
+                               ["fitted on pilots of llama3-8b (vocabulary 128256)",
+                                "the plan is tiny-llama (vocabulary 8192)", "fit pilots of this model"]),
     "loss-value-zero": (f"{TINY} --budget-seconds 60 --loss-value-device-hours-per-nat 0", TrainplanError,
                         ["--loss-value-device-hours-per-nat 0.0", "finite number > 0"]),
     "json-empty": (f"{TINY} --budget-seconds 60 --json ''", OutputPathError, ["--json is empty"]),

@@ -115,3 +115,27 @@ def test_the_measured_start_moves_the_predicted_stop_to_where_the_governor_decid
         bare = bare.predictions.predicted_stop_step
         assert abs(with_start - actual) < abs(bare - actual), (thr, with_start, bare, decided)
         assert abs(with_start - actual) <= 0.15 * actual, (thr, with_start, decided)
+
+
+def test_the_curve_records_its_pilots_model_and_a_plan_of_another_is_refused(pilots, plan400):
+    """The pilots' model and vocabulary go into the curve; with_governor refuses a curve of
+    another model or vocabulary (its constants and nats per token are theirs); pilots of two
+    models are not fitted together; a curve without them (an older file) is taken as it is."""
+    from planner.governor import with_governor
+
+    tagged = [dataclasses.replace(p, model="tiny-llama", vocab_size=8192) for p in pilots]
+    fit = fit_heldout_curve(tagged)
+    assert (fit.model, fit.vocab_size) == ("tiny-llama", 8192)
+    assert HeldoutCurve.from_dict(json.loads(json.dumps(fit.to_dict()))) == fit
+    kw = dict(threshold_nats_per_step=1e-3, eval_every=10, governor_settings=SETTINGS, runs=1, noise_nats=0.0)
+    assert with_governor(plan400, curve=fit, **kw).predictions.predicted_stop_step < 400
+    for other in (dict(model="llama3-8b"), dict(vocab_size=128256)):
+        with pytest.raises(TrainplanError, match="fit pilots of this model and vocabulary"):
+            with_governor(plan400, curve=dataclasses.replace(fit, **other), **kw)
+    with pytest.raises(TrainplanError, match="different models or vocabularies"):
+        fit_heldout_curve([*tagged[:2], dataclasses.replace(tagged[2], model="qwen2.5-7b")])
+    old = {k: v for k, v in fit.to_dict().items() if k not in ("model", "vocab_size", "early_offsets")}
+    assert HeldoutCurve.from_dict(old).model == "" and HeldoutCurve.from_dict(old).early_offsets == ()
+    for bad in (dict(model=5), dict(vocab_size=-1), dict(vocab_size=8192.5)):
+        with pytest.raises(TrainplanError, match="model=|vocab_size="):
+            HeldoutCurve.from_dict(fit.to_dict() | bad)
