@@ -209,6 +209,18 @@ def _run_and_report(plan, out: Path, data_paths, device, progress=True) -> int:
     return _report_run(plan, record, out)
 
 
+def _ended_record(out: Path):
+    """The record in run folder `out` when that run finished (its budget or the governor's stop:
+    resuming has nothing to run), else None (interrupted, out of memory, a NaN, none)."""
+    from executor.record import RunRecord
+
+    try:
+        rec = RunRecord.from_json(out / "record.json")
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    return rec if rec.stop_reason in ("budget", "marginal_gain") else None
+
+
 def _stopped_early(plan, record, out: Path) -> bool:
     """True (after one line on stderr saying how to continue) when the run ended before its
     budget for another reason than the governor's stop (interrupted, ...)."""
@@ -262,6 +274,11 @@ def cmd_run(args) -> int:
     check_plan(plan, plan_path)
     if args.resume:
         check_resume_plan(plan, out)
+        ended = _ended_record(out)
+        if ended is not None:  # nothing left to run: say so, and give its report again
+            print(f"trainplan: the run in {out} already ended ({ended.stop_reason} after "
+                  f"{ended.steps} steps); nothing to resume", file=sys.stderr)
+            return _report_run(plan, ended, out)
     check_plan_model(plan)
     try:
         resolve_device(plan, args.device)  # an accelerator plan on a machine without one

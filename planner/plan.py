@@ -182,7 +182,7 @@ class Plan:
             why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
             raise PlanMismatchError(f"cannot read plan {str(text_or_path)[:200]!r}: {why}; give a plan "
                                     "JSON file written by `trainplan solve --json`") from None
-        if not isinstance(raw, dict) or raw.get("format") != PLAN_FORMAT:
+        if not isinstance(raw, dict) or raw.get("format") != PLAN_FORMAT or isinstance(raw.get("format"), bool):
             raise PlanMismatchError(
                 f"not a trainplan plan of format {PLAN_FORMAT}: got format "
                 f"{raw.get('format') if isinstance(raw, dict) else type(raw).__name__!r}; give a plan "

@@ -58,7 +58,7 @@ def workdir(tmp_path_factory, cpu_profile) -> Path:
                        "plan_warmup.json": {"decisions": raw["decisions"] | {"warmup_steps": 1000}},
                        "plan_mb_edited.json": {"decisions": raw["decisions"] | {"micro_batch": 100000}},
                        "plan_step_time.json": {"predictions": raw["predictions"] | {"step_time_s": -1}},
-                       "plan_format_2.json": {"format": 2}}.items():
+                       "plan_format_2.json": {"format": 2}, "plan_format_true.json": {"format": True}}.items():
         (d / name).write_text(json.dumps(raw | edit))
     (d / "garbage.json").write_bytes(b"\xff\xfe\x00\x81 not a plan")
     (d / "curve_neg.json").write_text(json.dumps(HeldoutCurve(
@@ -222,6 +222,8 @@ CLI_ROWS: dict[str, tuple[str, type, list[str]]] = {
                           ["cannot read plan 'no_such_plan.json'", "No such file"]),
     "corrupt-plan-file": ("run garbage.json --out out", PlanMismatchError,
                           ["cannot read plan 'garbage.json'", "trainplan solve --json"]),
+    "plan-format-true": ("run plan_format_true.json --out out", PlanMismatchError,
+                         ["not a trainplan plan of format 1: got format True"]),
     "plan-wrong-format": ("run plan_format_2.json --out out", PlanMismatchError,
                           ["not a trainplan plan of format 1: got format 2", "trainplan solve --json"]),
     "plan-field-corrupt": ("run plan_bad_field.json --out out", PlanMismatchError,
@@ -335,6 +337,27 @@ def test_nan_loss(workdir, monkeypatch, capsys, one_thread):
     assert "nan" in line.lower() and "lower the learning rate" in line and "lr=1e+30" in line, line
     rec = RunRecord.from_json(workdir / "nan_out" / "record.json")
     assert rec.stop_reason == "nan" and rec.steps < 4, rec
+
+
+def test_resuming_a_finished_run_says_so_and_reports_it(workdir, monkeypatch, capsys, one_thread):
+    """`trainplan run --out done --resume` on a run that ran its budget out: one line saying it
+    already ended and there is nothing to resume, its report again, exit 0; the record is kept."""
+    import dataclasses
+
+    from planner.plan import Plan
+
+    monkeypatch.chdir(workdir)
+    plan = Plan.from_json(workdir / "nan_plan.json")
+    plan = dataclasses.replace(plan, decisions=dataclasses.replace(plan.decisions, lr=1e-3, max_steps=2))
+    plan.to_json(workdir / "ok_plan.json")
+    assert cli.main(["run", "ok_plan.json", "--out", "done", "--data", "words.txt"]) == 0
+    before = (workdir / "done" / "record.json").read_text()
+    capsys.readouterr()
+    assert cli.main(["run", "--out", "done", "--resume", "--data", "words.txt"]) == 0
+    out, err = capsys.readouterr()
+    assert "already ended (budget after 2 steps); nothing to resume" in err, err
+    assert "report:" in out, out
+    assert (workdir / "done" / "record.json").read_text() == before
 
 
 def test_seq_len_rules_out_sp(monkeypatch, capsys):
