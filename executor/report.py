@@ -62,8 +62,9 @@ def compare(plan: Plan, record: RunRecord) -> pd.DataFrame:
     `memory_<category>` (bytes; only categories the record measured: on CUDA only the total),
     `peak_memory` (bytes, predicted total vs measured total), `flops_per_step` (FLOPs per device),
     `step_time` (s, predicted vs median measured after warm-up; if `record.same_hardware`),
-    `tokens` (all ranks), for a governed plan `stop_step` (the step the run is predicted to end
-    at, its governor's cooldown included, vs the steps it ran), `final_loss` (nats/token, the
+    `tokens` (all ranks), for a governed plan `end_step` (the step the run is predicted to end
+    at, its governor's cooldown included, vs the steps it ran; the predicted and decided stop
+    themselves are in the plan and the run's governor.json), `final_loss` (nats/token, the
     last held-out loss; a governed plan predicts it at its predicted end step).
     A missing measurement is NaN ("not measured", not a miss); `rel_err` is NaN when the
     measurement is 0 or NaN. Runs too short for the fixed measured steps (`measure.measured_step`)
@@ -84,7 +85,7 @@ def compare(plan: Plan, record: RunRecord) -> pd.DataFrame:
     tokens = pred.total_tokens if end is None else end * pred.tokens_per_step
     rows.append(("tokens", _num(tokens), _num(record.tokens), "tokens"))
     if end is not None:
-        rows.append(("stop_step", float(end), float(record.steps), "steps"))
+        rows.append(("end_step", float(end), float(record.steps), "steps"))
     rows.append(("final_loss", _num(pred.final_loss if end is None else pred.predicted_end_loss),
                  _num(record.final_heldout_loss), "nats"))
     df = pd.DataFrame(rows, columns=list(COLUMNS[:4]))

@@ -369,8 +369,8 @@ def test_a_governed_run_ends_with_a_complete_record_and_checkpoint(tmp_path, tin
     from executor.report import compare
 
     table = compare(plan, rec).set_index("term")
-    assert table.loc["stop_step", "measured"] == rec.steps
-    assert table.loc["stop_step", "predicted"] == plan.predictions.predicted_end_step
+    assert table.loc["end_step", "measured"] == rec.steps
+    assert table.loc["end_step", "predicted"] == plan.predictions.predicted_end_step
     assert table.loc["final_loss", "predicted"] == plan.predictions.predicted_end_loss
     fig = governor_figure(plan, rec, read_governor_summary(tmp_path / "run"))
     labels = {ln.get_label() for ln in fig.axes[0].get_lines()}
