@@ -189,7 +189,7 @@ def read_documents(paths: Sequence[str | Path] | None = None, *,
         name, files = ",".join(map(str, paths)), expand_paths(paths)
     if progress:
         from tqdm import tqdm
-        files = tqdm(files, desc=f"reading {name}", unit="file")
+        files = tqdm(files, desc=f"reading {name}", unit="file", disable=None)  # None: off unless a TTY
     docs: list[str] = []
     for f in files:
         text = _decode(f, _read_bytes(f))

@@ -123,7 +123,7 @@ def _batches(starts: np.ndarray, batch_size: int, progress: bool, desc: str):
     if progress:
         from tqdm import tqdm
 
-        return tqdm(chunks, desc=desc, unit="batch")
+        return tqdm(chunks, desc=desc, unit="batch", disable=None)  # None: off unless a TTY
     return chunks
 
 
@@ -162,7 +162,7 @@ def train_reference(tokens, *, seq_len: int, vocab_size: int, config: ReferenceC
     if progress:
         from tqdm import tqdm
 
-        steps = tqdm(steps, desc="reference model", unit="step")
+        steps = tqdm(steps, desc="reference model", unit="step", disable=None)
     flops = 0.0
     for s in steps:
         if s == 0:
