@@ -113,6 +113,9 @@ def check_device(name: str | None) -> None:
         raise DeviceError(f"--device {name!r} is not a device name; valid here: "
                           f"{', '.join(valid)}") from None
     if dev.type == "cpu":
+        if dev.index:  # torch takes cpu:5 and runs on the one cpu device
+            raise DeviceError(f"--device {name!r}: the cpu is one device (cpu or cpu:0); valid here: "
+                              f"{', '.join(valid)}")
         return
     if dev.type == "cuda":
         if n == 0:

@@ -272,6 +272,8 @@ CLI_ROWS: dict[str, tuple[str, type, list[str]]] = {
                          ["'small.txt/run' is under 'small.txt', which is a file"]),
     "out-holds-a-run": ("run plan.json --out old_run", OutputPathError,
                         ["'old_run' already holds a run (record.json)", "--resume", "--overwrite"]),
+    "device-cpu-index": ("run plan.json --out out --device cpu:5", DeviceError,
+                         ["--device 'cpu:5': the cpu is one device (cpu or cpu:0)", "valid here: cpu"]),
     "device-bogus": ("run plan.json --out out --device bogus", DeviceError,
                      ["--device 'bogus'", "valid here: cpu"]),
     "device-cuda-without-gpu": ("run plan.json --out out --device cuda", DeviceError,
