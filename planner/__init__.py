@@ -5,9 +5,20 @@
     ...              seq_len=131072)
 """
 
-from planner.api import solve
 from planner.budget import Budget
 from hardware_profiles.errors import TrainplanError
 from planner.plan import Decisions, Plan, Predictions, SolverFacts
 
-__all__ = ["Budget", "Decisions", "Plan", "Predictions", "SolverFacts", "TrainplanError", "solve"]
+__all__ = ["Budget", "Decisions", "Plan", "Predictions", "SolverFacts", "TrainplanError",  # noqa: F822
+           "solve"]
+
+
+def __getattr__(name: str):
+    # `solve` imports torch (model capture): loaded on first use, so that `import planner.cli`
+    # (the `trainplan` command) starts without it and a Ctrl-C during that import is the
+    # command's own (one line, exit 130), not a traceback
+    if name == "solve":
+        from planner.api import solve
+
+        return solve
+    raise AttributeError(f"module 'planner' has no attribute {name!r}")

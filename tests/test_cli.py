@@ -129,3 +129,13 @@ def test_an_interrupted_run_or_demo_says_how_to_continue(tmp_path, capsys):
     assert len(err) == 1 and "interrupted after 30 of 290 steps" in err[0]
     assert f"trainplan run --out '{out}' --resume" in err[0]
 
+
+
+def test_the_command_starts_without_importing_torch():
+    """`import planner.cli` (what the `trainplan` entry point runs before `main`) leaves torch to
+    the commands, inside `main`'s handler: a Ctrl-C while torch loads is one line and exit 130,
+    not a traceback; `from planner import solve` still works."""
+    code = ("import sys, planner.cli; assert 'torch' not in sys.modules, 'torch imported'; "
+            "from planner import solve; assert solve.__module__ == 'planner.api'")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
