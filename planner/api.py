@@ -17,7 +17,7 @@ from planner.budget import Budget, check_data_tokens, check_devices_usable, chec
 from planner.capture import ModelGraph
 from planner.model_setup import (PRECISION_DTYPE, _check_bits_options, _law_for, _setup,  # noqa: F401 (re-exported)
                                   capture_model, default_precision)
-from planner.plan import Decisions, Plan, Predictions, SolverFacts, relative_gap
+from planner.plan import Decisions, Plan, Predictions, SolverFacts, layout_fields, relative_gap
 from planner.solver import default_space, solve_joint
 
 DEFAULT_ACTIVATION_BITS = (32,)
@@ -313,7 +313,8 @@ def _make_plan(step_model, profile, graph, name, c, *, budget, data_fraction, ma
         flops_per_step=cost.flops, model_flops_per_step=cost.model_flops,
         tokens_per_step=tokens_per_step, total_tokens=max_steps * tokens_per_step,
         device_hours=cost.time_s * max_steps * c.devices / 3600.0, final_loss=predicted_loss,
-        mfu=cost.model_flops / (cost.time_s * peak_flops) if cost.time_s > 0 else 0.0)
+        mfu=cost.model_flops / (cost.time_s * peak_flops) if cost.time_s > 0 else 0.0,
+        made_for=layout_fields(decisions))
     if not all(math.isfinite(v) for v in (cost.flops, cost.time_s, cost.memory.total)):
         raise TrainplanError("predictions are not finite; the captured graph is broken")
     notes = ("communication is added to compute, not overlapped: a conservative time bound",

@@ -196,7 +196,6 @@ def check_plan(plan, path: str | Path) -> None:
     relations = [
         (d.sp_degree * d.dp_degree == d.devices,
          f"sp_degree={d.sp_degree} x dp_degree={d.dp_degree} must equal devices={d.devices}"),
-        (layout is None, layout),
         (d.warmup_steps <= d.max_steps,
          f"warmup_steps={d.warmup_steps} must be at most max_steps={d.max_steps} (a solved plan warms "
          "up over a tenth of its steps, at most 20)"),
@@ -205,6 +204,7 @@ def check_plan(plan, path: str | Path) -> None:
         (len(d.checkpoint) == plan.model_n_layers and all(isinstance(c, str) for c in d.checkpoint),
          f"checkpoint has {len(d.checkpoint)} entries, must be one name per layer "
          f"({plan.model_n_layers})"),
+        (layout is None, layout),
     ]
     for ok, what in relations:
         if not ok:

@@ -107,6 +107,11 @@ class Predictions:
     predicted_end_loss: float | None = None
     """Predicted held-out loss at `predicted_end_step` (nats/token; same law and bits penalty
     as `final_loss`, which is the loss at `max_steps`); None without a governor."""
+    made_for: dict[str, Any] = field(default_factory=dict)
+    """The layout decisions the memory, FLOP and time predictions were made for
+    (`layout_fields`); a plan whose decisions differ was edited after its predictions and is
+    refused before it runs (`edited_layout`). Plans written before the field read {} (not
+    checked)."""
     scoring_flops: float = 0.0
     """FLOPs of scoring the corpus for `Decisions.data_method` (reference-model training and
     the scoring pass, `costmodels.data_value.reference_scoring_flops`), charged to the budget
@@ -200,15 +205,37 @@ class Plan:
                                     "written by `trainplan solve --json` (or solve it again)") from None
 
 
+LAYOUT_FIELDS = ("devices", "sp_degree", "dp_degree", "zero_stage", "micro_batch", "seq_len",
+                 "checkpoint", "checkpoint_sets", "precision", "optimizer_bits", "activation_bits")
+"""The decisions that set a step's memory, FLOPs and time (`Predictions.made_for`)."""
+
+
+def layout_fields(d: Decisions) -> dict[str, Any]:
+    """`d`'s LAYOUT_FIELDS as JSON values (tuples as lists): what `Predictions.made_for` holds."""
+    out = {k: getattr(d, k) for k in LAYOUT_FIELDS}
+    out["checkpoint"] = list(d.checkpoint)
+    out["checkpoint_sets"] = {k: list(v) for k, v in d.checkpoint_sets.items()}
+    return out
+
+
 def edited_layout(plan: Plan) -> str | None:
     """Why `plan`'s predictions do not belong to its decisions, or None: the tokens a step takes
-    (micro_batch x seq_len x dp_degree) differ from `predictions.tokens_per_step`, i.e. the batch
+    (micro_batch x seq_len x dp_degree) differ from `predictions.tokens_per_step`, or a layout
+    decision (`LAYOUT_FIELDS`) differs from the one `predictions.made_for` records, i.e. the
     layout was edited after the predictions (memory, time) were made, which every memory check
     then reads stale. A plan written by `solve` or `plan_for_choice` always agrees."""
-    d = plan.decisions
+    d, made = plan.decisions, plan.predictions.made_for
     tps = d.micro_batch * d.seq_len * d.dp_degree
-    if plan.predictions.tokens_per_step == tps:
-        return None
-    return (f"predictions.tokens_per_step={plan.predictions.tokens_per_step!r} is not "
-            f"micro_batch={d.micro_batch} x seq_len={d.seq_len} x dp_degree={d.dp_degree}: the "
-            "decisions were edited after the predictions (memory and time) were made")
+    edited = "the decisions were edited after the predictions (memory and time) were made"
+    if plan.predictions.tokens_per_step != tps:
+        return (f"predictions.tokens_per_step={plan.predictions.tokens_per_step!r} is not "
+                f"micro_batch={d.micro_batch} x seq_len={d.seq_len} x dp_degree={d.dp_degree}: {edited}")
+    now = layout_fields(d)
+    diffs = [f"{k}={_short(now[k])} (predicted for {_short(made[k])})"
+             for k in LAYOUT_FIELDS if isinstance(made, dict) and k in made and made[k] != now[k]]
+    return f"decisions.{', '.join(diffs)}: {edited}" if diffs else None
+
+
+def _short(v) -> str:
+    text = json.dumps(v)
+    return text if len(text) <= 60 else text[:57] + "..."

@@ -57,6 +57,8 @@ def workdir(tmp_path_factory, cpu_profile) -> Path:
                        "plan_gov_str.json": {"decisions": raw["decisions"] | {"governor_threshold": "x"}},
                        "plan_warmup.json": {"decisions": raw["decisions"] | {"warmup_steps": 1000}},
                        "plan_mb_edited.json": {"decisions": raw["decisions"] | {"micro_batch": 100000}},
+                       "plan_ckpt_edited.json": {"decisions": raw["decisions"] | {
+                           "checkpoint": ["full"] * len(raw["decisions"]["checkpoint"])}},
                        "plan_step_time.json": {"predictions": raw["predictions"] | {"step_time_s": -1}},
                        "plan_format_2.json": {"format": 2}, "plan_format_true.json": {"format": True}}.items():
         (d / name).write_text(json.dumps(raw | edit))
@@ -239,6 +241,9 @@ CLI_ROWS: dict[str, tuple[str, type, list[str]]] = {
     "plan-decisions-edited": ("run plan_mb_edited.json --out out", PlanMismatchError,
                               ["predictions.tokens_per_step=128 is not micro_batch=100000",
                                "edited after the predictions"]),
+    "plan-checkpoint-edited": ("run plan_ckpt_edited.json --out out", PlanMismatchError,
+                               ['decisions.checkpoint=["full", "full", "full", "full"] (predicted for ["none"',
+                                "edited after the predictions"]),
     "plan-step-time-negative": ("run plan_step_time.json --out out", PlanMismatchError,
                                 ["predictions.step_time_s=-1", "positive finite number of seconds"]),
     "plan-path-empty": ("run '' --out out", TrainplanError, ["PLAN is empty", "trainplan solve --json"]),

@@ -179,8 +179,8 @@ def test_cli_solve_with_a_value_of_loss_turns_the_governor_on(capsys, tmp_path):
 
     path = tmp_path / "p.json"
     rc = main(["solve", "--model", "tiny-llama", "--hw", "cpu", "--seq-len", "128",
-               "--budget-seconds", "600", "--data-tokens", "20000", "--time-limit", "5",
-               "--loss-value-device-hours-per-nat", "0.5", "--json", str(path)])
+               "--budget-flops", "1e14", "--data-tokens", "20000", "--time-limit", "5",
+               "--loss-value-device-hours-per-nat", "0.5", "--json", str(path)])  # FLOPs: steps not set by load
     out, err = capsys.readouterr()
     assert rc == 0, err
     plan = Plan.from_json(path)

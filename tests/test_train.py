@@ -200,9 +200,16 @@ def test_fit_check_refuses_decisions_edited_after_the_predictions(plan):
     from hardware_profiles.errors import PlanMismatchError
 
     edited = dataclasses.replace(plan, decisions=dataclasses.replace(plan.decisions, micro_batch=100000))
+    n = len(plan.decisions.checkpoint)  # an edit that keeps tokens per step: Predictions.made_for
+    full = dataclasses.replace(plan, decisions=dataclasses.replace(plan.decisions, checkpoint=("full",) * n,
+                                                                   optimizer_bits=8))
     for dev in ("cpu", "cuda"):
         with pytest.raises(PlanMismatchError, match="micro_batch=100000 .* edited after the predictions"):
             check_fits(edited, torch.device(dev))
+        with pytest.raises(PlanMismatchError, match=r'checkpoint=\["full".* optimizer_bits=8 \(predicted for 32\)'):
+            check_fits(full, torch.device(dev))
+    old = dataclasses.replace(full, predictions=dataclasses.replace(full.predictions, made_for={}))
+    check_fits(old, torch.device("cpu"))  # a plan written before made_for: not checked
 
 
 # ---------------------------------------------------------------- two processes
