@@ -55,8 +55,9 @@ BUDGET_QUANTILE = 0.9
 """`pick_budget`: the simulated decision this far up the sorted series sets the budget."""
 BUDGET_MARGIN = 0.25
 """`pick_budget`: the budget is (1 + this) x the end (stop + cooldown) of that decision. The
-largest stop-step error `benchmarks/governor.py` measured (seeds 2 to 7, 24 governed runs) was
-20.0%, and the simulated series scatter less than real runs do; 25% covers both."""
+largest stop-step error `benchmarks/governor.py` measured with the run deciding later than
+predicted (seeds 2 to 10, 36 governed runs) was 20.0% (a late prediction only leaves budget
+unused), and the simulated series scatter less than real runs do; 25% covers both."""
 
 
 def plan_law(plan: Plan, cache_dir=None) -> LossLaw:
