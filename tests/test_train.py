@@ -16,9 +16,9 @@ from executor.data import load_corpus
 from executor.record import RunRecord
 from executor.report import report
 from executor.train import run
-from planner.api import solve
+from planner.api import plan_for_choice, solve
 from planner.budget import Budget
-from planner.plan import Plan
+from planner.plan import Plan, layout_fields
 
 SEQ_LEN = 64
 STEPS = 6
@@ -44,10 +44,14 @@ def corpus(corpus_path):
 
 
 def _capped(plan: Plan, steps: int, **decisions) -> Plan:
+    """`plan` cut to `steps` steps; `decisions` (layout edits) stand in for a plan solved for
+    that layout: tokens per step and `made_for` follow the edit (`trainplan run` checks both),
+    the memory and time predictions stay the original's (the tests that edit check device and
+    process counts, not predictions)."""
     d = dataclasses.replace(plan.decisions, max_steps=steps, warmup_steps=2, **decisions)
     d = dataclasses.replace(d, max_tokens=steps * d.micro_batch * d.seq_len * d.dp_degree)
-    # the tokens a step takes follow the edited layout (`trainplan run` checks they agree)
-    p = dataclasses.replace(plan.predictions, tokens_per_step=d.micro_batch * d.seq_len * d.dp_degree)
+    p = dataclasses.replace(plan.predictions, tokens_per_step=d.micro_batch * d.seq_len * d.dp_degree,
+                            made_for=layout_fields(d))
     return dataclasses.replace(plan, decisions=d, predictions=p)
 
 
@@ -218,10 +222,10 @@ def test_fit_check_refuses_decisions_edited_after_the_predictions(plan):
 @pytest.mark.slow
 def test_two_process_run_through_the_cli(corpus, corpus_path, tmp_path):
     """sp_degree 2 x zero_stage 2 on two gloo processes, launched by `trainplan run`."""
-    solved = solve("tiny-llama", "cpu", Budget(devices=2, wall_clock_s=600), seq_len=SEQ_LEN,
-                   vocab_size=corpus.vocab_size, data_tokens=corpus.n_train_tokens,
-                   micro_batches=(2,), policies=("none",), optimizer_bits=(32,))
-    plan = _capped(solved, 4, sp_degree=2, dp_degree=1, zero_stage=2)
+    chosen = plan_for_choice("tiny-llama", "cpu", seq_len=SEQ_LEN, micro_batch=2, sp_degree=2, devices=2,
+                             zero_stage=2, optimizer_bits=32, max_steps=4, vocab_size=corpus.vocab_size,
+                             data_tokens=corpus.n_train_tokens)
+    plan = _capped(chosen, 4)
     plan.to_json(tmp_path / "plan.json")
     out = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "planner", "run", str(tmp_path / "plan.json"),
