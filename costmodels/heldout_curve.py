@@ -30,8 +30,8 @@ penalty keeps growing; their sum has that minimum.
 Calibration (`costmodels.heldout_fit.fit_heldout_curve`): least squares over the held-out points
 of pilot runs, each with its own tau and U: a fresh-data run over the plan's step range (no
 repeats: the penalty is 0; it fixes E, B, beta, the local law `trainplan calibrate` fits) and
-runs on smaller subsets for as many epochs as the plan (they fix gamma, kappa and, from two or more subset sizes,
-zeta). `HeldoutCurve.for_run` moves the calibrated curve to a plan's tau and U, extrapolating
+runs on smaller subsets for as many epochs as the plan (they fix gamma, kappa and, from two or
+more subset sizes, zeta). `HeldoutCurve.for_run` moves the calibrated curve to a plan's tau and U, extrapolating
 the penalty in U by (U / U_ref)^zeta: the assumption the benchmark (`benchmarks/governor.py`)
 tests on runs the fit never saw. Eq. (1) is a power law and cannot follow a real curve's start
 (warm-up, the unigram plateau); the pilots' measured departures there (`early_offsets`) are
@@ -186,7 +186,7 @@ class HeldoutCurve:
         fitted range), nats/token. Equal to `loss_at` from the nearest pilot's first fitted
         evaluation on. Why: the governor fits evaluations from a quarter of its steps done on,
         so a stop near step 150 fits points from step 37, where eq. (1) extrapolated backwards
-        runs up to 0.15 nats above a real curve (`benchmarks/governor.py`'s pilots): a more
+        ran 0.07-0.18 nats above the real curves (`benchmarks/governor.py`'s pilots): a more
         convex curve whose simulated gain falls below the threshold sooner than a real run's."""
         return self.loss_at(steps) + self.early_offset(np.maximum(np.asarray(steps, dtype=float), 1.0))
 

@@ -13,12 +13,12 @@ planner fixes the governor's threshold from economics and predicts where it will
 - predicted stop step: the step at which the governor's own rule (`costmodels.stopping.
   Governor`: the same refit cadence, fit window, confidence bound, trend check and cooldown
   rule), run over a predicted held-out curve evaluated as the run will be (every `eval_every`
-  steps, with the noise a pilot's held-out curve showed about its fit), decides to stop: the median over simulated
-  evaluation series (`costmodels.stop_prediction.simulated_stop_step`). The curve is, best, the
-  one calibrated on pilot runs (`curve=`, `costmodels.heldout_curve`: a fresh-data law plus a
-  penalty for repeated data, which can rise, as an overfitting run's held-out loss does, and
-  the pilots' measured start before their fitted range);
-  without one, the plan's loss law along the run (the local law of `trainplan calibrate` on the
+  steps, with the noise a pilot's held-out curve showed about its fit), decides to stop: the
+  median over simulated evaluation series (`costmodels.stop_prediction.simulated_stop_step`).
+  The curve is, best, the one calibrated on pilot runs (`curve=`, `costmodels.heldout_curve`:
+  a fresh-data law plus a penalty for repeated data, which can rise, as an overfitting run's
+  held-out loss does, and the pilots' measured start before their fitted range); without
+  one, the plan's loss law along the run (the local law of `trainplan calibrate` on the
   cpu profile, else the published one, data-constrained through Muennighoff et al. 2023's
   effective tokens), which only flattens and so misplaces a stop that overfitting sets; and
   without an evaluation noise either, where the law's mean drop per step crosses the threshold
@@ -220,7 +220,8 @@ def with_governor(plan: Plan, *, value_device_hours_per_nat: float | None = None
 def _check_curve_model(curve: HeldoutCurve, plan: Plan) -> None:
     """Refuse a pilot curve of another model or vocabulary than the plan's (its constants and
     nats per token belong to both); a curve that records neither is taken as it is."""
-    if (curve.model and curve.model != plan.model) or (curve.vocab_size and curve.vocab_size != plan.vocab_size):
+    other_model = bool(curve.model) and curve.model != plan.model
+    if other_model or (curve.vocab_size and curve.vocab_size != plan.vocab_size):
         raise TrainplanError(
             f"the held-out curve was fitted on pilots of {curve.model or '?'} (vocabulary "
             f"{curve.vocab_size or '?'}); the plan is {plan.model} (vocabulary {plan.vocab_size}): "

@@ -187,7 +187,8 @@ class Plan:
             why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
             raise PlanMismatchError(f"cannot read plan {str(text_or_path)[:200]!r}: {why}; give a plan "
                                     "JSON file written by `trainplan solve --json`") from None
-        if not isinstance(raw, dict) or raw.get("format") != PLAN_FORMAT or isinstance(raw.get("format"), bool):
+        fmt = raw.get("format") if isinstance(raw, dict) else None
+        if not isinstance(raw, dict) or fmt != PLAN_FORMAT or isinstance(fmt, bool):
             raise PlanMismatchError(
                 f"not a trainplan plan of format {PLAN_FORMAT}: got format "
                 f"{raw.get('format') if isinstance(raw, dict) else type(raw).__name__!r}; give a plan "

@@ -83,7 +83,8 @@ def test_sim_noise_is_the_larger_of_the_fits_residual_and_the_second_difference_
     assert dataclasses.replace(fit, rms_nats=0.0).sim_noise_nats == fit.noise_nats
 
 
-@pytest.mark.parametrize("row", [(0.0, 10.0, math.nan), (0.0, 10.0, EARLY_OFFSET_MAX_NATS + 1), (-1.0, 10.0, 0.1),
+@pytest.mark.parametrize("row", [(0.0, 10.0, math.nan), (0.0, 10.0, EARLY_OFFSET_MAX_NATS + 1),
+                                 (-1.0, 10.0, 0.1),
                                  (0.0, 0.0, 0.1), (0.0, 10.0), (0.0, True, 0.1)])
 def test_a_curve_file_with_a_bad_early_offset_is_refused(fit, row):
     raw = fit.to_dict() | {"early_offsets": [list(row)]}
