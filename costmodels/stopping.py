@@ -10,8 +10,8 @@ It stops a run for one of four reasons (`Decision.reason`, also the record's `st
 - `diverged`: the smoothed train loss (EMA over `window` steps) stays above `divergence_factor`
   times its running minimum for `patience` consecutive steps;
 - `marginal_gain`: a learning curve L(t) = E + A (t + t0)^-alpha fitted to the held-out losses
-  (`costmodels.governor.fit_curve`, refitted every `refit_every` steps once `min_points`
-  evaluations exist) predicts that the next `horizon_steps` steps lower the loss by less than
+  (`costmodels.governor.fit_curve`, refitted at most every `refit_every` steps, once
+  `min_points` evaluations exist and a new one has arrived since the last fit) predicts that the next `horizon_steps` steps lower the loss by less than
   `threshold_nats_per_step` each, *even at the upper `confidence` bound* (conservative: a noisy
   fit delays the stop, it does not cause one); or the same bound on the drop per step of a
   straight line through the recent evaluations (`trend_gain`, steps >= `trend_from` x steps
@@ -105,7 +105,9 @@ class Governor:
     max_steps: int
     """Step budget: the run ends with reason `budget` when this many steps are done."""
     refit_every: int = 10
-    """Refit the curve at most every this many steps (steps, >= 1)."""
+    """Refit the curve at most every this many steps (steps, >= 1), and only once a held-out
+    evaluation has arrived since the last refit: between evaluations the decision cannot change
+    (which lets `replay` jump from event to event)."""
     min_points: int = 8
     """Held-out evaluations needed before the first fit (>= 4)."""
     confidence: float = 0.9
@@ -145,6 +147,7 @@ class Governor:
     _bad: str = field(default="", init=False, repr=False)
     _fit: CurveFit | None = field(default=None, init=False, repr=False)
     _fit_step: int = field(default=-(10**9), init=False, repr=False)
+    _fit_seen: int = field(default=-1, init=False, repr=False)
     _gain: tuple[float, float, float] | None = field(default=None, init=False, repr=False)
     _trend: tuple[float, float, float] | None = field(default=None, init=False, repr=False)
     _pred: int | None = field(default=None, init=False, repr=False)
@@ -259,8 +262,9 @@ class Governor:
                                  final_step=steps if final is None else final)
 
     def _maybe_refit(self, steps: int) -> None:
-        if steps - self._fit_step < self.refit_every:
+        if steps - self._fit_step < self.refit_every or len(self.heldout) == self._fit_seen:
             return
+        self._fit_seen = len(self.heldout)  # no new evaluation: the window only loses points
         t, y = self.fit_points(steps)
         if t.size < self.min_points:
             return
@@ -350,15 +354,36 @@ class Governor:
         if until is not None:
             last = min(last, int(until))
         dec = Decision(stop=False, reason="", end_now=False, steps=0)
-        for s in range(1, last + 1):
+        # decide() once per step, as the live loop does, but only at the steps where the decision
+        # can change: observations, the refit due after an evaluation, the budget and the end of a
+        # cooldown (between them every call is a no-op); a budget of 10^9 steps replays in an instant
+        events = sorted({s for s in (*train, *held, self.max_steps) if 1 <= s <= last})
+        done = 0
+        for s in [*events, last + 1]:
+            while (between := self._pending_step(done, s)) is not None:
+                dec, done = self.decide(between), between
+                if dec.end_now:
+                    return dec
+            if s > last:
+                break
             if s in train:
                 self.observe_train(s, train[s])
             if s in held:
                 self.observe_heldout(s, held[s])
-            dec = self.decide(s)
+            dec, done = self.decide(s), s
             if dec.end_now:
                 break
         return dec
+
+    def _pending_step(self, after: int, before: int) -> int | None:
+        """The first step strictly between `after` and `before` (no observation there) at which
+        `decide` can change anything: the refit due after an evaluation, or the end of a
+        cooldown; None when there is none."""
+        if self._stopped is not None:
+            end = self._stopped.final_step
+            return end if after < end < before else None
+        due = max(after + 1, self._fit_step + self.refit_every)
+        return due if len(self.heldout) != self._fit_seen and due < before else None
 
 
 def lr_multiplier(step: int, state: dict) -> float:

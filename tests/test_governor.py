@@ -456,3 +456,54 @@ def test_a_governed_run_that_diverges_stops_with_diverged(tmp_path, tiny_run):
     rec = RunRecord.from_json(tmp_path / "blowup" / "record.json")
     assert rec.stop_reason in ("diverged", "nan") and rec.steps < 40, (rec.stop_reason, rec.train_loss)
     assert gov.decide(rec.steps).reason == rec.stop_reason
+
+
+def test_replay_jumps_between_events_and_decides_as_the_step_by_step_loop():
+    """`Governor.replay` calls `decide` only where the decision can change (observations, the
+    refit due after an evaluation, the budget, a cooldown's end); over random series (evaluation
+    and refit periods, thresholds, budgets, a NaN, a rising tail) it returns what deciding after
+    every step returns, and a 10^8-step budget with 50 evaluations replays at once."""
+    import warnings
+
+    from costmodels.stopping import Decision
+
+    def every_step(gov, train, held, last):
+        dec = Decision(stop=False, reason="", end_now=False, steps=0)
+        for s in range(1, last + 1):
+            if s in train:
+                gov.observe_train(s, train[s])
+            if s in held:
+                gov.observe_heldout(s, held[s])
+            dec = gov.decide(s)
+            if dec.end_now:
+                break
+        return dec
+
+    def key(d):
+        return (d.stop, d.reason, d.end_now, d.steps, d.decided_at, d.final_step, d.cooldown_start)
+
+    rng = np.random.default_rng(0)
+    reasons = set()
+    for _ in range(60):
+        n, ev, rf = int(rng.integers(40, 300)), int(rng.integers(1, 30)), int(rng.integers(1, 25))
+        s = np.arange(ev, n + 1, ev)
+        rise = 0.0005 * np.maximum(s - rng.integers(50, 250), 0) if rng.random() < 0.5 else 0.0
+        y = 3 + 2 * (s + 1.0) ** -0.5 + rng.normal(0, 0.01, s.size) + rise
+        held = {int(a): float(b) for a, b in zip(s, y)}
+        train = {i + 1: 3 + 2 * (i + 2) ** -0.5 for i in range(n)} if rng.random() < 0.5 else {}
+        if train and rng.random() < 0.3:
+            train[int(rng.integers(1, n))] = math.nan
+        kw = dict(threshold_nats_per_step=float(10 ** rng.uniform(-4, -1.5)), max_steps=n - int(rng.integers(0, 3)),
+                  refit_every=rf, min_points=int(rng.integers(4, 9)), warmup_steps=int(rng.integers(0, 20)))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            jumped = Governor(**kw).replay([(k - 1, v) for k, v in train.items()], list(held.items()))
+            stepped = every_step(Governor(**kw), train, held, max([*train, *held]))
+        assert key(jumped) == key(stepped), (kw, ev, key(jumped), key(stepped))
+        reasons.add(jumped.reason)
+    assert {"marginal_gain", "nan", "budget"} <= reasons, reasons
+    n = 10**8
+    s = np.arange(n // 50, n + 1, n // 50)
+    dec = Governor(threshold_nats_per_step=1e-30, max_steps=n).replay(
+        heldout_loss=list(zip(s.tolist(), (3 + 2 * (s + 1.0) ** -0.5).tolist())))
+    assert dec.reason == "budget" and dec.steps == n
