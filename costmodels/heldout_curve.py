@@ -250,6 +250,9 @@ class HeldoutCurve:
         return curve
 
 
+LOSS_MAX_NATS = 100.0
+"""Largest loss constant (E, B, gamma) a curve may carry, nats/token: ln of a 10^6-token
+vocabulary is 13.8, so no held-out loss comes near it (E = 1e300 once passed as a floor)."""
 COOLDOWN_GAIN_MAX_NATS = 1.0
 """Largest cooldown gain (either sign) a curve file may carry, nats: the pilots of
 `benchmarks/governor.py` measured 0.07-0.15 nats on tiny-llama; ten times that is no pilot fit
@@ -260,7 +263,8 @@ def _curve_problem(c: "HeldoutCurve") -> str | None:
     """What makes `c` unusable as eq. (1) (None when nothing): constants that are not real
     finite numbers or out of the fit's own bounds (`fit_heldout_curve`), unknown parameter
     names, a covariance of the wrong shape."""
-    ranges = {"E": (0.0, None), "B": (0.0, None), "beta": BETA_BOUNDS, "gamma": (0.0, None),
+    ranges = {"E": (0.0, LOSS_MAX_NATS), "B": (0.0, LOSS_MAX_NATS), "beta": BETA_BOUNDS,
+              "gamma": (0.0, LOSS_MAX_NATS),
               "kappa": KAPPA_BOUNDS, "zeta": ZETA_BOUNDS, "d_ref_tokens": (0.0, None),
               "u_ref_tokens": (0.0, None), "tokens_per_step": (0.0, None), "noise_nats": (0.0, None),
               "rms_nats": (0.0, None), "cooldown_gain_nats": (-COOLDOWN_GAIN_MAX_NATS, COOLDOWN_GAIN_MAX_NATS)}
@@ -277,6 +281,15 @@ def _curve_problem(c: "HeldoutCurve") -> str | None:
         return f"param_names={list(c.param_names)!r} must be distinct names of {list(PARAMS)}"
     if c.cov and (len(c.cov) != len(c.param_names) or any(len(r) != len(c.param_names) for r in c.cov)):
         return f"cov must be {len(c.param_names)} x {len(c.param_names)} (one row per name in param_names)"
+    u = c.unique_tokens
+    if u is not None and (isinstance(u, bool) or not isinstance(u, (int, float)) or not math.isfinite(u) or u <= 0):
+        return f"unique_tokens={u!r} must be null (fresh data) or a finite number > 0"
+    if any(isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) for r in c.cov for v in r):
+        return "cov must hold numbers (inf for a fit without a covariance), not NaN"
+    if isinstance(c.n_points, bool) or not isinstance(c.n_points, int) or c.n_points < 0:
+        return f"n_points={c.n_points!r} must be a whole number >= 0"
+    if not isinstance(c.source, str):
+        return f"source={c.source!r} must be a string"
     if not isinstance(c.model, str):
         return f"model={c.model!r} must be a model name (a string; '' when not recorded)"
     if isinstance(c.vocab_size, bool) or not isinstance(c.vocab_size, int) or c.vocab_size < 0:

@@ -162,7 +162,7 @@ def check_plan(plan, path: str | Path) -> None:
         ("decisions.micro_batch", d.micro_batch, _whole(d.micro_batch, 1), "a whole number >= 1"),
         ("decisions.max_steps", d.max_steps, _whole(d.max_steps, 1), "a whole number >= 1"),
         ("decisions.warmup_steps", d.warmup_steps, _whole(d.warmup_steps, 0), "a whole number >= 0"),
-        ("decisions.seed", d.seed, _whole(d.seed, 0), "a whole number >= 0"),
+        ("decisions.seed", d.seed, _whole(d.seed, 0) and d.seed < 2**63, "a whole number in [0, 2^63)"),
         ("decisions.zero_stage", d.zero_stage, d.zero_stage in (0, 1, 2, 3), "0, 1, 2 or 3"),
         ("decisions.optimizer_bits", d.optimizer_bits,
          _whole(d.optimizer_bits, 1) and d.optimizer_bits in optimizer_bits_for(d.precision),
@@ -177,8 +177,12 @@ def check_plan(plan, path: str | Path) -> None:
          d.data_method in ("random", "loss", "influence", "dsir"), "random, loss, influence or dsir"),
         ("decisions.selection_every_steps", d.selection_every_steps,
          _whole(d.selection_every_steps, 0), "a whole number >= 0"),
-        ("decisions.lr", d.lr, isinstance(d.lr, (int, float)) and math.isfinite(d.lr) and d.lr > 0,
-         "a positive finite number"),
+        ("decisions.lr", d.lr, number(d.lr) and d.lr > 0, "a positive finite number"),
+        ("decisions.checkpoint_sets", d.checkpoint_sets, isinstance(d.checkpoint_sets, dict)
+         and all(isinstance(k, str) and isinstance(v, list) and all(isinstance(x, str) for x in v)
+                 for k, v in d.checkpoint_sets.items()),
+         "an object of checkpoint entry name -> list of node keys"),
+        ("budget", plan.budget, isinstance(plan.budget, dict), "an object of budget fields"),
         ("decisions.governor_threshold", d.governor_threshold,
          number(d.governor_threshold) and d.governor_threshold >= 0,
          "a finite number >= 0 (nats/step; 0: no governor)"),

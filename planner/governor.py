@@ -222,10 +222,12 @@ def _check_curve_model(curve: HeldoutCurve, plan: Plan) -> None:
     nats per token belong to both); a curve that records neither is taken as it is."""
     other_model = bool(curve.model) and curve.model != plan.model
     if other_model or (curve.vocab_size and curve.vocab_size != plan.vocab_size):
+        recorded = " ".join(x for x in (curve.model, f"(vocabulary {curve.vocab_size})" if curve.vocab_size
+                                         else "") if x)
         raise TrainplanError(
-            f"the held-out curve was fitted on pilots of {curve.model or '?'} (vocabulary "
-            f"{curve.vocab_size or '?'}); the plan is {plan.model} (vocabulary {plan.vocab_size}): "
-            "fit pilots of this model and vocabulary (benchmarks/governor.py shows how)")
+            f"the held-out curve was fitted on pilots of {recorded}; the plan is {plan.model} "
+            f"(vocabulary {plan.vocab_size}): fit pilots of this model and vocabulary "
+            "(benchmarks/governor.py shows how)")
 
 
 def picked_budget(sims: list[int], max_steps: int) -> int:

@@ -188,7 +188,7 @@ class Plan:
             raise PlanMismatchError(f"cannot read plan {str(text_or_path)[:200]!r}: {why}; give a plan "
                                     "JSON file written by `trainplan solve --json`") from None
         fmt = raw.get("format") if isinstance(raw, dict) else None
-        if not isinstance(raw, dict) or fmt != PLAN_FORMAT or isinstance(fmt, bool):
+        if not isinstance(raw, dict) or type(fmt) is not int or fmt != PLAN_FORMAT:
             raise PlanMismatchError(
                 f"not a trainplan plan of format {PLAN_FORMAT}: got format "
                 f"{raw.get('format') if isinstance(raw, dict) else type(raw).__name__!r}; give a plan "
@@ -215,7 +215,8 @@ def layout_fields(d: Decisions) -> dict[str, Any]:
     """`d`'s LAYOUT_FIELDS as JSON values (tuples as lists): what `Predictions.made_for` holds."""
     out = {k: getattr(d, k) for k in LAYOUT_FIELDS}
     out["checkpoint"] = list(d.checkpoint)
-    out["checkpoint_sets"] = {k: list(v) for k, v in d.checkpoint_sets.items()}
+    sets = d.checkpoint_sets
+    out["checkpoint_sets"] = {k: list(v) for k, v in sets.items()} if isinstance(sets, dict) else sets
     return out
 
 

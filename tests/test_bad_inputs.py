@@ -60,7 +60,12 @@ def workdir(tmp_path_factory, cpu_profile) -> Path:
                        "plan_ckpt_edited.json": {"decisions": raw["decisions"] | {
                            "checkpoint": ["full"] * len(raw["decisions"]["checkpoint"])}},
                        "plan_step_time.json": {"predictions": raw["predictions"] | {"step_time_s": -1}},
-                       "plan_format_2.json": {"format": 2}, "plan_format_true.json": {"format": True}}.items():
+                       "plan_format_2.json": {"format": 2}, "plan_format_true.json": {"format": True},
+                       "plan_format_float.json": {"format": 1.0},
+                       "plan_seed_huge.json": {"decisions": raw["decisions"] | {"seed": 2**70}},
+                       "plan_lr_true.json": {"decisions": raw["decisions"] | {"lr": True}},
+                       "plan_sets_str.json": {"decisions": raw["decisions"] | {"checkpoint_sets": "x"}},
+                       "plan_budget_str.json": {"budget": "x"}}.items():
         (d / name).write_text(json.dumps(raw | edit))
     (d / "garbage.json").write_bytes(b"\xff\xfe\x00\x81 not a plan")
     (d / "curve_neg.json").write_text(json.dumps(HeldoutCurve(
@@ -167,7 +172,7 @@ CLI_ROWS: dict[str, tuple[str, type, list[str]]] = {
                                 ["cooldown_gain_nats=1000000000.0 is out of range (>= -1.0, <= 1.0)"]),
     "curve-out-of-range": (f"{TINY} --budget-seconds 60 --heldout-curve curve_neg.json "
                            "--loss-value-device-hours-per-nat 1", TrainplanError,
-                           ["'curve_neg.json': gamma=-0.03 is out of range (>= 0.0)", "HeldoutCurve.to_dict()"]),
+                           ["'curve_neg.json': gamma=-0.03 is out of range (>= 0.0, <= 100.0)", "HeldoutCurve.to_dict()"]),
     "curve-of-another-model": (f"{TINY} --budget-seconds 60 --heldout-curve curve_8b.json "
                                "--loss-value-device-hours-per-nat 1", TrainplanError,
                                ["fitted on pilots of llama3-8b (vocabulary 128256)",
@@ -224,6 +229,16 @@ CLI_ROWS: dict[str, tuple[str, type, list[str]]] = {
                           ["cannot read plan 'no_such_plan.json'", "No such file"]),
     "corrupt-plan-file": ("run garbage.json --out out", PlanMismatchError,
                           ["cannot read plan 'garbage.json'", "trainplan solve --json"]),
+    "plan-format-float": ("run plan_format_float.json --out out", PlanMismatchError,
+                          ["not a trainplan plan of format 1: got format 1.0"]),
+    "plan-seed-huge": ("run plan_seed_huge.json --out out", PlanMismatchError,
+                       ["decisions.seed=1180591620717411303424 must be a whole number in [0, 2^63)"]),
+    "plan-lr-true": ("run plan_lr_true.json --out out", PlanMismatchError,
+                     ["decisions.lr=True must be a positive finite number"]),
+    "plan-checkpoint-sets-str": ("run plan_sets_str.json --out out", PlanMismatchError,
+                                 ["decisions.checkpoint_sets='x' must be an object of checkpoint entry name"]),
+    "plan-budget-str": ("run plan_budget_str.json --out out", PlanMismatchError,
+                        ["budget='x' must be an object of budget fields"]),
     "plan-format-true": ("run plan_format_true.json --out out", PlanMismatchError,
                          ["not a trainplan plan of format 1: got format True"]),
     "plan-wrong-format": ("run plan_format_2.json --out out", PlanMismatchError,

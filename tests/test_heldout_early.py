@@ -140,3 +140,19 @@ def test_the_curve_records_its_pilots_model_and_a_plan_of_another_is_refused(pil
     for bad in (dict(model=5), dict(vocab_size=-1), dict(vocab_size=8192.5)):
         with pytest.raises(TrainplanError, match="model=|vocab_size="):
             HeldoutCurve.from_dict(fit.to_dict() | bad)
+
+
+@pytest.mark.parametrize("bad, needle", [(dict(E=1e300), "E=1e+300 is out of range"),
+                                         (dict(B=1e300), "B=1e+300 is out of range"),
+                                         (dict(unique_tokens=math.nan), "unique_tokens=nan"),
+                                         (dict(unique_tokens=-5.0), "unique_tokens=-5.0"),
+                                         (dict(n_points="x"), "n_points='x'"), (dict(source=5), "source=5")])
+def test_a_curve_file_with_an_impossible_constant_is_refused(fit, bad, needle):
+    """Constants no pilot fit gives are refused where a curve is read (a B of 1e300 overflowed in
+    the governor's fit; an E of 1e300 printed an end loss of 1e300 nats)."""
+    with pytest.raises(TrainplanError, match=needle.replace("+", r"\+").replace("(", r"\(")):
+        HeldoutCurve.from_dict(fit.to_dict() | bad)
+    cov = [list(r) for r in fit.cov]
+    cov[0][0] = math.nan
+    with pytest.raises(TrainplanError, match="not NaN"):
+        HeldoutCurve.from_dict(fit.to_dict() | {"cov": cov})
