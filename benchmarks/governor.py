@@ -91,7 +91,7 @@ from executor.data import load_corpus
 from executor.governor import Governor, pilot_curve
 from executor.record import RunRecord
 from planner.api import plan_for_choice
-from planner.governor import picked_budget, with_governor
+from planner.governor import picked_budget, simulated_decisions, with_governor
 
 SHAPE = dict(seq_len=128, micro_batch=8, vocab_size=8192)
 LR = 1e-3
@@ -190,16 +190,10 @@ def run_row(name: str, plan, rec: RunRecord) -> dict:
 
 
 def simulated(plan, curve, eval_every: int) -> list[int]:
-    """All simulated decisions behind the plan's prediction (for the quartiles)."""
-    from costmodels.stop_prediction import simulated_stop_step
-
-    d, p = plan.decisions, plan.predictions
-    c = curve.for_run(tokens_per_step=p.tokens_per_step,
-                      unique_tokens=plan.data_tokens * d.data_fraction)
-    return simulated_stop_step(lambda s: float(c.loss_with_early(s)), threshold_nats_per_step=d.governor_threshold,
-                               max_steps=d.max_steps, noise_nats=c.sim_noise_nats, eval_every=eval_every,
-                               warmup_steps=d.warmup_steps, runs=SIMULATED_RUNS, **GOVERNOR)[1]
-
+    """All simulated decisions behind the plan's prediction (for the quartiles), sorted."""
+    return sorted(s for s, _ in simulated_decisions(plan, curve, threshold_nats_per_step=plan.decisions.governor_threshold,
+                                                    eval_every=eval_every, governor_settings=GOVERNOR,
+                                                    runs=SIMULATED_RUNS))
 
 
 def summarise(rows: list[dict], pilot_steps: int, n: int, per_threshold: bool = True) -> dict:

@@ -11,8 +11,8 @@ It stops a run for one of four reasons (`Decision.reason`, also the record's `st
   times its running minimum for `patience` consecutive steps;
 - `marginal_gain`: a learning curve L(t) = E + A (t + t0)^-alpha fitted to the held-out losses
   (`costmodels.governor.fit_curve`, refitted at most every `refit_every` steps, once
-  `min_points` evaluations exist and a new one has arrived since the last fit) predicts that the next `horizon_steps` steps lower the loss by less than
-  `threshold_nats_per_step` each, *even at the upper `confidence` bound* (conservative: a noisy
+  `min_points` evaluations exist and a new one has arrived since the last fit) predicts that
+  the next `horizon_steps` steps lower the loss by less than `threshold_nats_per_step` each, *even at the upper `confidence` bound* (conservative: a noisy
   fit delays the stop, it does not cause one); or the same bound on the drop per step of a
   straight line through the recent evaluations (`trend_gain`, steps >= `trend_from` x steps
   done) is below the threshold: the power law plus floor cannot rise, so a held-out loss that
@@ -264,7 +264,9 @@ class Governor:
     def _maybe_refit(self, steps: int) -> None:
         if steps - self._fit_step < self.refit_every or len(self.heldout) == self._fit_seen:
             return
-        self._fit_seen = len(self.heldout)  # no new evaluation: the window only loses points
+        # a fit attempt (kept or failed) uses the evaluations seen so far; without a new one a
+        # later attempt could only lose points from the window, so none is made
+        self._fit_seen = len(self.heldout)
         t, y = self.fit_points(steps)
         if t.size < self.min_points:
             return

@@ -155,8 +155,7 @@ def with_governor(plan: Plan, *, value_device_hours_per_nat: float | None = None
         offset = bits_loss_penalty(d.optimizer_bits, d.activation_bits, precision=d.precision,
                                    penalty=fitted)
         if curve is not None:
-            _check_curve_model(curve, plan)
-            curve = curve.for_run(tokens_per_step=p.tokens_per_step, unique_tokens=unique)
+            curve = run_curve(plan, curve)
             noise = curve.sim_noise_nats if noise_nats is None else noise_nats
             what, gain = f"the pilots' held-out curve ({curve.source})", curve.cooldown_gain_nats
 
@@ -176,10 +175,10 @@ def with_governor(plan: Plan, *, value_device_hours_per_nat: float | None = None
             rule = "where the law's mean drop per step crosses it"
         else:
             def simulate(max_steps: int):
-                pairs = simulated_stops(loss_at, threshold_nats_per_step=thr, max_steps=max_steps,
-                                        noise_nats=noise, eval_every=eval_every,
-                                        warmup_steps=d.warmup_steps, runs=runs,
-                                        **(governor_settings or {}))
+                sim = dict(threshold_nats_per_step=thr, max_steps=max_steps, eval_every=eval_every,
+                           governor_settings=governor_settings, runs=runs)
+                pairs = (simulated_decisions(plan, curve, noise_nats=noise, **sim) if curve is not None
+                         else _simulated(plan, loss_at, noise, **sim))
                 ends = sorted(e for _, e in pairs)
                 return pairs[len(pairs) // 2][0], [s for s, _ in pairs], ends[len(ends) // 2]
 
@@ -217,9 +216,48 @@ def with_governor(plan: Plan, *, value_device_hours_per_nat: float | None = None
         notes=tuple(notes))
 
 
+def run_curve(plan: Plan, curve: HeldoutCurve) -> HeldoutCurve:
+    """The pilots' `curve` moved to `plan`'s tokens per step and unique tokens (`data_tokens x
+    data_fraction`, at least 1): eq. (1) of `costmodels.heldout_curve` for this run.
+
+    Raises: TrainplanError for a curve of another model or vocabulary than the plan's (its
+    constants and nats per token belong to both); a curve that records neither is taken as it
+    is."""
+    _check_curve_model(curve, plan)
+    unique = max(1.0, float(plan.data_tokens) * float(plan.decisions.data_fraction))
+    return curve.for_run(tokens_per_step=plan.predictions.tokens_per_step, unique_tokens=unique)
+
+
+def simulated_decisions(plan: Plan, curve: HeldoutCurve, *, threshold_nats_per_step: float,
+                        max_steps: int | None = None, noise_nats: float | None = None,
+                        eval_every: int | None = None, governor_settings: dict | None = None,
+                        runs: int = 16) -> list[tuple[int, int]]:
+    """(decision, end) steps of the governor simulated `runs` times over the pilots' `curve`
+    for `plan`, sorted (`costmodels.stop_prediction.simulated_stops`): the curve as the plan's
+    run sees it (`run_curve`), its start as the pilots measured it (`loss_with_early`), with
+    `noise_nats` of evaluation noise (default `sim_noise_nats`), `max_steps` (default the
+    plan's), `eval_every` and `governor_settings` (`Governor` fields) as the live run's, the
+    plan's warm-up. What `with_governor` predicts from, and `benchmarks/governor.py` reports.
+
+    Raises: TrainplanError as `run_curve` and `simulated_stops`."""
+    c = run_curve(plan, curve)
+    return _simulated(plan, lambda s: float(c.loss_with_early(s)),
+                      c.sim_noise_nats if noise_nats is None else noise_nats,
+                      threshold_nats_per_step=threshold_nats_per_step, max_steps=max_steps,
+                      eval_every=eval_every, governor_settings=governor_settings, runs=runs)
+
+
+def _simulated(plan: Plan, loss_at, noise_nats: float, *, threshold_nats_per_step: float,
+               max_steps: int | None, eval_every: int | None, governor_settings: dict | None,
+               runs: int) -> list[tuple[int, int]]:
+    return simulated_stops(loss_at, threshold_nats_per_step=threshold_nats_per_step,
+                           max_steps=max_steps or plan.decisions.max_steps, noise_nats=noise_nats,
+                           eval_every=eval_every, warmup_steps=plan.decisions.warmup_steps, runs=runs,
+                           **(governor_settings or {}))
+
+
 def _check_curve_model(curve: HeldoutCurve, plan: Plan) -> None:
-    """Refuse a pilot curve of another model or vocabulary than the plan's (its constants and
-    nats per token belong to both); a curve that records neither is taken as it is."""
+    """Raise TrainplanError for a curve of another model or vocabulary than the plan's."""
     other_model = bool(curve.model) and curve.model != plan.model
     if other_model or (curve.vocab_size and curve.vocab_size != plan.vocab_size):
         recorded = " ".join(x for x in (curve.model, f"(vocabulary {curve.vocab_size})" if curve.vocab_size
@@ -296,4 +334,4 @@ def governed_plan(plan: Plan, value_device_hours_per_nat: float | None,
 
 
 __all__ = ["BUDGET_MARGIN", "BUDGET_QUANTILE", "governed_plan", "picked_budget", "plan_law",
-           "read_heldout_curve", "with_governor"]
+           "read_heldout_curve", "run_curve", "simulated_decisions", "with_governor"]
