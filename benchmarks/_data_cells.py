@@ -73,7 +73,7 @@ def build_data(grid: Grid) -> Data:
     """The default corpus with a random pool of windows, `grid.junk` of them overwritten with
     uniformly random tokens (all but the window's first token, so no clean window changes); the
     first 64 held-out windows to evaluate; the next 64 (after a one-window gap) as target set."""
-    from executor.data import heldout_batches, load_corpus
+    from executor.data.batches import heldout_batches, load_corpus
 
     corpus = load_corpus(vocab_size=VOCAB)
     rng = np.random.default_rng(SEED)
@@ -96,9 +96,10 @@ def step_flops(data: Data) -> float:
     """FLOPs of one tiny-llama training step (FlopCounterMode, as executor.train counts)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from executor.data import TokenBatches
-    from planner.capture import CPU_ATTENTION_FLOP_FORMULAS, lm_loss
-    from planner.presets import build_model
+    from executor.data.batches import TokenBatches
+    from modeling.flop_counting import CPU_ATTENTION_FLOP_FORMULAS
+    from modeling.loss import lm_loss
+    from modeling.presets import build_model
 
     model = build_model(MODEL, device="cpu", vocab_size=data.vocab_size, seed=SEED)
     x, y = TokenBatches(data.tokens, seq_len=SEQ_LEN, micro_batch=MICRO_BATCH).batch(0)
@@ -111,10 +112,10 @@ def step_flops(data: Data) -> float:
 def train(plan, data: Data, keep: np.ndarray, eval_at: set[int]) -> tuple[float, list]:
     """Train a fresh tiny-llama on the kept windows for plan.decisions.max_steps; returns (final
     held-out loss, [(steps, loss)] at `eval_at` and at the end)."""
-    from executor.data import TokenBatches
+    from executor.data.batches import TokenBatches
     from executor.train import build_optimizer, lr_at
-    from planner.capture import lm_loss
-    from planner.presets import build_model
+    from modeling.loss import lm_loss
+    from modeling.presets import build_model
 
     d = plan.decisions
     model = build_model(MODEL, device="cpu", vocab_size=data.vocab_size, seed=d.seed)
@@ -191,7 +192,7 @@ def _run_cell(cell: dict) -> dict:
 
 def score_all(grid: Grid, data: Data, fps: float, log) -> dict:
     """Score the pool once per method (cached on disk); {method: (WindowScores, steps charged)}."""
-    from executor.selection import score_windows
+    from executor.data.selection import score_windows
 
     scored = {}
     for method in grid.methods:
@@ -205,7 +206,7 @@ def score_all(grid: Grid, data: Data, fps: float, log) -> dict:
 
 
 def train_all(grid: Grid, data: Data, scored: dict, fps: float, jobs: int, log) -> list[dict]:
-    from executor.selection import select
+    from executor.data.selection import select
 
     cells = []
     for method, f in [("random", f) for f in grid.fractions] + [

@@ -32,8 +32,8 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from executor.data import load_corpus
-from executor.report import compare
+from executor.data.batches import load_corpus
+from executor.reporting.report import compare
 from planner.api import plan_for_choice, solve
 from planner.budget import Budget
 
@@ -93,7 +93,7 @@ def run_case(case: dict, data, out: Path) -> dict:
         run_dir.mkdir(parents=True)
         plan.to_json(run_dir / "plan.json")
         launch(run_dir / "plan.json", run_dir, None, None)
-        from executor.report import load_run
+        from executor.reporting.report import load_run
 
         plan, record = load_run(run_dir)
     else:
@@ -129,7 +129,7 @@ def calibrated_step_times(df: pd.DataFrame, out: Path) -> pd.DataFrame:
     import os
     import tempfile
 
-    from executor.calibrate import calibrate
+    from executor.calibrate.runs import calibrate
     from hardware_profiles import cache_path
 
     scratch = Path(tempfile.mkdtemp(prefix="trainplan-acc-"))
@@ -214,7 +214,7 @@ def main(argv=None) -> int:
         "hw": HW,
         "precision": PRECISION,
         "torch": torch.__version__,
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
     }
     (out / "accuracy.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary, indent=2))

@@ -19,7 +19,7 @@ measured and predicted delta against the baseline (seed 0; memory does not depen
 Loss (protocol fixed before the seeds 8-15 ran; `FIT_SEEDS`): one seed's delta against the
 baseline of the same seed moves with a standard deviation of up to 0.064 nats between seeds at
 100 steps, more than the 0.05 target, so a setting's delta is the mean over seeds. The penalties `trainplan
-calibrate` fits (`executor.calibrate_bits`, non-negative least squares) from the runs of
+calibrate` fits (`executor.calibrate.bits`, non-negative least squares) from the runs of
 `FIT_SEEDS` are checked against the mean delta over `CHECK_SEEDS` (held out); the published
 defaults are checked against the mean over all seeds.
 
@@ -76,8 +76,9 @@ _DATA = {}
 
 def _run(setting, steps: int, out: str, seed: int = 0, reuse: bool = False) -> dict:
     """One setting and seed run for real (in a worker process), or reused: its CSV row."""
-    from executor.data import load_corpus
     from _runs import reusable_record
+
+    from executor.data.batches import load_corpus
     from executor.train import run
     from planner.api import plan_for_choice
 
@@ -117,8 +118,8 @@ def _matching_phase(plan, measured: dict):
     nearest the measured peak's: where two phases nearly tie (8-bit saved activations bring the
     tail's forward and backward peaks within bytes of each other) MemTracker's peak falls in
     either, and its split by category is that phase's."""
-    from costmodels.memory import step_phases
-    from costmodels.step import Choice, StepModel
+    from costmodels.step.memory import step_phases
+    from costmodels.step.model import Choice, StepModel
     from hardware_profiles import load
     from planner.api import capture_model
 
@@ -149,9 +150,9 @@ def main(argv=None) -> int:
     ap.add_argument("--reuse", action="store_true",
                     help="reuse the finished runs in DIR/runs/ whose plans are the same")
     args = ap.parse_args(argv)
-    from costmodels.bits import DEFAULT_BITS_PENALTY, bits_loss_penalty
-    from executor.calibrate_bits import fit_bits_penalty
-    from executor.report import load_run
+    from costmodels.loss.bits import DEFAULT_BITS_PENALTY, bits_loss_penalty
+    from executor.calibrate.bits import fit_bits_penalty
+    from executor.reporting.report import load_run
 
     if args.jobs < 1:
         ap.error(f"--jobs {args.jobs}: give at least 1")
@@ -233,7 +234,7 @@ def main(argv=None) -> int:
         "quick": args.quick, "seq_len": SEQ, "micro_batch": MICRO_BATCH,
         "reused_runs": int(runs.reused.sum()),
         "machine": f"{platform.machine()}, 1 torch thread x {args.jobs} process(es)",
-        "torch": torch.__version__, "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__, "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "wall_s": time.perf_counter() - t0,
     }
     summary = {k: None if isinstance(v, float) and v != v else v for k, v in summary.items()}

@@ -245,7 +245,7 @@ def main(argv=None) -> int:
         "machine": f"{platform.node()} {platform.processor() or platform.machine()}, "
                    f"{os.cpu_count()} cores",
         "torch": torch.__version__,
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
     })
     (out / "context_table.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(md)

@@ -14,25 +14,25 @@ influence/DSIR: the next 64 held-out windows (after a one-window gap: no shared 
 
 Equal compute: every cell gets S * flops_per_step FLOPs (one tiny-llama step counted with
 FlopCounterMode). A method's scoring FLOPs (reference training + scoring pass, counted by
-`executor.selection`) are converted to steps and taken off: steps_m = S - ceil(scoring_m /
+`executor.data.selection`) are converted to steps and taken off: steps_m = S - ceil(scoring_m /
 flops_per_step) (Yin and Rush 2025). Fraction 1.0 is run for random only: keeping everything
 after scoring it is the same data with fewer steps.
 
 Training: the benchmark's own minimal loop (plan from `planner.api.plan_for_choice`, model
-`planner.presets.build_model`, `executor.train.build_optimizer` and `lr_at`, loss
-`planner.capture.lm_loss`, batches `TokenBatches(keep_indices=...)`), because every cell selects
+`modeling.presets.build_model`, `executor.train.build_optimizer` and `lr_at`, loss
+`planner.capture.graph.lm_loss`, batches `TokenBatches(keep_indices=...)`), because every cell selects
 from the same junk-laced candidate pool, not from a whole corpus as `executor.train.run`'s
 `PlannedBatches` does. Cells run in `--jobs` processes of one
 torch thread each (small GEMMs under contention run much slower with two threads a process).
 Scores (and the reference model) are cached in $TRAINPLAN_CACHE_DIR, so a rerun skips scoring
 but charges the same FLOPs.
 
-Prediction (`costmodels.data_value`): E, B, beta and R_D* of the law are fitted on the random
+Prediction (`costmodels.data.value`): E, B, beta and R_D* of the law are fitted on the random
 runs' held-out curves in the constant-learning-rate phase (`fit_local_law(fit_r_d_star=True)`),
 plus one offset for the final cooldown (mean final-minus-law of the random runs). Each selection
 method's quality q(f) = 1 + a (1 - f) (b pinned to 1) is fitted on its pilot fractions; the other
 fractions are predicted out of sample. Both errors are reported. `--save-fits` caches the fitted
-multipliers for tiny-llama (`costmodels.data_value.save_quality_fits`), where the planner's method
+multipliers for tiny-llama (`costmodels.data.value.save_quality_fits`), where the planner's method
 choice (`planner.data_choice`) finds them: they describe this junk-laced pool, so save them only
 to plan for data like it.
 
@@ -52,21 +52,25 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from _data_cells import _WORKER as _WORKER
+from _data_cells import EVAL_BATCHES as EVAL_BATCHES
 
 # The grid, the candidate pool, the training loop and the cells live beside this script in
 # _data_cells.py (importable because the script's folder is on sys.path); re-exported here.
-from _data_cells import (FULL, LR, MICRO_BATCH, MODEL, QUICK, SEQ_LEN, Grid, build_data,
-                         score_all, step_flops, train_all)
-from _data_cells import (EVAL_BATCHES as EVAL_BATCHES, SEED as SEED,
-                         TARGET_WINDOWS as TARGET_WINDOWS, VOCAB as VOCAB, Data as Data,
-                         _WORKER as _WORKER, _init_worker as _init_worker, _run_cell as _run_cell,
-                         stable_points as stable_points, train as train)
+from _data_cells import FULL, LR, MICRO_BATCH, MODEL, QUICK, SEQ_LEN, Grid, build_data, score_all, step_flops, train_all
+from _data_cells import SEED as SEED
+from _data_cells import TARGET_WINDOWS as TARGET_WINDOWS
+from _data_cells import VOCAB as VOCAB
+from _data_cells import Data as Data
+from _data_cells import _init_worker as _init_worker
+from _data_cells import _run_cell as _run_cell
+from _data_cells import stable_points as stable_points
+from _data_cells import train as train
 
 
 def predict(grid: Grid, rows: list[dict], n_params: int) -> tuple[dict, dict]:
     """Fill each row's predicted loss; returns (law summary, quality fits)."""
-    from costmodels.data_value import (DEFAULT_QUALITY, fit_local_law, fit_quality,
-                                       subset_loss)
+    from costmodels.data.value import DEFAULT_QUALITY, fit_local_law, fit_quality, subset_loss
 
     pool_tokens = grid.pool * SEQ_LEN
     rand = [r for r in rows if r["method"] == "random"]
@@ -119,7 +123,7 @@ def run_grid(grid: Grid, jobs: int, log, save_fits: bool = False) -> tuple[list[
         if len(good) < len(fits):
             log(f"not saving the fits of {', '.join(sorted(set(fits) - set(good)))}: a at its bound")
         if good:
-            from costmodels.data_value import save_quality_fits
+            from costmodels.data.value import save_quality_fits
 
             path = save_quality_fits(good, model=MODEL, vocab_size=data.vocab_size,
                                      corpus=f"{data.name} pool of {grid.pool} windows, "

@@ -16,7 +16,7 @@ seeds 8-10; the same as the second but for the stop prediction's curve and noise
    1/2 and 3/4 of the subset for as many epochs as the plan (`pilot_configs`). Their held-out
    curves at a constant learning rate (first 20% of points skipped, as `trainplan calibrate`)
    calibrate the planner's curve, a fresh-data law plus a penalty for repeated data
-   (`costmodels.heldout_fit.fit_heldout_curve`).
+   (`costmodels.stopping.heldout_fit.fit_heldout_curve`).
 2. Plans: for each threshold of `THRESHOLDS` (a half-decade grid; prices of 333 to 10,000 steps
    per nat), `planner.governor.with_governor(plan, curve=...)` writes the threshold and the
    predicted stop into the plan before the run: the governor's own rule simulated over the
@@ -83,11 +83,11 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import torch
-
 from _governor_figure import figure
 from _runs import reusable_record
-from costmodels.heldout_fit import fit_heldout_curve
-from executor.data import load_corpus
+
+from costmodels.stopping.heldout_fit import fit_heldout_curve
+from executor.data.batches import load_corpus
 from executor.governor import Governor, pilot_curve
 from executor.record import RunRecord
 from planner.api import plan_for_choice
@@ -239,14 +239,14 @@ class Seed:
         self.pcfg = pilot_configs(self.sc)
         self.pplans = [make_plan(c, self.data_tokens, self.seed) for c in self.pcfg]
         self.pfuts = [submit(pool, p, self.run_dir(c["name"]), c["eval_every"], self.a, governed=False)
-                      for c, p in zip(self.pcfg, self.pplans)]
+                      for c, p in zip(self.pcfg, self.pplans, strict=False)]
 
     def submit_runs(self, pool) -> None:
         """After the pilots: the planner's curve, the plans (predictions written in before any
         run), then the baseline and the governed runs."""
         sc, s = self.sc, self.seed
-        self.pilots = [(p, result(f)) for p, f in zip(self.pplans, self.pfuts)]
-        for c, (p, r) in zip(self.pcfg, self.pilots):
+        self.pilots = [(p, result(f)) for p, f in zip(self.pplans, self.pfuts, strict=False)]
+        for c, (p, r) in zip(self.pcfg, self.pilots, strict=False):
             print(f"seed {s} {c['name']}: fraction {c['data_fraction']:g}, {r.steps} steps, final "
                   f"held-out {r.final_heldout_loss:.4f}", flush=True)
         self.curve = curve = fit_heldout_curve(
@@ -289,7 +289,7 @@ class Seed:
                         | {"cooldown_skipped": bool(summary.get("cooldown_skipped")),
                            "budget_picked_steps": self.picked[thr],
                            "budget_picked_covers_end": rec.steps <= self.picked[thr]})
-        other = [{"seed": s} | run_row(c["name"], p, r) for c, (p, r) in zip(self.pcfg, self.pilots)]
+        other = [{"seed": s} | run_row(c["name"], p, r) for c, (p, r) in zip(self.pcfg, self.pilots, strict=False)]
         other.append({"seed": s} | run_row("baseline", self.base_plan, base))
         stem = f"{'quick-' if self.a.quick else ''}governor-seed{s}"
         pd.DataFrame(rows + other).to_csv(self.out / f"{stem}.csv", index=False)
@@ -364,7 +364,7 @@ def main(argv=None) -> int:
         "wall_s": time.perf_counter() - t_start, "reused_runs": ", ".join(REUSED), "quick": a.quick,
         "machine": f"{platform.node()} {platform.processor() or platform.machine()}, "
                    f"{a.threads} thread(s) x {a.jobs} process(es)",
-        "torch": torch.__version__, "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__, "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
     }
     write_json(out / f"{tag}governor.json", summary_out)
     print(json.dumps(summary_out, indent=2))

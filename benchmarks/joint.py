@@ -26,7 +26,7 @@ a smaller micro-batch at the same time, a move no single knob makes.
 Measured (not with --no-measure): tiny-llama on this CPU at a small FLOP budget (each run about
 two minutes; `--quick`: a few steps): the joint plan and the best per-knob plan run for real
 (`executor.train.run`, same seed and data), and their final held-out loss is measured on the
-same 128 held-out windows (`executor.data.heldout_batches`, micro-batch 16) after training. The
+same 128 held-out windows (`executor.data.batches.heldout_batches`, micro-batch 16) after training. The
 memory cap is a what-if on the CPU (it is not enforced there); FLOPs are the budget, so the
 runs are at equal compute.
 
@@ -97,7 +97,7 @@ class Knobs:
         self._steps: dict[tuple, tuple[float, float]] = {}
 
     def choice(self, k: dict):
-        from costmodels.step import Choice
+        from costmodels.step.model import Choice
 
         L = len(self.pr.step_model.blocks)
         return Choice(sp_degree=k["sp_degree"], zero_stage=k["zero_stage"], micro_batch=k["micro_batch"],
@@ -120,7 +120,7 @@ class Knobs:
 
     def loss(self, k: dict) -> float:
         """Predicted final loss (nats/token) when the budget is run out; inf if it does not fit."""
-        from costmodels.bits import bits_loss_penalty
+        from costmodels.loss.bits import bits_loss_penalty
 
         mem, steps = self.step(k)
         if mem > self.limit or steps < 1:
@@ -236,10 +236,10 @@ def measure(plans: dict, out: Path, reuse: bool = False) -> dict[str, dict]:
     """Run each plan for real on this CPU; {method: final held-out loss on the same windows,
     steps, tokens, wall seconds, stop reason}. Each run folder keeps them in `heldout.json`;
     `reuse` takes them from there when the folder's plan has the same decisions."""
-    from executor.data import heldout_batches, load_corpus
+    from executor.data.batches import heldout_batches, load_corpus
     from executor.train import run
-    from planner.capture import lm_loss
-    from planner.presets import build_model
+    from modeling.loss import lm_loss
+    from modeling.presets import build_model
 
     data = load_corpus(vocab_size=TINY["vocab_size"])
     held = heldout_batches(data.heldout_tokens, seq_len=TINY["seq_len"], micro_batch=16, max_batches=8)
@@ -280,7 +280,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(2)
     t_start = time.perf_counter()
-    from executor.data import count_corpus_tokens
+    from executor.data.batches import count_corpus_tokens
 
     TINY["data_tokens"] = count_corpus_tokens(vocab_size=TINY["vocab_size"])
     if a.quick:
@@ -323,7 +323,7 @@ def main(argv=None) -> int:
         "machine": f"{platform.node()} {platform.processor() or platform.machine()}, "
                    f"{torch.get_num_threads()} threads",
         "torch": torch.__version__,
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
     }
     if measured:
         summary |= {f"measured_heldout_loss_{m}": v["measured_heldout_loss"] for m, v in measured.items()}

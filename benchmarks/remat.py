@@ -87,7 +87,7 @@ class Planner:
         self.L = graph.n_layers
 
     def _choice(self, seq, mb, policies, sets=()):
-        from costmodels.step import Choice
+        from costmodels.step.model import Choice
 
         return Choice(sp_degree=1, zero_stage=0, micro_batch=mb, seq_len=seq, policies=policies,
                       precision=self.precision, optimizer_bits=32, devices=1, sets=tuple(sets))
@@ -98,7 +98,7 @@ class Planner:
             c = self._choice(seq, mb, (NAMED[strategy],) * self.L)
             return self._fits(c, cap)
         if strategy == "torch_knapsack":
-            from planner.remat import BUDGETS, knapsack_set
+            from planner.joint.remat_menu import BUDGETS, knapsack_set
 
             case = self.sm.block_case(self._choice(seq, mb, ("none",) * self.L))
             options = [self._fits(self._choice(seq, mb, ("none",) * self.L), cap)]
@@ -116,9 +116,9 @@ class Planner:
                     peak=cost.memory.total, step_s=cost.time_s)
 
     def _solve(self, seq, mb, cap):
-        from hardware_profiles.errors import InfeasibleError
         from planner.api import solve
         from planner.budget import Budget
+        from trainplan_errors import InfeasibleError
 
         try:
             p = solve(MODEL, self.hw, Budget(wall_clock_s=10**7), seq_len=seq, vocab_size=VOCAB,
@@ -173,10 +173,10 @@ def _interleaved_times(plans: list, data, rounds: int = ROUNDS) -> list[float]:
     executor's own pieces (`apply_checkpointing`, `build_optimizer`, `lm_loss`), one step of
     each in turn so that other load on the machine hits them alike: each plan's fastest step
     after one warm-up round."""
-    from executor.data import TokenBatches
+    from executor.data.batches import TokenBatches
     from executor.train import apply_checkpointing, build_optimizer
-    from planner.capture import lm_loss
-    from planner.presets import build_model
+    from modeling.loss import lm_loss
+    from modeling.presets import build_model
 
     d = plans[0].decisions
     batches = TokenBatches(data.train_tokens, seq_len=d.seq_len, micro_batch=d.micro_batch,
@@ -202,7 +202,7 @@ def _interleaved_times(plans: list, data, rounds: int = ROUNDS) -> list[float]:
     torch.set_num_threads(TIMING_THREADS)
     try:
         for i in range(rounds + 1):
-            for t, step in zip(times, steppers):
+            for t, step in zip(times, steppers, strict=False):
                 dt_ = step(i)
                 if i:  # round 0 warms up
                     t.append(dt_)
@@ -263,7 +263,7 @@ def run_case(planner: Planner, cap_mib: int, mb: int, strategies, data, out: Pat
         plans += [_plan_for(planner, planner.plan(r["strategy"], seq, mb, cap - r["margin"]), seq, mb)
                   for r in group]
         base_s, *mine = _interleaved_times(plans, data)
-        for r, t in zip(group, mine):
+        for r, t in zip(group, mine, strict=False):
             r["timed_step_s"], r["timed_no_ac_step_s"], r["overhead"] = t, base_s, t / base_s - 1
     ours = next((r for r in rows if r["strategy"] == OURS and "overhead" in r), None)
     if ours is not None:
@@ -335,7 +335,7 @@ def summarize(df: pd.DataFrame, quick: bool) -> dict:
         "quick": quick,
         "machine": f"{platform.node()} {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
         "torch": torch.__version__,
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
     }
 
 
@@ -346,7 +346,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    from executor.data import load_corpus
+    from executor.data.batches import load_corpus
 
     data = load_corpus(vocab_size=VOCAB)
     planner = Planner()

@@ -14,7 +14,7 @@ menu (`menu_s`). Joint: `planner.solve` for llama3-70b (80 layers) at 131,072 to
 transformers Llama module are already imported (`solve_s_llama3_70b`); the same solve's
 capture and solver parts are reported beside it. Scale: the same for llama3.1-405b (126 layers)
 at 8,192 tokens on 1024 x mi300, 128 nodes of 8 (SP inside a node, data parallelism across
-nodes; `solve_s_405b_1024`, target 10 s). Frontier: `planner.frontier` for llama3-8b on 8 x h100
+nodes; `solve_s_405b_1024`, target 10 s). Frontier: `planner.joint.frontier` for llama3-8b on 8 x h100
 at 8,192 tokens (`frontier_s_llama3_8b`; not with --quick). torch and CP-SAT use 2 threads.
 
 Writes DIR/solve_speed.csv (one row per graph) and DIR/solve_speed.json (summary), prints the
@@ -55,7 +55,7 @@ class LayerStack(nn.Module):
 def stacked_tiny(k: int) -> nn.Module:
     """tiny-llama with its 4 layers grouped into one block of k layers (repeated 4 // k times,
     at least once)."""
-    from planner.presets import build_model
+    from modeling.presets import build_model
 
     model = build_model("tiny-llama", device="meta", vocab_size=2048)
     layers = list(model.model.layers)
@@ -67,9 +67,9 @@ def stacked_tiny(k: int) -> nn.Module:
 
 
 def block_row(name: str, region, hw: str, b: int, s: int, sp: int, stack: int) -> dict:
-    from costmodels.remat import BUILTIN
-    from costmodels.remat_solver import BlockCase, BlockModel, evaluate, pareto_menu
+    from costmodels.checkpoint_sets import BUILTIN
     from hardware_profiles import load
+    from planner.joint.remat_solver import BlockCase, BlockModel, evaluate, pareto_menu
 
     case = BlockCase(region=region, b=b, s=s, sp=sp, hw=load(hw), dtype="bf16", stack=stack)
     t0 = time.perf_counter()
@@ -118,11 +118,11 @@ def joint(model: str, devices: int, seq_len: int, device_hours: float) -> dict:
 
 
 def frontier_8b() -> float:
-    """Seconds of `planner.frontier` for llama3-8b on 8 x h100 at 8,192 tokens (1000
+    """Seconds of `planner.joint.frontier` for llama3-8b on 8 x h100 at 8,192 tokens (1000
     device-hours): the joint solve at every rung of its budget and memory-cap ladder (about 30 s
-    on 2 idle cores; tests/test_frontier.py checks the frontier itself)."""
+    on 2 idle cores; tests/unit/planner/test_frontier.py checks the frontier itself)."""
     from planner.budget import Budget
-    from planner.frontier import frontier
+    from planner.joint.frontier import frontier
 
     t0 = time.perf_counter()
     frontier("llama3-8b", "h100", Budget(devices=8, device_hours=1000), seq_len=8192)
@@ -138,7 +138,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(THREADS)
     from planner.api import capture_model
-    from planner.capture import capture
+    from planner.capture.graph import capture
 
     capture_model("tiny-llama", "bf16-mixed")  # warm: imports and tracing machinery
     joint = joint_70b()  # before the block rows, which capture llama3-70b too
@@ -179,7 +179,7 @@ def main(argv=None) -> int:
         "quick": a.quick,
         "machine": f"{platform.node()} {platform.processor() or platform.machine()}, {THREADS} threads",
         "torch": torch.__version__,
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
     }
     (out / "solve_speed.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary, indent=2))

@@ -81,7 +81,7 @@ def use_one_thread_per_rank(root: Path) -> None:
 
 def run_case(case: dict, out: Path):
     """Plan and run one case; returns (plan, record, wall seconds including launch, run dir)."""
-    from executor.report import load_run
+    from executor.reporting.report import load_run
     from executor.train import run
     from executor.worker import launch
     from planner.api import plan_for_choice
@@ -149,7 +149,7 @@ def add_loss_diffs(df: pd.DataFrame) -> pd.DataFrame:
         b = base.iloc[0]
         ref, mine = json.loads(b["train_loss"]), json.loads(r["train_loss"])
         n = min(len(ref), len(mine))
-        diffs.append(max(abs(x - y) / abs(y) for x, y in zip(mine[:n], ref[:n])) if n else float("nan"))
+        diffs.append(max(abs(x - y) / abs(y) for x, y in zip(mine[:n], ref[:n], strict=False)) if n else float("nan"))
         t_meas.append(r["step_time_measured"] / b["step_time_measured"])
         t_pred.append(r["step_time_predicted"] / b["step_time_predicted"])
     df["loss_max_rel_diff_vs_sp1"] = diffs
@@ -188,7 +188,7 @@ def summarize(df: pd.DataFrame, quick: bool) -> dict:
         "machine": f"{platform.node()} {platform.processor() or platform.machine()}, "
                    f"{os.cpu_count()} cores, {torch.get_num_threads()} torch thread per rank",
         "torch": torch.__version__,
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
     })
     return summary
 

@@ -2,7 +2,7 @@
 
 Sizes are polynomials in the micro-batch `b` and the per-rank sequence length `s`, stored as
 `Poly = ((i, j, coef), ...)` meaning sum(coef * b**i * s**j): bytes of a tensor, FLOPs of an op.
-`planner.capture` builds these from a `make_fx` trace; here they are plain data, so the cost
+`planner.capture.graph` builds these from a `make_fx` trace; here they are plain data, so the cost
 models stay free of torch.
 """
 

@@ -4,8 +4,8 @@
     >>> executor.compare(plan, record)                            # DataFrame: term, predicted, measured, unit, rel_err
     >>> executor.report(plan, record, out="runs/r1")              # CSV, JSON and PNG figure
 
-`executor.report` is the function; the module stays importable as `executor.report` through
-`from executor.report import ...`.
+`executor.reporting.report` is the function; the module stays importable as `executor.reporting.report` through
+`from executor.reporting.report import ...`.
 """
 
 from executor.record import RunRecord
@@ -19,17 +19,17 @@ def run(plan, model=None, data=None, out="runs/run", **kwargs):
 
 
 def compare(plan, record):
-    """See `executor.report.compare`."""
-    from executor.report import compare as _compare
+    """See `executor.reporting.report.compare`."""
+    from executor.reporting.report import compare as _compare
 
     return _compare(plan, record)
 
 
 def report(plan, record, out):
-    """See `executor.report.report`."""
+    """See `executor.reporting.report.report`."""
     import importlib
 
-    return importlib.import_module("executor.report").report(plan, record, out)
+    return importlib.import_module("executor.reporting.report").report(plan, record, out)
 
 
 __all__ = ["RunRecord", "compare", "report", "run"]

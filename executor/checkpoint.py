@@ -38,8 +38,8 @@ import torch
 from torch import nn
 
 from executor.record import RunRecord
-from hardware_profiles.errors import PlanMismatchError, TrainplanError
 from planner.plan import Plan
+from trainplan_errors import PlanMismatchError, TrainplanError
 
 CHECKPOINT_DIR = "checkpoint"
 LATEST = "latest"

@@ -22,8 +22,8 @@ import os
 
 import torch
 
-from hardware_profiles.errors import PlanMismatchError
 from planner.plan import Plan, edited_layout
+from trainplan_errors import PlanMismatchError
 
 CPU_PROCESSES_PER_CORE = 4
 """Most processes per CPU core a plan may place on this host. benchmarks/sp.py runs 2 per core

@@ -2,7 +2,7 @@
 worth their cost.
 
 The stopping rule (`Governor`, `Decision`, reasons `nan`, `diverged`, `marginal_gain`, `budget`)
-is pure and lives in `costmodels.stopping` (re-exported here); this module runs it in the loop
+is pure and lives in `costmodels.stopping.rule` (re-exported here); this module runs it in the loop
 (`GovernedLoop`, what `executor.train.run` calls) and draws it (`curve_frame`, `plot_governor`).
 
 Steps are counted as *steps done* (the record's `rec.steps`, 1 after the first optimizer step),
@@ -31,12 +31,20 @@ every rank feeds the governor the mean of the ranks' losses, so all decide alike
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import numpy as np
 
-from costmodels.stopping import (COOLDOWN_FRACTION, GOVERNED_EVALS, LR_FLOOR, REASONS,  # noqa: F401
-                                 Decision, Governor, default_eval_every, lr_multiplier)
+from costmodels.stopping.rule import (  # noqa: F401
+    COOLDOWN_FRACTION,
+    GOVERNED_EVALS,
+    LR_FLOOR,
+    REASONS,
+    Decision,
+    Governor,
+    default_eval_every,
+    lr_multiplier,
+)
 
 #: The record's notes and `governor.json` name the governor's decisions with this prefix.
 NOTE = "governor: "
@@ -61,7 +69,7 @@ class GovernedLoop:
 
     @classmethod
     def for_run(cls, plan, governor: Governor | None = None, *, record=None, out=None,
-                rank: int = 0, world: int = 1) -> "GovernedLoop":
+                rank: int = 0, world: int = 1) -> GovernedLoop:
         """The loop's governor: `governor` if given, else `Governor.for_plan(plan)` when the
         plan's `governor_threshold` is > 0, else none (inert). `record`: the resumed run's
         record, replayed into the governor (`Governor.replay`: same observations, same
@@ -165,16 +173,16 @@ class GovernedLoop:
 
 
 def pilot_curve(plan, record, *, skip_fraction: float = 0.2):
-    """A finished run's held-out points as a `costmodels.heldout_curve.PilotCurve`, to calibrate
-    the planner's curve on (`costmodels.heldout_fit.fit_heldout_curve`): the points at a constant
+    """A finished run's held-out points as a `costmodels.stopping.heldout_curve.PilotCurve`, to calibrate
+    the planner's curve on (`costmodels.stopping.heldout_fit.fit_heldout_curve`): the points at a constant
     learning rate (after `warmup_steps`, up to the step `executor.train.lr_at` starts its
     cooldown, the last 20% of `max_steps`), less the first `skip_fraction` of them (default 0.2,
-    the share `executor.calibrate` skips as warm-up; kept apart as `early_steps` and
+    the share `executor.calibrate.runs` skips as warm-up; kept apart as `early_steps` and
     `early_losses`, the start the planner adds to the fitted curve); with the run's final
     held-out loss when it ran its budget out (the cooldown's gain). Unique tokens:
     `plan.data_tokens x data_fraction`, None (fresh data) when the run saw fewer tokens than
     that."""
-    from costmodels.heldout_curve import PilotCurve
+    from costmodels.stopping.heldout_curve import PilotCurve
 
     d, p = plan.decisions, plan.predictions
     cool_from = d.max_steps - max(1, int(0.2 * d.max_steps))
@@ -204,7 +212,7 @@ def curve_frame(heldout_loss: Iterable[tuple], summary: dict, *, max_steps: int,
     `Governor.summary()`. Pure: no file reads, no plotting."""
     import pandas as pd
 
-    from costmodels.governor import CurveFit
+    from costmodels.stopping.curve import CurveFit
 
     grid = np.unique(np.concatenate([np.linspace(1, max_steps, points).round(),
                                      [float(r[0]) for r in heldout_loss]])).astype(int)

@@ -68,7 +68,7 @@ def measured_step(step: int, train_step, rec, dev: torch.device, model, opt) -> 
     if step == WARMUP_STEPS_UNMEASURED + 1:
         from torch.utils.flop_counter import FlopCounterMode
 
-        from planner.capture import CPU_ATTENTION_FLOP_FORMULAS
+        from modeling.flop_counting import CPU_ATTENTION_FLOP_FORMULAS
 
         fc = FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOP_FORMULAS)
         with fc:

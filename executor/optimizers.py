@@ -2,7 +2,7 @@
 
 | bits | library | states | memory model |
 |---|---|---|---|
-| 32 | torch `AdamW` (fp32 or bf16-mixed parameters) | fp32 | `costmodels.memory.adam_state_bytes` |
+| 32 | torch `AdamW` (fp32 or bf16-mixed parameters) | fp32 | `costmodels.step.memory.adam_state_bytes` |
 | 16 | torch `AdamW` over pure-bf16 parameters | bf16 (the parameter dtype) | same |
 | 8 | bitsandbytes `AdamW8bit` (Dettmers et al. 2022) | block-wise uint8, 256/block | same |
 | 4 | torchao `AdamW4bit` (Li et al. 2023) | block-wise 4-bit, 128/block | same |
@@ -19,7 +19,6 @@ from unittest import mock
 
 import torch
 
-
 BETAS = (0.9, 0.95)
 WEIGHT_DECAY = 0.1
 
@@ -28,9 +27,9 @@ def check_optimizer_bits(bits, precision: str) -> int:
     """`bits` as an int, if the executor can run it at `precision`.
 
     Raises:
-        TrainplanError: names the value and the valid ones (`planner.space.check_optimizer_bits`).
+        TrainplanError: names the value and the valid ones (`planner.joint.space.check_optimizer_bits`).
     """
-    from planner.space import check_optimizer_bits as check_widths
+    from planner.joint.space import check_optimizer_bits as check_widths
 
     check_widths((bits,), precision)
     return int(bits)

@@ -45,7 +45,7 @@ class RunRecord:
     wall_s: float = 0.0
     """Training wall time, all segments of a resumed run together."""
     selection_flops: float = 0.0
-    """FLOPs spent scoring the data for the plan's `data_method` (`executor.selection`: reference
+    """FLOPs spent scoring the data for the plan's `data_method` (`executor.data.selection`: reference
     training and scoring passes; dynamic selection adds each re-score), charged to the budget
     beside `flops_per_step * steps`; the same on a cache hit (the compute the scores cost). 0 for
     `random`. Records written before the field read 0."""
@@ -79,7 +79,7 @@ class RunRecord:
         return text
 
     @classmethod
-    def from_json(cls, text_or_path: str | Path) -> "RunRecord":
+    def from_json(cls, text_or_path: str | Path) -> RunRecord:
         src = str(text_or_path)
         if not src.lstrip().startswith("{"):
             src = Path(src).read_text()

@@ -2,8 +2,8 @@
 
 One process per rank. The plan's checkpoint menu entries become `torch.utils.checkpoint`
 selective checkpointing per block, its optimizer bits an optimizer (bitsandbytes for 8 bits),
-its data fraction, method and token budget the sampler (`executor.selection.PlannedBatches`)
-and the step count; `sp_degree`/`zero_stage` above one device go through `executor.parallel`
+its data fraction, method and token budget the sampler (`executor.data.selection.PlannedBatches`)
+and the step count; `sp_degree`/`zero_stage` above one device go through `executor.parallel.ulysses`
 under torchrun. Measured: peak tensor memory by category (MemTracker, one step after warm-up),
 FLOPs of one step (FlopCounterMode), every step's wall time, train loss, held-out loss, the data
 selection's scoring FLOPs. Interrupts, checkpoints and resuming:
@@ -23,23 +23,37 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from costmodels.remat import CheckpointSet, KeyCounter, resolve, sets_from_mapping
-from executor.checkpoint import (OutOfMemoryRunError, check_resume_plan, is_out_of_memory,
-                                 latest_checkpoint, load_checkpoint, out_of_memory_message,
-                                 remove_checkpoints, save_checkpoint)
-from executor.data import TokenCorpus, check_corpus_for_plan, heldout_batches, load_corpus
+from costmodels.checkpoint_sets import CheckpointSet, KeyCounter, resolve, sets_from_mapping
+from executor.checkpoint import (
+    OutOfMemoryRunError,
+    check_resume_plan,
+    is_out_of_memory,
+    latest_checkpoint,
+    load_checkpoint,
+    out_of_memory_message,
+    remove_checkpoints,
+    save_checkpoint,
+)
+from executor.data.batches import TokenCorpus, check_corpus_for_plan, heldout_batches, load_corpus
+from executor.data.dynamic_selection import PlannedBatches
 from executor.governor import GovernedLoop, Governor
+from executor.measure import (  # noqa: F401 (re-exported)
+    WARMUP_STEPS_UNMEASURED,
+    _measure_memory,
+    any_rank,
+    device_name,
+    gather_floats,
+    heldout_loss,
+    measured_step,
+    progress_bar,
+)
 from executor.optimizers import build_optimizer, set_lr  # noqa: F401 (build_optimizer re-exported)
-from executor.measure import (WARMUP_STEPS_UNMEASURED, _measure_memory,  # noqa: F401 (re-exported)
-                              any_rank, device_name, gather_floats, heldout_loss, measured_step,
-                              progress_bar)
 from executor.record import RunRecord
-from executor.selection_run import PlannedBatches
 from hardware_profiles import load as load_profile
-from hardware_profiles.errors import PlanMismatchError, TrainingDivergedError, TrainplanError
-from planner.activation_compression import compress_saved_activations
-from planner.capture import lm_loss
+from modeling.activation_compression import compress_saved_activations
+from modeling.loss import lm_loss
 from planner.plan import Plan
+from trainplan_errors import PlanMismatchError, TrainingDivergedError, TrainplanError
 
 EVAL_BATCHES = 4
 
@@ -66,12 +80,11 @@ def _sac_forward(orig, entry: CheckpointSet, *args, **kwargs):
     """Run `orig` under torch's selective activation checkpointing with `entry`'s saved set.
 
     The policy function names each op call of this forward by its node key (`KeyCounter`: the
-    overload and its call count, as `costmodels.remat.node_keys` names the captured forward's
+    overload and its call count, as `costmodels.checkpoint_sets.node_keys` names the captured forward's
     nodes) and answers MUST_SAVE for the keys `entry` keeps, MUST_RECOMPUTE otherwise (views
     and other ops that make no storage are never kept). torch calls the policy in the forward
     only and replays by call index, so a fresh counter per forward is the whole state."""
-    from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
-                                        create_selective_checkpoint_contexts)
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
     def context_fn():
         counter = KeyCounter()
@@ -101,7 +114,7 @@ def apply_checkpointing(model: nn.Module, policies: tuple[str, ...],
         raise PlanMismatchError(f"plan has checkpoint choices for {len(policies)} layers, "
                                 f"the model has {len(layers)}")
     known = sets_from_mapping(sets)
-    for layer, policy in zip(layers, policies):
+    for layer, policy in zip(layers, policies, strict=False):
         try:
             entry = resolve(policy, known)
         except TrainplanError as e:
@@ -129,7 +142,7 @@ def _forward_loss(model, dev, sp: int, sp_rank: int, world: int, x, y) -> torch.
     averaged gradients equal the single-process ones."""
     if world == 1:
         return lm_loss(model(input_ids=x.to(dev)).logits, y.to(dev))
-    from executor.parallel import sp_loss
+    from executor.parallel.ulysses import sp_loss
 
     sl = x.shape[1] // sp
     lo, hi = sp_rank * sl, (sp_rank + 1) * sl
@@ -149,7 +162,7 @@ def _init_world(plan: Plan, dev: torch.device) -> tuple[int, int]:
             "use `trainplan run PLAN --out DIR`, which launches torchrun with the plan's count")
     if world_env == 1:
         return 0, 1
-    from executor.launch import init_distributed
+    from executor.parallel.launch import init_distributed
 
     return init_distributed(dev)
 
@@ -157,7 +170,7 @@ def _init_world(plan: Plan, dev: torch.device) -> tuple[int, int]:
 def _build(plan: Plan, model: nn.Module | None, data: TokenCorpus, dev: torch.device, world: int):
     """The model (built from the preset when None), checkpointed per the plan and sharded per
     its ZeRO stage, and its optimizer."""
-    from planner.presets import build_model
+    from modeling.presets import build_model
 
     d = plan.decisions
     if model is None:
@@ -172,7 +185,7 @@ def _build(plan: Plan, model: nn.Module | None, data: TokenCorpus, dev: torch.de
     factory = partial(build_optimizer, bits=d.optimizer_bits, lr=d.lr, precision=d.precision)
     if world == 1:
         return model, factory(model.parameters())
-    from executor.parallel import apply_zero, enable_ulysses, new_sequence_parallel_group
+    from executor.parallel.ulysses import apply_zero, enable_ulysses, new_sequence_parallel_group
 
     new_sequence_parallel_group(d.sp_degree)
     enable_ulysses(model, seq_len=d.seq_len)
@@ -266,7 +279,7 @@ def run(plan: Plan, model: nn.Module | None = None, data: TokenCorpus | None = N
                         same_hardware=(plan.hw == "cpu" and dev.type == "cpu"))
         start = 0
     batches = PlannedBatches(plan, data, model=model, rank=dp_rank, held=held, out=out, start=start,
-                             record=rec, progress=progress)  # the data subset: executor.selection
+                             record=rec, progress=progress)  # the data subset: executor.data.selection
     gov = GovernedLoop.for_run(plan, governor, record=rec if resume else None, out=out, rank=rank,
                                world=world)
     autocast = (torch.autocast(dev.type, dtype=torch.bfloat16) if d.precision == "bf16-mixed"

@@ -9,7 +9,7 @@ import sys
 import threading
 from pathlib import Path
 
-from executor.launch import run_torchrun
+from executor.parallel.launch import run_torchrun
 from planner.plan import Plan
 
 LAUNCH_MARGIN_S = 300.0
@@ -26,7 +26,7 @@ def launch(plan_path: str | Path, out: Path, data: list[str] | None, device: str
 
     SIGINT (Ctrl-C) or SIGTERM to this process stops the job: torchrun passes SIGTERM on to
     the workers, which agree on the step, checkpoint and write the record (within
-    `executor.launch.KILL_GRACE_S`, after which they are killed). Returns True when the run
+    `executor.parallel.launch.KILL_GRACE_S`, after which they are killed). Returns True when the run
     was interrupted that way, False when it ended by itself.
 
     Raises:
@@ -88,7 +88,7 @@ def _sigterm_as_keyboard_interrupt():
 
 
 def main(argv: list[str] | None = None) -> int:
-    from executor.data import load_corpus
+    from executor.data.batches import load_corpus
     from executor.train import run
 
     ap = argparse.ArgumentParser(prog="python -m executor.worker")

@@ -30,8 +30,8 @@ except ModuleNotFoundError:  # Python 3.10: the tomli backport has the same API
     import tomli as tomllib  # type: ignore[no-redef]
 
 from hardware_profiles.cpu import cache_path, load_cpu, measure_cpu, save_profile
-from hardware_profiles.errors import TrainplanError, UnknownNameError
 from hardware_profiles.profile import FrozenMap, HardwareProfile
+from trainplan_errors import TrainplanError, UnknownNameError
 
 __all__ = [
     "FrozenMap",

@@ -19,8 +19,8 @@ import warnings
 from pathlib import Path
 
 from hardware_profiles import cpu_probes as probes
-from hardware_profiles.errors import TrainplanError
 from hardware_profiles.profile import HardwareProfile
+from trainplan_errors import TrainplanError
 
 CACHE_FORMAT = 3
 """Version of the cache file layout; another version is re-measured."""
@@ -87,7 +87,7 @@ def measure_cpu(dtype: str = "fp32", quick: bool = False) -> HardwareProfile:
         raise TrainplanError(f"measure_cpu(dtype={dtype!r}): known dtypes are {', '.join(probes.TORCH_DTYPES)}")
     budget_s = 1.0 if quick else 6.0  # for the matmuls; copy and TCP add well under a second
     host, version, threads = _host_key()
-    when = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    when = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     where = f"measured by hardware_profiles.measure_cpu on {host}, {threads} torch threads, torch {version}, {when}"
     if quick:
         where += " (quick)"
@@ -182,7 +182,7 @@ def save_profile(profile: HardwareProfile) -> Path:
         "hostname": host,
         "torch_version": version,
         "num_threads": threads,
-        "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "saved_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "profile": profile.to_dict(),
     }
     path = cache_path()

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hardware_profiles.errors import TrainplanError
+from trainplan_errors import TrainplanError
 
 TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 """Matmul dtypes `measure_cpu` times -> torch dtype attribute."""

@@ -15,7 +15,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from hardware_profiles.errors import TrainplanError
+from trainplan_errors import TrainplanError
 
 V = TypeVar("V")
 
@@ -152,7 +152,7 @@ class HardwareProfile:
     where the optimizer's implementation on this device is not the memory-bound kernel the
     roofline assumes (bitsandbytes' 8-bit AdamW on a CPU runs unfused torch code, ~6-10x the
     time of 32-bit AdamW's traffic; measured by `measure_cpu`). Empty for the GPU profiles:
-    their optimizer step is the roofline of its traffic (`costmodels.step`)."""
+    their optimizer step is the roofline of its traffic (`costmodels.step.model`)."""
     sources: Mapping[str, str] = field(default_factory=FrozenMap)
     """Field name (or "peak_flops_per_s.<dtype>") -> where its value comes from; read-only."""
 
@@ -234,7 +234,7 @@ class HardwareProfile:
         for op_flops, eff in points:
             out.append((float(_number("matmul_efficiency op_flops", op_flops)),
                         _fraction("matmul_efficiency efficiency", eff)))
-        if any(b[0] <= a[0] for a, b in zip(out, out[1:])):
+        if any(b[0] <= a[0] for a, b in zip(out, out[1:], strict=False)):
             raise _bad("matmul_efficiency", curve, "op_flops must be strictly increasing")
         return tuple(out)
 

@@ -6,15 +6,15 @@
 """
 
 from planner.budget import Budget
-from hardware_profiles.errors import TrainplanError
 from planner.plan import Decisions, Plan, Predictions, SolverFacts
+from trainplan_errors import TrainplanError
 
 __all__ = ["Budget", "Decisions", "Plan", "Predictions", "SolverFacts", "TrainplanError",  # noqa: F822
            "solve"]
 
 
 def __getattr__(name: str):
-    # `solve` imports torch (model capture): loaded on first use, so that `import planner.cli`
+    # `solve` imports torch (model capture): loaded on first use, so that `import planner.cli.main`
     # (the `trainplan` command) starts without it and a Ctrl-C during that import is the
     # command's own (one line, exit 130), not a traceback
     if name == "solve":

@@ -9,16 +9,23 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from costmodels.loss import LossLaw
-from costmodels.step import StepModel
-from hardware_profiles import HardwareProfile, load as load_profile
-from hardware_profiles.errors import InfeasibleError, TrainplanError
+from costmodels.loss.law import LossLaw
+from costmodels.step.model import StepModel
+from hardware_profiles import HardwareProfile
+from hardware_profiles import load as load_profile
 from planner.budget import Budget, check_data_tokens, check_devices_usable, check_seed, check_time_limit
-from planner.capture import ModelGraph
-from planner.model_setup import (PRECISION_DTYPE, _check_bits_options, _law_for, _setup,  # noqa: F401 (re-exported)
-                                  capture_model, default_precision)
+from planner.capture.graph import ModelGraph
+from planner.capture.setup import (  # noqa: F401 (re-exported)
+    PRECISION_DTYPE,
+    _check_bits_options,
+    _law_for,
+    _setup,
+    capture_model,
+    default_precision,
+)
+from planner.joint.solver import default_space, solve_joint
 from planner.plan import Decisions, Plan, Predictions, SolverFacts, layout_fields, relative_gap
-from planner.solver import default_space, solve_joint
+from trainplan_errors import InfeasibleError, TrainplanError
 
 DEFAULT_ACTIVATION_BITS = (32,)
 """Saved-activation widths `solve` chooses from by default: as computed. Each width is one more
@@ -41,7 +48,7 @@ def _check_seq_len(seq_len) -> None:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Problem:
     """A model captured on a hardware profile with its search-space options and loss law: what
-    `solve` builds once and `planner.frontier` / `planner.explain` re-solve under other budgets,
+    `solve` builds once and `planner.joint.frontier` / `planner.joint.explain` re-solve under other budgets,
     memory caps, device counts and sequence lengths (`solve_problem`)."""
 
     profile: HardwareProfile
@@ -57,7 +64,7 @@ class Problem:
     """`default_space` options: micro_batches, optimizer_bits, policies, data_fractions."""
 
     def space(self, devices: int, seq_len: int | None = None, **options):
-        """The search space (`planner.solver.default_space`) for `devices` devices at `seq_len`
+        """The search space (`planner.joint.solver.default_space`) for `devices` devices at `seq_len`
         (default: the problem's), `options` overriding the problem's.
 
         Raises:
@@ -91,7 +98,7 @@ def prepare(model: nn.Module | str, hw: str | HardwareProfile, *, seq_len: int =
     check_data_tokens(data_tokens, seq_len)
     _check_bits_options(activation_bits)
     if optimizer_bits is not None:  # before the capture: bad widths fail fast
-        from planner.solver import check_optimizer_bits
+        from planner.joint.solver import check_optimizer_bits
 
         check_optimizer_bits(optimizer_bits, precision or default_precision(load_profile(hw)))
     profile, precision, graph, name, step_model = _setup(model, hw, precision=precision,
@@ -115,8 +122,8 @@ def solve_problem(pr: Problem, budget: Budget, *, seq_len: int | None = None,
                   diagnose: bool = True, **options) -> Plan:
     """Solve a prepared problem for `budget` (at `seq_len`, default the problem's; `options`
     override the search space's, e.g. `policies`). `step_model`: a stand-in for the problem's
-    (`planner.frontier` shares menus across caps through one). `diagnose`: as `solve_joint`'s.
-    The joint model's memory is `StepModel.evaluate`'s, phase by phase (`planner.combos`), so
+    (`planner.joint.frontier` shares menus across caps through one). `diagnose`: as `solve_joint`'s.
+    The joint model's memory is `StepModel.evaluate`'s, phase by phase (`planner.joint.combos`), so
     the plan fits by its own prediction; a plan that does not is a bug, not an input error.
 
     Raises:
@@ -169,25 +176,25 @@ def solve(model: nn.Module | str, hw: str | HardwareProfile, budget: Budget, *, 
 
     Args:
         model: an `nn.Module` (HF-style causal LM) or a preset name (`trainplan profiles`
-            lists hardware, `planner.presets.known_presets()` models).
+            lists hardware, `modeling.presets.known_presets()` models).
         hw: hardware profile name or alias (`mi300`, `h100`, `cpu`, ...) or a profile.
         budget: device-hours, wall-clock seconds or FLOPs, and the device count.
         seq_len: tokens per sequence.
         data_tokens: unique training tokens in the corpus (None: unconstrained).
         vocab_size: overrides the preset's vocabulary (a run uses its tokenizer's).
         optimizer_bits: Adam-state widths to choose from (None: the precision's two widest the
-            executor runs, `costmodels.step.optimizer_bits_for`: 32 and 8, or 16 and 8 for bf16;
+            executor runs, `costmodels.step.model.optimizer_bits_for`: 32 and 8, or 16 and 8 for bf16;
             4 on request).
         activation_bits: saved-activation widths to choose from (32 = as computed, 16, 8;
-            `planner.activation_compression`); each one below 32 is captured once more.
+            `modeling.activation_compression`); each one below 32 is captured once more.
         memory_limit_bytes: per-device memory cap below the profile's usable bytes.
         explain: on an infeasible budget, re-solve to name the smallest change that fits
-            (`planner.explain`); False raises the solver's own message at once.
+            (`planner.joint.explain`); False raises the solver's own message at once.
         data_methods: data-subset scoring methods to choose from with the fraction
             (`planner.data_choice.choose_data_method`: the data-constrained law times each
             method's quality multiplier, at the tokens its scoring leaves of the budget; a method
             without a known multiplier drops out); ("random",) keeps the solver's random subset.
-        data_quality: {method: `costmodels.data_value.QualityFit`} overriding the cached and
+        data_quality: {method: `costmodels.data.value.QualityFit`} overriding the cached and
             published multipliers.
 
     Raises:
@@ -219,7 +226,7 @@ def solve(model: nn.Module | str, hw: str | HardwareProfile, budget: Budget, *, 
     except InfeasibleError as e:
         if not explain:
             raise
-        from planner.explain import explain_infeasible
+        from planner.joint.explain import explain_infeasible
 
         raise explain_infeasible(pr, budget, e, memory_limit_bytes=memory_limit_bytes) from e
     return choose_data_method(plan, pr.law, methods=data_methods, fractions=data_fractions,
@@ -243,15 +250,15 @@ def plan_for_choice(model: nn.Module | str, hw: str | HardwareProfile, *, seq_le
         TrainplanError: a knob out of range (SP degree not dividing devices, heads or sequence;
             unknown policy; ZeRO stage; bits).
     """
-    from costmodels import comm
-    from costmodels.remat import check_policy, sets_from_mapping
-    from costmodels.step import Choice
+    from costmodels.checkpoint_sets import check_policy, sets_from_mapping
+    from costmodels.step import comm
+    from costmodels.step.model import Choice
 
     _check_seq_len(seq_len)
     profile, precision, graph, name, step_model = _setup(model, hw, precision=precision,
                                                          vocab_size=vocab_size,
                                                          activation_bits=(activation_bits,))
-    from costmodels.step import optimizer_bits_for
+    from costmodels.step.model import optimizer_bits_for
 
     valid_bits = optimizer_bits_for(precision)
     optimizer_bits = valid_bits[0] if optimizer_bits is None else optimizer_bits
@@ -276,7 +283,7 @@ def plan_for_choice(model: nn.Module | str, hw: str | HardwareProfile, *, seq_le
     law = _law_for(law, profile, name, graph)
     unique = data_tokens if data_tokens is not None else UNLIMITED_DATA_TOKENS
     tokens = max_steps * micro_batch * seq_len * (devices // sp_degree)
-    from costmodels.bits import bits_loss_penalty
+    from costmodels.loss.bits import bits_loss_penalty
 
     loss = law.predict(graph.n_params, tokens, unique_tokens=max(1.0, data_fraction * unique))
     loss += bits_loss_penalty(optimizer_bits, activation_bits, precision=precision, penalty=law.bits)
@@ -322,4 +329,4 @@ def _make_plan(step_model, profile, graph, name, c, *, budget, data_fraction, ma
     return Plan(model=name, model_n_params=graph.n_params, model_n_layers=graph.n_layers,
                 hw=profile.name, budget=dict(budget) | {"seq_len": c.seq_len}, data_tokens=int(unique),
                 vocab_size=graph.vocab_size, decisions=decisions, predictions=predictions, solver=facts,
-                created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), notes=notes)
+                created=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"), notes=notes)

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from hardware_profiles.errors import PlanMismatchError
+from trainplan_errors import PlanMismatchError
 
 PLAN_FORMAT = 1
 
@@ -30,7 +30,7 @@ class Decisions:
     """Tokens per sequence (the whole sequence; each SP rank holds seq_len / sp_degree)."""
     checkpoint: tuple[str, ...]
     """Per transformer block, the checkpoint menu entry: `none`, `full`, a built-in selective
-    policy (`costmodels.remat.BUILTIN`) or a solved entry named in `checkpoint_sets`."""
+    policy (`costmodels.checkpoint_sets.BUILTIN`) or a solved entry named in `checkpoint_sets`."""
     precision: str
     """`fp32`, `bf16-mixed` (bf16 compute, fp32 master) or `bf16`."""
     optimizer_bits: int
@@ -39,12 +39,12 @@ class Decisions:
     activation_bits: int = 32
     """Width of the activations autograd saves for the backward outside checkpointed blocks:
     32 = as computed, 16 = bf16, 8 = int8 with a per-channel scale
-    (`planner.activation_compression`). Plans written before the field read 32."""
+    (`modeling.activation_compression`). Plans written before the field read 32."""
     data_fraction: float
     """Fraction of the corpus's training windows kept."""
     data_method: str
     """How the kept subset is chosen: `random` (a seeded uniform subset), or a scoring method of
-    `executor.selection`: `loss` (a small reference model's per-window loss), `influence`
+    `executor.data.selection`: `loss` (a small reference model's per-window loss), `influence`
     (LESS-style gradient similarity to a held-out target slice) or `dsir` (hashed n-gram
     importance weights toward that slice). Chosen with `data_fraction` by
     `planner.data_choice.choose_data_method`."""
@@ -60,14 +60,14 @@ class Decisions:
     """Peak learning rate (AdamW)."""
     checkpoint_sets: dict[str, list[str]] = field(default_factory=dict)
     """Solved checkpoint entries (`remat:k`) -> the node keys whose outputs they keep
-    (`costmodels.remat`, e.g. `aten.mm.default#3`); the executor rebuilds each SAC policy
+    (`costmodels.checkpoint_sets`, e.g. `aten.mm.default#3`); the executor rebuilds each SAC policy
     from these."""
     warmup_steps: int = 20
     seed: int = 0
     selection_every_steps: int = 0
     """Data selection timing: 0 = static (score once before training, keep `data_fraction` of
     the windows for the whole run); K > 0 = dynamic (start from a seeded random subset and
-    re-score every K steps with the model being trained, `executor.selection.DynamicSelector`).
+    re-score every K steps with the model being trained, `executor.data.selection.DynamicSelector`).
     Plans written before the field read 0."""
 
 
@@ -114,7 +114,7 @@ class Predictions:
     checked)."""
     scoring_flops: float = 0.0
     """FLOPs of scoring the corpus for `Decisions.data_method` (reference-model training and
-    the scoring pass, `costmodels.data_value.reference_scoring_flops`), charged to the budget
+    the scoring pass, `costmodels.data.value.reference_scoring_flops`), charged to the budget
     before training: `max_steps` is what is left. 0 for `random`; plans written before the
     field read 0."""
 
@@ -172,7 +172,7 @@ class Plan:
         return text
 
     @classmethod
-    def from_json(cls, text_or_path: str | Path) -> "Plan":
+    def from_json(cls, text_or_path: str | Path) -> Plan:
         """Read a plan from JSON text or a file path.
 
         Raises:

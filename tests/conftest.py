@@ -10,9 +10,9 @@ cache. The cache file is keyed by host, torch version and torch thread count
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
 
 import pytest
 
@@ -95,8 +95,8 @@ def measured_peak() -> Callable:
     import torch
 
     from executor.measure import _measure_memory
-    from planner.activation_compression import compress_saved_activations
-    from planner.capture import lm_loss
+    from modeling.activation_compression import compress_saved_activations
+    from modeling.loss import lm_loss
 
     def measure(model, opt, b: int, s: int, autocast_dtype=None, activation_bits: int = 32) -> dict:
         gen = torch.Generator().manual_seed(0)

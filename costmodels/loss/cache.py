@@ -1,0 +1,115 @@
+"""Locally fitted loss laws, cached as JSON per (model, vocabulary size).
+
+`trainplan calibrate` (`executor.calibrate.runs`) fits L(D) = E + B / D**beta to the held-out curves
+of real runs and writes `$TRAINPLAN_CACHE_DIR/laws/<model>-v<vocab_size>.json` (default cache
+root `~/.cache/trainplan`); `planner.api.solve` reads it back with `load_local_law` for the
+`cpu` profile. Pure: json + `LossLaw`, no torch, so the planner can import it.
+
+File layout (format 1): {"format", "model", "vocab_size", "created", "law": {LossLaw fields},
+"fit": {method, points, residuals, ...}, "runs": [...]}; "law" may hold "bits", the fitted
+`costmodels.loss.bits.BitsPenalty` fields. Only "format", "model", "vocab_size" and "law" are read
+back; the rest documents the fit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import warnings
+from pathlib import Path
+from typing import Any
+
+from costmodels.loss.bits import BitsPenalty
+from costmodels.loss.law import LossLaw
+from trainplan_errors import TrainplanError
+
+LAW_CACHE_FORMAT = 1
+"""Version of the law file layout; a file of another version is ignored."""
+
+_LAW_FIELDS = ("E", "A", "B", "alpha", "beta", "r_d_star", "r_n_star", "units", "source")
+
+
+def cache_root(cache_dir: str | Path | None = None) -> Path:
+    """The trainplan cache root: `cache_dir`, else $TRAINPLAN_CACHE_DIR, else ~/.cache/trainplan."""
+    root = cache_dir or os.environ.get("TRAINPLAN_CACHE_DIR") or os.path.join("~", ".cache", "trainplan")
+    return Path(root).expanduser()
+
+
+def law_path(model: str, vocab_size: int, cache_dir: str | Path | None = None) -> Path:
+    """Path of the local law for `model` (preset name) at `vocab_size` tokens:
+    `<cache root>/laws/<model>-v<vocab_size>.json` (`model_file`)."""
+    return model_file("laws", model, vocab_size, cache_dir)
+
+
+def model_file(kind: str, model: str, vocab_size: int, cache_dir: str | Path | None = None) -> Path:
+    """`<cache root>/<kind>/<model>-v<vocab_size>.json`: a per-(model, vocabulary) cache file
+    (characters other than letters, digits, `.`, `_`, `-` in the model name become `_`).
+
+    Raises: TrainplanError on an empty model name or a vocabulary size that is not a whole
+    number >= 1."""
+    if not isinstance(model, str) or not model.strip():
+        raise TrainplanError(f"model must be a non-empty name, got {model!r}")
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
+        raise TrainplanError(f"vocab_size must be a positive whole number, got {vocab_size!r}")
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", model.strip())
+    return cache_root(cache_dir) / kind / f"{safe}-v{vocab_size}.json"
+
+
+def save_local_law(law: LossLaw, *, model: str, vocab_size: int, fit: dict[str, Any] | None = None,
+                   runs: list[str] | None = None, created: str = "",
+                   cache_dir: str | Path | None = None) -> Path:
+    """Write `law` as the local law of (model, vocab_size), atomically; returns the path.
+    `fit` (inputs, residuals, method) and `runs` are stored alongside for the record."""
+    path = law_path(model, vocab_size, cache_dir)
+    record = {"format": LAW_CACHE_FORMAT, "model": model, "vocab_size": int(vocab_size),
+              "created": created, "law": {k: getattr(law, k) for k in _LAW_FIELDS}
+              | ({"bits": dataclasses.asdict(law.bits)} if law.bits is not None else {}),
+              "fit": fit or {}, "runs": list(runs or [])}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(record, indent=2, allow_nan=False) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def read_local_law_file(path: str | Path) -> dict[str, Any]:
+    """The parsed law file (all of it: law, fit inputs, residuals). Raises `TrainplanError`
+    naming the path when it is missing, not JSON or of another format."""
+    path = Path(path)
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise TrainplanError(f"cannot read loss law file {str(path)!r}: {e}") from None
+    if not isinstance(record, dict) or record.get("format") != LAW_CACHE_FORMAT:
+        got = record.get("format") if isinstance(record, dict) else type(record).__name__
+        raise TrainplanError(f"{str(path)!r} is not a trainplan loss law of format {LAW_CACHE_FORMAT} "
+                             f"(got format {got!r})")
+    return record
+
+
+def load_local_law(model: str, vocab_size: int, cache_dir: str | Path | None = None) -> LossLaw | None:
+    """The cached local law of (model, vocab_size), or None when there is none.
+
+    A file that cannot be read back (corrupt, other format, invalid constants, written for
+    another model) gives None with a `RuntimeWarning`: planning falls back to the published law
+    rather than failing."""
+    path = law_path(model, vocab_size, cache_dir)
+    if not path.exists():
+        return None
+    try:
+        record = read_local_law_file(path)
+        if record.get("model") != model or record.get("vocab_size") != vocab_size:
+            raise TrainplanError(f"{str(path)!r} was written for {record.get('model')!r} "
+                                 f"v{record.get('vocab_size')}, not {model!r} v{vocab_size}")
+        raw = record["law"]
+        bits = BitsPenalty(**raw["bits"]) if isinstance(raw.get("bits"), dict) else None
+        return LossLaw(**{k: raw[k] for k in _LAW_FIELDS if k in raw}, bits=bits)
+    except (TrainplanError, KeyError, TypeError) as e:
+        warnings.warn(f"ignoring local loss law {path}: {e}", RuntimeWarning, stacklevel=2)
+        return None
+
+
+__all__ = ["LAW_CACHE_FORMAT", "cache_root", "law_path", "load_local_law", "model_file",
+           "read_local_law_file", "save_local_law"]

@@ -1,0 +1,391 @@
+"""Per-device memory of one training step: model states plus a tensor-lifetime simulation.
+
+Model states follow the ZeRO accounting (Rajbhandari et al. 2020, Sec. 3.1 and Fig. 1): with
+mixed-precision Adam a parameter costs 2 (bf16 weight) + 2 (bf16 grad) + 12 (fp32 master, m, v)
+= 16 bytes, and stages 1/2/3 shard the optimizer states / gradients / parameters over the
+data-parallel x SP group; as the executor runs them (`model_state_bytes(as_executed=True)`)
+stage 1 shards whole tensors and stages 2/3 are FSDP2, whose all-gathered parameters and
+reduce-scatter buffers come from `costmodels.step.fsdp`. Activations are not a sum of saved sizes: each captured region is
+replayed op by op, a storage alive from the op that makes it to the last op that reads it
+(views share their base's storage), and regions compose in execution order (head, blocks,
+tail, blocks backward, head backward). With a checkpointed block, only the block input and the
+outputs of ops the policy saves survive its forward; at the start of its backward the forward
+is replayed (recompute) before the backward ops.
+
+What is counted: tensor bytes as `torch.distributed._tools.mem_tracker.MemTracker` counts them
+(parameters, gradients, optimizer states, activations, temporaries). Not counted: allocator
+rounding and fragmentation, the CUDA/ROCm context, communication buffers: the hardware
+profile's `memory_reserve_bytes` stands for those.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable
+from dataclasses import dataclass, fields
+from functools import lru_cache
+
+from costmodels.graph import Region, poly_at
+from costmodels.step.fsdp import FsdpLayout, root_gather_events  # noqa: F401 (re-exported)
+from trainplan_errors import TrainplanError
+
+CATEGORIES = ("params", "grads", "optimizer", "activations", "temporaries")
+
+# Bytes per parameter of Adam's two moments at each optimizer-state width, as the libraries
+# `executor.optimizers` runs hold them. 8 bits: bitsandbytes `AdamW8bit`, block-wise uint8 codes
+# with one fp32 absmax per 256-element block (Dettmers et al. 2022, Sec. 2.1; `blocksize=256` in
+# bitsandbytes >= 0.43), tensors under `min_8bit_size` = 4096 elements kept in fp32, the step
+# count a Python int. 4 bits: torchao `AdamW4bit` (Li et al. 2023), 4-bit codes packed two per
+# byte with one fp32 scale per 128-element block and a 16-entry fp32 code map per state
+# (`torchao/optim/subclass_4bit.py`, `OptimState4bit.zeros`); tensors under 4096 elements or not
+# a multiple of the block stay in the parameter dtype (`_AdamBase._new_buffer`).
+OPT_BLOCK = {8: 256, 4: 128}
+MIN_QUANT_NUMEL = 4096
+TORCHAO_QMAP_BYTES = 16 * 4
+"""One 4-bit state's code map: 2**4 fp32 entries (torchao keeps one per state tensor)."""
+STEP_TENSOR_BYTES = 4
+"""torch `AdamW`'s and torchao's per-parameter `step`: a 0-d fp32 tensor."""
+TORCHAO_EAGER_STEP_COPIES = 6
+"""fp32 copies of the largest tensor alive at once in torchao's `single_param_adam` run
+eagerly over fp32 parameters (the weight-decayed parameter, dequantized and updated moments,
+the squared gradient, the denominator), one more over bf16 ones (`p.float()` copies): counted
+from its code and measured with MemTracker (tests/unit/costmodels/test_bits.py).
+The executor runs it eagerly only under a measuring dispatch mode; compiled, Inductor fuses
+the update and holds fewer, so this is an upper bound there."""
+
+
+def _check_bits(optimizer_bits) -> None:
+    if optimizer_bits not in (32, 16, 8, 4):
+        raise TrainplanError(f"optimizer_bits={optimizer_bits} is not supported: use 32, 16, 8 or 4")
+
+
+def adam_state_bytes(numel: int, optimizer_bits: int, param_bytes: int = 4) -> float:
+    """Bytes of Adam's exp_avg and exp_avg_sq (and its step tensor) for one parameter tensor of
+    `numel` elements whose parameters are `param_bytes` wide, as the executor's library for
+    these bits holds them (32 and 16: torch AdamW, states in the parameter dtype; 8:
+    bitsandbytes; 4: torchao; see the module constants for the layouts).
+
+    Raises:
+        TrainplanError: `optimizer_bits` not in 32, 16, 8, 4.
+    """
+    _check_bits(optimizer_bits)
+    if optimizer_bits == 32:
+        return 2 * numel * 4 + STEP_TENSOR_BYTES
+    if optimizer_bits == 16:
+        return 2 * numel * 2 + STEP_TENSOR_BYTES
+    if optimizer_bits == 8:
+        if numel < MIN_QUANT_NUMEL:
+            return 2 * numel * 4
+        # two states, each: codes + one fp32 absmax per block (the code maps, `qmap1`/`qmap2`,
+        # are one pair shared by the whole optimizer: `quantization_map_bytes`)
+        return 2 * (numel + 4 * -(-numel // OPT_BLOCK[8]))
+    block = OPT_BLOCK[4]
+    if numel < MIN_QUANT_NUMEL or numel % block:
+        return 2 * numel * param_bytes + STEP_TENSOR_BYTES
+    return 2 * (numel // 2 + 4 * (numel // block) + TORCHAO_QMAP_BYTES) + STEP_TENSOR_BYTES
+
+
+def quantization_map_bytes(optimizer_bits: int) -> float:
+    """Bytes of the block-wise optimizer's code maps shared by all tensors of one optimizer:
+    bitsandbytes' two fp32 maps of 256 entries (`Optimizer8bit.fill_qmap`); 0 otherwise (torchao
+    keeps one per state, counted in `adam_state_bytes`)."""
+    return 2 * 4 * 2**8 if optimizer_bits == 8 else 0.0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MemoryBreakdown:
+    """Bytes per device by category at one moment (the predicted peak); they add up."""
+
+    params: float = 0.0
+    grads: float = 0.0
+    optimizer: float = 0.0
+    activations: float = 0.0
+    """Tensors made in forward and alive at the moment (MemTracker's ACT)."""
+    temporaries: float = 0.0
+    """Tensors made in backward outside recompute (MemTracker's TEMP; it labels what the
+    recompute of a checkpointed block makes ACT, and so does this model)."""
+    phase: str = ""
+    """Where in the step the peak falls, e.g. `bwd:block3`, `tail`, `optimizer`."""
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.temporaries
+
+    def __add__(self, other: MemoryBreakdown) -> MemoryBreakdown:
+        return MemoryBreakdown(**{f.name: getattr(self, f.name) + getattr(other, f.name)
+                                  for f in fields(self) if f.name != "phase"},
+                               phase=self.phase or other.phase)
+
+    def as_dict(self) -> dict[str, float]:
+        return {c: getattr(self, c) for c in CATEGORIES} | {"total": self.total}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RegionMemory:
+    """Lifetime summary of one region at one (micro-batch, sequence, policy)."""
+
+    fwd_peak: MemoryBreakdown
+    """Highest live bytes during the region's forward (its input included)."""
+    retained: float
+    """Bytes the region holds from the end of its forward until its backward (its input if
+    backward needs it, and saved activations; not its forward output)."""
+    bwd_peak: MemoryBreakdown
+    """Highest live bytes during its backward (recompute, retained, incoming gradient,
+    temporaries and the parameter gradients made so far)."""
+    grad_bytes: float
+
+
+def simulate_region(region: Region, b: int, s: int, *, checkpoint: bool = False,
+                    saved_ops: Iterable[str] = (),
+                    extra: Iterable[tuple[float, float, float, str]] = ()) -> RegionMemory:
+    """Replay `region`'s storages at micro-batch `b` and per-rank sequence `s`.
+
+    `checkpoint=False`: plain autograd (everything backward needs is kept). `checkpoint=True`:
+    selective activation checkpointing keeping the outputs of `saved_ops` (FX node names) and
+    the region's inputs; everything else is freed after its last forward use and recomputed
+    at the start of the backward. `saved_ops=()` with `checkpoint=True` is full checkpointing.
+    `extra`: more storages as (made at, freed at, bytes, `act`|`temp`|`grad`|`param`), times on
+    the region's execution indices (e.g. `costmodels.step.fsdp.root_gather_events`).
+    """
+    saved = frozenset(saved_ops)
+    bnd = region.boundary
+    n = region.n_nodes
+    bwd_start = bnd + 0.5
+    horizon = region.recompute_horizon()
+
+    def t_re(k: int) -> float:  # when the recompute at the start of backward replays node k
+        return bnd + 0.5 + 0.4 * (k + 1) / (bnd + 2)
+
+    # (time, 0 alloc | 1 free, bytes, category); at one time allocations come before frees
+    events: list[tuple[float, int, float, str]] = []
+
+    def live(t0: float, t1: float, nbytes: float, cat: str) -> None:
+        events.extend([(t0, 0, nbytes, cat), (t1, 1, nbytes, cat)])
+
+    for r in region.storages:
+        if r.category == "param" or r.input_kind in ("shared", "const"):
+            continue
+        nbytes = poly_at(r.bytes, b, s)
+        if nbytes == 0:
+            continue
+        last = r.last_use if r.last_use < n else n - 0.25  # region outputs live to its end
+        if r.is_fwd_output:  # handed to the next region, which accounts for it from then on
+            live(r.created, bnd, nbytes, "act")
+        elif r.input_kind == "grad":
+            live(bwd_start, last, nbytes, "temp")
+        elif r.category == "input":  # hidden states handed in
+            end = last if r.last_use > bnd else r.last_fwd_use
+            live(0, max(end, bwd_start) if checkpoint else end, nbytes, "act")
+        elif r.category == "grad":  # made as a temporary, then moved into .grad, or copied
+            if r.copied_on_accumulate:  # when its layout differs: both exist for a moment
+                live(r.created, r.created + 0.02, nbytes, "temp")
+                live(r.created + 0.01, last, nbytes, "grad")
+            else:
+                live(r.created, r.created + 0.01, nbytes, "temp")
+                live(r.created + 0.02, last, nbytes, "grad")
+        elif r.category == "temp" or not checkpoint:
+            live(r.created, last, nbytes, r.category)
+        elif r.creator in saved:  # kept by the checkpoint's cache until the recompute
+            live(r.created, last if r.last_use > bnd else t_re(r.created), nbytes, "act")
+        else:  # freed after its last forward use, made again by the recompute
+            live(r.created, r.last_fwd_use, nbytes, "act")
+            if r.created <= horizon:
+                live(t_re(r.created), last if r.last_use > bnd else t_re(min(r.last_fwd_use, horizon)),
+                     nbytes, "act")
+    for t0, t1, nbytes, cat in extra:
+        live(t0, t1, nbytes, cat)
+    events.sort(key=lambda e: (e[0], e[1]))
+    live = {"act": 0.0, "temp": 0.0, "grad": 0.0, "param": 0.0}
+    fwd_peak = bwd_peak = MemoryBreakdown()
+    retained = 0.0
+    for t, kind, nbytes, cat in events:
+        live[cat] += nbytes if kind == 0 else -nbytes
+        if kind == 0:
+            snap = MemoryBreakdown(activations=live["act"], temporaries=live["temp"], grads=live["grad"],
+                                   params=live["param"])
+            if t <= bnd and snap.total > fwd_peak.total:
+                fwd_peak = snap
+            elif t > bnd and snap.total > bwd_peak.total:
+                bwd_peak = snap
+        if t <= bnd:
+            retained = live["act"] + live["temp"]
+    grad_bytes = region.param_grad_bytes(b, s)
+    return RegionMemory(fwd_peak=fwd_peak, retained=retained, bwd_peak=bwd_peak, grad_bytes=grad_bytes)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelStates:
+    """Per-device bytes of parameters, gradients and optimizer states."""
+
+    params: float
+    """Parameters a device holds at rest (at the optimizer step): sharded with ZeRO-3, and with
+    ZeRO-2 as FSDP2 runs it (`as_executed`); what FSDP2 all-gathers on top is `FsdpLayout`'s."""
+    grads: float
+    optimizer: float
+    optimizer_step_temp: float
+    """Scratch the optimizer step allocates (see `model_state_bytes`)."""
+    grad_scale: float = 1.0
+    """Share of a gradient a device keeps once its block's backward is done: 1/shard_degree
+    with ZeRO 2/3 (FSDP reduce-scatters each block's gradients), else 1."""
+    comm_buffers: float = 0.0
+    """DDP's gradient buckets: one flat copy of all gradients
+    (`torch.nn.parallel.DistributedDataParallel`, default `gradient_as_bucket_view=False`),
+    filled as gradients arrive in backward and full at the optimizer step (measured per rank
+    with MemTracker by `benchmarks/sp.py`); counted as temporaries, as MemTracker labels them."""
+
+
+def zero1_partition(numels: list[int], shard_degree: int) -> list[int]:
+    """Indices into `numels` of the tensors the most loaded rank steps under ZeRO-1.
+
+    torch's `ZeroRedundancyOptimizer._partition_parameters` (torch 2.13,
+    `torch/distributed/optim/zero_redundancy_optimizer.py`) assigns whole tensors, largest
+    first, each to the rank with the fewest elements so far (the lowest rank on ties); ranks
+    differ by up to one tensor, and the per-device peak is that of the largest share."""
+    return list(_zero1_partition(tuple(numels), shard_degree))
+
+
+@lru_cache(maxsize=64)
+def _zero1_partition(numels: tuple[int, ...], shard_degree: int) -> tuple[int, ...]:
+    if not numels:
+        return ()
+    heap = [(0, r) for r in range(shard_degree)]  # (elements so far, rank): a min-heap
+    owned: list[list[int]] = [[] for _ in range(shard_degree)]
+    for i in sorted(range(len(numels)), key=lambda k: numels[k], reverse=True):
+        size, r = heapq.heappop(heap)
+        owned[r].append(i)
+        heapq.heappush(heap, (size + numels[i], r))
+    sizes = [sum(numels[i] for i in o) for o in owned]
+    return tuple(owned[sizes.index(max(sizes))])
+
+
+def model_state_bytes(param_numels: Iterable[int], *, weight_bytes: int, grad_bytes: int,
+                      master_bytes: int, optimizer_bits: int, zero_stage: int, shard_degree: int,
+                      foreach: bool, as_executed: bool = False) -> ModelStates:
+    """Model-state bytes per device (ZeRO, Rajbhandari et al. 2020, Sec. 5: stage 1 shards
+    optimizer states, 2 adds gradients, 3 adds parameters, over `shard_degree` ranks).
+
+    `master_bytes` is 4 for bf16 mixed precision (an fp32 master copy, counted with the
+    optimizer states as ZeRO does) and 0 otherwise. `as_executed=False` is the paper's
+    accounting (elementwise shards, stage-2 parameters replicated); `True` the stages as
+    `executor.parallel.ulysses.apply_zero` runs them with torch: stage 1's `ZeroRedundancyOptimizer`
+    shards whole tensors (`zero1_partition`: the largest rank share is counted), stage 2's FSDP2
+    (`fully_shard`, `reshard_after_forward=False`) keeps parameters sharded at rest and
+    all-gathers them from forward to backward (`FsdpLayout`, not counted here).
+
+    Raises:
+        TrainplanError: zero_stage not in 0..3 or shard_degree < 1.
+    """
+    if zero_stage not in (0, 1, 2, 3):
+        raise TrainplanError(f"zero_stage={zero_stage} is not valid: use 0, 1, 2 or 3")
+    if shard_degree < 1:
+        raise TrainplanError(f"shard_degree={shard_degree} must be at least 1")
+    numels = list(param_numels)
+    total = sum(numels)
+    d = shard_degree
+
+    def opt_bytes(ns: list[int]) -> float:
+        b = sum(adam_state_bytes(n, optimizer_bits, weight_bytes) for n in ns) + master_bytes * sum(ns)
+        return b + (quantization_map_bytes(optimizer_bits) if any(n >= MIN_QUANT_NUMEL for n in ns) else 0.0)
+    if zero_stage == 1 and d > 1 and as_executed:
+        mine = [numels[i] for i in zero1_partition(numels, d)]
+        optimizer, opt_numel = opt_bytes(mine), sum(mine)
+    else:
+        optimizer = opt_bytes(numels) / (d if zero_stage >= 1 else 1)
+        opt_numel = total / (d if zero_stage >= 1 else 1)
+    params = total * weight_bytes / (d if zero_stage >= 3 or (as_executed and zero_stage == 2) else 1)
+    grads = total * grad_bytes / (d if zero_stage >= 2 else 1)
+    # Adam's step scratch, labelled optimizer state by MemTracker. torch's per-tensor AdamW
+    # (`_single_tensor_adam`) holds exp_avg_sq.sqrt() and its quotient by the bias correction
+    # at once for the tensor being updated: two fp32 copies of the largest tensor. foreach Adam
+    # (GPUs) keeps one fp32 list of all local states (`_foreach_sqrt`). bitsandbytes' 8/4-bit
+    # kernels update in place; torchao's 4-bit update, run eagerly, holds
+    # `TORCHAO_EAGER_STEP_COPIES` fp32 copies of the tensor being updated.
+    largest = max((-(-n // d) if zero_stage >= 2 else n for n in numels), default=0)
+    if optimizer_bits == 8:
+        step_temp = 0.0
+    elif optimizer_bits == 4:
+        step_temp = (TORCHAO_EAGER_STEP_COPIES + (weight_bytes < 4)) * 4 * largest
+    elif foreach:
+        step_temp = 4 * opt_numel
+    else:  # FSDP2 (ZeRO 2/3) steps each tensor's shard
+        step_temp = 2 * weight_bytes * largest
+    buckets = total * grad_bytes if zero_stage <= 1 and shard_degree > 1 else 0.0
+    return ModelStates(params=params, grads=grads, optimizer=optimizer, optimizer_step_temp=step_temp,
+                       grad_scale=1.0 / d if zero_stage >= 2 else 1.0, comm_buffers=buckets)
+
+
+def step_peak(head: RegionMemory, blocks: list[RegionMemory], tail: RegionMemory,
+              states: ModelStates, *, unsharded_block_param_bytes: float = 0.0,
+              fsdp: FsdpLayout | None = None) -> MemoryBreakdown:
+    """Peak bytes per device over one training step, and the category split at that moment:
+    the largest of `step_phases`."""
+    return max(step_phases(head, blocks, tail, states,
+                           unsharded_block_param_bytes=unsharded_block_param_bytes, fsdp=fsdp),
+               key=lambda m: m.total)
+
+
+def step_phases(head: RegionMemory, blocks: list[RegionMemory], tail: RegionMemory,
+                states: ModelStates, *, unsharded_block_param_bytes: float = 0.0,
+                fsdp: FsdpLayout | None = None) -> list[MemoryBreakdown]:
+    """The highest bytes per device of each phase of one training step, in execution order.
+
+    Composes region summaries in execution order: head forward; block i forward with the
+    retained bytes of the head and blocks before it; the tail (logits and loss, forward and
+    backward) with everything retained; block i backward with the gradients of the later
+    blocks (sharded by `states.grad_scale` once their block is done); the head backward; then the
+    optimizer step. `unsharded_block_param_bytes` adds all-gathered parameters during a block's
+    forward and backward; `fsdp` (ZeRO 2/3 under FSDP2) replaces it with `FsdpLayout`'s
+    all-gathered parameters per phase, keeps the root group's gradients whole until its
+    reduce-scatter at the end of the backward, and adds the reduce-scatters' buffers.
+    """
+    base = MemoryBreakdown(params=states.params, optimizer=states.optimizer)
+    total_grads = tail.grad_bytes + sum(b.grad_bytes for b in blocks) + head.grad_bytes
+    n = len(blocks)
+    if fsdp is None:
+        u_head = u_tail = u_end = 0.0
+        u_fwd = u_bwd = [unsharded_block_param_bytes] * n
+        root_scale = states.grad_scale
+    else:
+        u_head, u_fwd, u_tail, u_bwd, u_end = fsdp.unsharded(n)
+        root_scale = 1.0
+
+    def buckets(grads_done: float) -> float:  # DDP fills its gradient buckets during backward
+        return states.comm_buffers * min(1.0, grads_done / total_grads) if total_grads else 0.0
+    candidates: list[MemoryBreakdown] = []
+
+    def at(phase: str, retained: float, grads: float, transient: MemoryBreakdown, extra: float = 0.0):
+        candidates.append(base + transient + MemoryBreakdown(
+            activations=retained, grads=grads, params=extra, phase=phase))
+
+    at("fwd:head", 0.0, 0.0, head.fwd_peak, u_head)
+    acc = head.retained
+    prefix = [acc]
+    for i, blk in enumerate(blocks):
+        at(f"fwd:block{i}", acc, 0.0, blk.fwd_peak, u_fwd[i])
+        acc += blk.retained
+        prefix.append(acc)
+    at("tail", acc, 0.0, tail.fwd_peak, u_tail)
+    grads = 0.0
+    at("tail", acc, grads, tail.bwd_peak, u_tail)
+    grads += tail.grad_bytes * root_scale
+    done = tail.grad_bytes
+    for i in reversed(range(n)):
+        g = blocks[i].grad_bytes
+        at(f"bwd:block{i}", prefix[i], grads, blocks[i].bwd_peak + MemoryBreakdown(
+            temporaries=buckets(done + g)), u_bwd[i])
+        if fsdp is not None:  # its reduce-scatter, once its backward is done
+            at(f"bwd:block{i}", prefix[i], grads, MemoryBreakdown(temporaries=fsdp.reduce_bytes(g)),
+               fsdp.at_reduce(n)[i])  # resharded before its reduce-scatter
+        grads += g * states.grad_scale
+        done += g
+    at("bwd:head", 0.0, grads, head.bwd_peak + MemoryBreakdown(temporaries=buckets(total_grads)), u_end)
+    if fsdp is not None:  # the root group's reduce-scatter in the backward's final callback; the
+        # head's gradients, the last made, are still referenced then (measured: one whole copy)
+        root = tail.grad_bytes + head.grad_bytes
+        at("bwd:root", 0.0, grads - tail.grad_bytes, MemoryBreakdown(
+            temporaries=head.grad_bytes + fsdp.reduce_bytes(root)))
+    full_grads = states.grads
+    candidates.append(MemoryBreakdown(params=states.params, grads=full_grads,
+                                      optimizer=states.optimizer, temporaries=states.comm_buffers,
+                                      phase="optimizer") + MemoryBreakdown(optimizer=states.optimizer_step_temp))
+    return candidates

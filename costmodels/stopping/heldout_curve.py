@@ -1,0 +1,334 @@
+"""The planner's held-out learning curve, calibrated on pilot runs: a fresh-data law plus a
+penalty for repeating data. What the planner simulates the governor over to predict its stop.
+
+Along a run at a constant learning rate, with t steps done, tau tokens per step (t tau tokens
+seen) and U unique tokens (the kept subset), the held-out loss is modelled as
+
+    L(t) = E + B (t tau / D_ref)^-beta + gamma (U / U_ref)^zeta max(t tau / U - 1, 0)^kappa   (1)
+
+in nats/token, with
+- E + B (D / D_ref)^-beta: the data term of Hoffmann et al. 2022 eq. 2 along a run on fresh
+  data (`costmodels.loss.law.learning_curve` without a data limit; one model size, so A / N^alpha is
+  folded into E, as `trainplan calibrate` fits it); D_ref is a reference token count (the
+  largest the fit saw), so B is the excess over E there, in nats;
+- gamma (U / U_ref)^zeta R^kappa, R = t tau / U - 1 the repeats beyond the first epoch: an
+  additive penalty for repetition (Lovelace et al. 2026, arXiv:2605.01640, "Prescriptive
+  Scaling Laws for Data Constrained Training", add an overfitting penalty to the Chinchilla
+  form; this power law in the repeats and in the unique data is this module's own form, not
+  theirs, fitted per model): zero within the first epoch,
+  growing with every further one; U_ref is a reference unique-token count (the largest pilot's),
+  zeta says how the penalty at a given number of repeats scales with the data (0: by repeats
+  alone).
+
+Why not the planner's data-constrained law (Muennighoff et al. 2023 eq. 5, effective tokens
+D' = U (1 + R_D* (1 - exp(-R / R_D*)))): D' is increasing and bounded, so the loss it predicts
+only flattens. A small model that repeats its data many times overfits: its held-out loss
+passes a minimum and rises, and the governor (its straight-line check) stops it near that
+minimum, a step the Muennighoff law cannot place. In (1) the fresh term keeps falling and the
+penalty keeps growing; their sum has that minimum.
+
+Calibration (`costmodels.stopping.heldout_fit.fit_heldout_curve`): least squares over the held-out points
+of pilot runs, each with its own tau and U: a fresh-data run over the plan's step range (no
+repeats: the penalty is 0; it fixes E, B, beta, the local law `trainplan calibrate` fits) and
+runs on smaller subsets for as many epochs as the plan (they fix gamma, kappa and, from two or
+more subset sizes, zeta). `HeldoutCurve.for_run` moves the calibrated curve to a plan's tau and U, extrapolating
+the penalty in U by (U / U_ref)^zeta: the assumption the benchmark (`benchmarks/governor.py`)
+tests on runs the fit never saw. Eq. (1) is a power law and cannot follow a real curve's start
+(warm-up, the unigram plateau); the pilots' measured departures there (`early_offsets`) are
+added where the planner simulates the governor (`HeldoutCurve.loss_with_early`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from scipy.stats import norm
+
+from trainplan_errors import TrainplanError
+
+PARAMS = ("E", "B", "beta", "gamma", "kappa", "zeta")
+BETA_BOUNDS = (0.01, 3.0)
+"""Bounds on the fresh-data exponent beta (dimensionless)."""
+KAPPA_BOUNDS = (0.25, 4.0)
+"""Bounds on the repetition exponent kappa (dimensionless): sub- to super-linear in repeats."""
+ZETA_BOUNDS = (-2.0, 2.0)
+"""Bounds on the data exponent zeta of the penalty (dimensionless)."""
+EARLY_OFFSET_MAX_NATS = 5.0
+"""Largest early offset (either sign) a curve may carry, nats: the benchmark's pilots measured
+up to 0.6 nats at the end of warm-up, where eq. (1) extrapolated backwards overshoots."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PilotCurve:
+    """The held-out points of one pilot run that the curve is fitted to (constant learning rate:
+    after warm-up, before the run's cooldown; see `executor.governor.pilot_curve`)."""
+
+    steps: tuple[float, ...]
+    """Steps done at each evaluation."""
+    losses: tuple[float, ...]
+    """Held-out loss at each evaluation, nats/token."""
+    tokens_per_step: float
+    """Tokens per optimizer step of the pilot (tau)."""
+    unique_tokens: float | None
+    """Unique tokens the pilot drew from (U); None: fresh data (no repeats)."""
+    final_step: int | None = None
+    """The pilot's last step (after its cooldown), when `final_loss` is given."""
+    final_loss: float | None = None
+    """Held-out loss at `final_step`, nats/token: with the curve it measures the cooldown's gain."""
+    early_steps: tuple[float, ...] = ()
+    """Steps done at the pilot's evaluations after warm-up and before `steps` (the share skipped
+    as the curve's early, pre-power-law part): not fitted; their residuals against the fit shape
+    the start of the curve the planner simulates (`HeldoutCurve.early_offsets`)."""
+    early_losses: tuple[float, ...] = ()
+    """Held-out loss at `early_steps`, nats/token."""
+    model: str = ""
+    """The model the pilot trained ("" when not recorded)."""
+    vocab_size: int = 0
+    """Its tokenizer's vocabulary size (0 when not recorded)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HeldoutCurve:
+    """Eq. (1) with calibrated constants for one run's tau and U. Losses in nats/token, steps are
+    steps done at a constant learning rate."""
+
+    E: float
+    """Floor of the fresh-data term, nats/token."""
+    B: float
+    """Fresh-data excess over E at `d_ref_tokens` tokens seen, nats/token."""
+    beta: float
+    """Fresh-data exponent in tokens seen, dimensionless."""
+    gamma: float
+    """Repetition penalty after one repeat beyond the first epoch at U = `u_ref_tokens`,
+    nats/token (0: none)."""
+    kappa: float
+    """Exponent of the penalty in repeats, dimensionless."""
+    zeta: float
+    """Exponent of the penalty in unique tokens, dimensionless (0: by repeats alone)."""
+    d_ref_tokens: float
+    """Reference token count of the fresh term (tokens)."""
+    u_ref_tokens: float
+    """Reference unique-token count of the penalty (tokens)."""
+    tokens_per_step: float
+    """Tokens per step of the run this curve is for (tau)."""
+    unique_tokens: float | None
+    """Unique tokens of that run (U); None: fresh data, no penalty."""
+    param_names: tuple[str, ...] = PARAMS
+    """The fitted parameters (gamma, kappa absent when no pilot repeated data; zeta absent
+    unless pilots at two or more subset sizes did)."""
+    cov: tuple[tuple[float, ...], ...] = ()
+    """Covariance of the fitted parameters (Gauss-Newton s^2 (J^T J)^+, J the plain Jacobian;
+    Bates & Watts 1988, ch. 2), in `param_names` order; () when not fitted."""
+    noise_nats: float = 0.0
+    """Held-out evaluation noise of the pilots (median of `noise_scale` over them), nats."""
+    rms_nats: float = 0.0
+    """RMS residual of the fit over the pilots' points, nats."""
+    cooldown_gain_nats: float = 0.0
+    """Loss a run's cooldown removes below the constant-rate curve (median over the pilots of
+    curve(final step) - final loss), nats; what the governed run's final loss gains over (1)."""
+    n_points: int = 0
+    """Pilot points fitted."""
+    early_offsets: tuple[tuple[float, float, float], ...] = ()
+    """Rows (pilot's unique tokens, 0 for fresh data; steps done; measured held-out loss - eq. (1),
+    nats) at each pilot's evaluations after warm-up up to and including its first fitted one:
+    how the start of a real curve departs from eq. (1) extrapolated backwards (warm-up, the
+    unigram plateau). `loss_with_early` adds them; () when the pilots had no early points."""
+    model: str = ""
+    """The model the pilots trained ("" when not recorded, e.g. a curve file written before this
+    field): the constants belong to one model, and losses are nats per token of one tokenizer,
+    so `planner.governor.with_governor` refuses a curve of another model or vocabulary."""
+    vocab_size: int = 0
+    """The pilots' tokenizer vocabulary size (0 when not recorded)."""
+    source: str = ""
+    """How the constants were obtained."""
+
+    def _theta(self) -> np.ndarray:
+        return np.array([getattr(self, n) for n in PARAMS], dtype=float)
+
+    def _eval(self, theta: np.ndarray, steps: np.ndarray) -> np.ndarray:
+        return _model(theta, steps * self.tokens_per_step, self.unique_tokens, self.d_ref_tokens,
+                      self.u_ref_tokens)
+
+    def loss_at(self, steps) -> np.ndarray:
+        """Eq. (1) at `steps` (scalar or array of steps done; below 1 taken as 1), nats/token."""
+        return self._eval(self._theta(), np.maximum(np.asarray(steps, dtype=float), 1.0))
+
+    def early_offset(self, steps) -> np.ndarray:
+        """Measured - eq. (1) at `steps` (scalar or array of steps done), nats, from the pilot
+        nearest to this run in unique tokens (|log U_pilot / U_run|; a fresh run takes a fresh
+        pilot, else the pilot with the most unique tokens; a repeating run takes the fresh pilot
+        only when no pilot repeated): linear between that pilot's `early_offsets` rows, from
+        its first row up to (not including) its last, its first fitted evaluation; 0 outside.
+        Steps are taken as they are: the offsets belong to the pilots' warm-up and learning
+        rate, which a plan of the same model and settings shares."""
+        s = np.asarray(steps, dtype=float)
+        rows = np.asarray(self.early_offsets, dtype=float).reshape(-1, 3)
+        if rows.shape[0] == 0:
+            return np.zeros_like(s)
+        sizes = np.unique(rows[:, 0])
+        repeated = sizes[sizes > 0]
+        if self.unique_tokens is None or not repeated.size:
+            pick = 0.0 if (sizes == 0).any() else float(sizes.max())
+        else:
+            pick = float(repeated[np.argmin(np.abs(np.log(repeated / self.unique_tokens)))])
+        mine = rows[rows[:, 0] == pick]
+        mine = mine[np.argsort(mine[:, 1])]
+        at, off = mine[:, 1], mine[:, 2]
+        inside = (s >= at[0]) & (s < at[-1])
+        return np.where(inside, np.interp(s, at, off), 0.0)
+
+    def loss_with_early(self, steps) -> np.ndarray:
+        """The held-out loss the planner simulates the governor over (`planner.governor.
+        with_governor`): eq. (1) plus `early_offset` (the pilots' measured start, before their
+        fitted range), nats/token. Equal to `loss_at` from the nearest pilot's first fitted
+        evaluation on. Why: the governor fits evaluations from a quarter of its steps done on,
+        so a stop near step 150 fits points from step 37, where eq. (1) extrapolated backwards
+        ran 0.07-0.18 nats above the real curves (`benchmarks/governor.py`'s pilots): a more
+        convex curve whose simulated gain falls below the threshold sooner than a real run's."""
+        return self.loss_at(steps) + self.early_offset(np.maximum(np.asarray(steps, dtype=float), 1.0))
+
+    @property
+    def sim_noise_nats(self) -> float:
+        """The evaluation noise the planner simulates, nats: the larger of the fit's RMS residual
+        (`rms_nats`) and the pilots' second-difference noise (`noise_nats`). A real held-out
+        curve wanders about a smooth one over several evaluations; second differences see only
+        the fast part of that, and the governor's confidence band widens with all of it."""
+        return max(self.rms_nats, self.noise_nats)
+
+    def band(self, steps, confidence: float = 0.9) -> tuple[np.ndarray, np.ndarray]:
+        """Central `confidence` band of the predicted mean loss at `steps` (delta method on
+        `cov`, central differences), (lower, upper) nats/token; the mean itself without `cov`.
+        A band for the fitted constants: it does not cover the extrapolation in U itself."""
+        s = np.maximum(np.asarray(steps, dtype=float), 1.0)
+        mean = self.loss_at(s)
+        if not self.cov:
+            return mean, mean
+        cov = np.asarray(self.cov, dtype=float)
+        if not np.all(np.isfinite(cov)):
+            return np.full_like(mean, -np.inf), np.full_like(mean, np.inf)
+        g = _jacobian(lambda th: self._eval(th, s).ravel(), self._theta(),
+                      [PARAMS.index(n) for n in self.param_names]).T
+        sd = np.sqrt(np.maximum(np.einsum("ik,ij,jk->k", g, cov, g), 0.0)).reshape(mean.shape)
+        z = float(norm.ppf(0.5 + confidence / 2.0))
+        return mean - z * sd, mean + z * sd
+
+    def for_run(self, *, tokens_per_step: float, unique_tokens: float | None) -> HeldoutCurve:
+        """The same calibration for another run: its tokens per step and unique tokens (None:
+        fresh data)."""
+        if not (math.isfinite(tokens_per_step) and tokens_per_step > 0):
+            raise TrainplanError(f"tokens_per_step must be > 0, got {tokens_per_step!r}")
+        if unique_tokens is not None and not (math.isfinite(unique_tokens) and unique_tokens > 0):
+            raise TrainplanError(f"unique_tokens must be None or > 0, got {unique_tokens!r}")
+        return dataclasses.replace(self, tokens_per_step=float(tokens_per_step),
+                                   unique_tokens=None if unique_tokens is None else float(unique_tokens))
+
+    def to_dict(self) -> dict:
+        """JSON-ready values."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["param_names"], d["cov"] = list(self.param_names), [list(r) for r in self.cov]
+        d["early_offsets"] = [list(r) for r in self.early_offsets]
+        return d
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> HeldoutCurve:
+        """Inverse of `to_dict`.
+
+        Raises: TrainplanError when a constant is not a real finite number or is outside the
+        fit's own bounds, a parameter name is unknown or the covariance has the wrong shape;
+        TypeError / ValueError when `raw` is not such a mapping (missing or unknown fields)."""
+        kw = dict(raw)
+        kw["param_names"] = tuple(kw.get("param_names", PARAMS))
+        kw["cov"] = tuple(tuple(float(v) for v in r) for r in kw.get("cov", ()))
+        kw["early_offsets"] = tuple(tuple(r) for r in kw.get("early_offsets", ()))
+        curve = cls(**kw)
+        bad = _curve_problem(curve)
+        if bad:
+            raise TrainplanError(bad)
+        return curve
+
+
+LOSS_MAX_NATS = 100.0
+"""Largest loss constant (E, B, gamma) a curve may carry, nats/token: ln of a 10^6-token
+vocabulary is 13.8, so no held-out loss comes near it (E = 1e300 once passed as a floor)."""
+COOLDOWN_GAIN_MAX_NATS = 1.0
+"""Largest cooldown gain (either sign) a curve file may carry, nats: the pilots of
+`benchmarks/governor.py` measured 0.07-0.15 nats on tiny-llama; ten times that is no pilot fit
+(a gain of 1e9 once gave a predicted loss of -1e9)."""
+
+
+def _curve_problem(c: HeldoutCurve) -> str | None:
+    """What makes `c` unusable as eq. (1) (None when nothing): constants that are not real
+    finite numbers or out of the fit's own bounds (`fit_heldout_curve`), unknown parameter
+    names, a covariance of the wrong shape."""
+    ranges = {"E": (0.0, LOSS_MAX_NATS), "B": (0.0, LOSS_MAX_NATS), "beta": BETA_BOUNDS,
+              "gamma": (0.0, LOSS_MAX_NATS),
+              "kappa": KAPPA_BOUNDS, "zeta": ZETA_BOUNDS, "d_ref_tokens": (0.0, None),
+              "u_ref_tokens": (0.0, None), "tokens_per_step": (0.0, None), "noise_nats": (0.0, None),
+              "rms_nats": (0.0, None), "cooldown_gain_nats": (-COOLDOWN_GAIN_MAX_NATS, COOLDOWN_GAIN_MAX_NATS)}
+    for name, (lo, hi) in ranges.items():
+        v = getattr(c, name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            return f"{name}={v!r} must be a finite number"
+        strict = name in ("d_ref_tokens", "u_ref_tokens", "tokens_per_step")
+        if (lo is not None and (v <= lo if strict else v < lo)) or (hi is not None and v > hi):
+            valid = ([f"{'>' if strict else '>='} {lo}"] if lo is not None else []) + \
+                ([f"<= {hi}"] if hi is not None else [])
+            return f"{name}={v!r} is out of range ({', '.join(valid)})"
+    if not set(c.param_names) <= set(PARAMS) or len(set(c.param_names)) != len(c.param_names):
+        return f"param_names={list(c.param_names)!r} must be distinct names of {list(PARAMS)}"
+    if c.cov and (len(c.cov) != len(c.param_names) or any(len(r) != len(c.param_names) for r in c.cov)):
+        return f"cov must be {len(c.param_names)} x {len(c.param_names)} (one row per name in param_names)"
+    u = c.unique_tokens
+    if u is not None and (isinstance(u, bool) or not isinstance(u, (int, float)) or not math.isfinite(u) or u <= 0):
+        return f"unique_tokens={u!r} must be null (fresh data) or a finite number > 0"
+    if any(isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) for r in c.cov for v in r):
+        return "cov must hold numbers (inf for a fit without a covariance), not NaN"
+    if isinstance(c.n_points, bool) or not isinstance(c.n_points, int) or c.n_points < 0:
+        return f"n_points={c.n_points!r} must be a whole number >= 0"
+    if not isinstance(c.source, str):
+        return f"source={c.source!r} must be a string"
+    if not isinstance(c.model, str):
+        return f"model={c.model!r} must be a model name (a string; '' when not recorded)"
+    if isinstance(c.vocab_size, bool) or not isinstance(c.vocab_size, int) or c.vocab_size < 0:
+        return f"vocab_size={c.vocab_size!r} must be a whole number >= 0 (0 when not recorded)"
+    for row in c.early_offsets:
+        ok = len(row) == 3 and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                   and math.isfinite(v) for v in row)
+        if not ok or row[0] < 0 or row[1] <= 0 or abs(row[2]) > EARLY_OFFSET_MAX_NATS:
+            return (f"early_offsets row {list(row)!r} must be [unique tokens >= 0 (0: fresh), steps > 0, "
+                    f"offset within +-{EARLY_OFFSET_MAX_NATS:g} nats]")
+    return None
+
+
+def _model(theta, tokens, unique, d_ref, u_ref) -> np.ndarray:
+    """Eq. (1) at `tokens` seen; `unique` None or inf: fresh data."""
+    E, B, beta, gamma, kappa, zeta = theta
+    tokens = np.asarray(tokens, dtype=float)
+    fresh = E + B * (tokens / d_ref) ** -beta
+    if unique is None:
+        return fresh
+    u = np.asarray(unique, dtype=float)
+    finite = np.isfinite(u)
+    u_safe = np.where(finite, u, u_ref)
+    reps = np.where(finite, np.maximum(tokens / u_safe - 1.0, 0.0), 0.0)
+    return fresh + gamma * (u_safe / u_ref) ** zeta * reps ** kappa
+
+
+def _jacobian(f, x: np.ndarray, idx: list[int]) -> np.ndarray:
+    """Central-difference Jacobian of f with respect to x[idx]: shape (len(f(x)), len(idx))."""
+    cols = []
+    for i in idx:
+        h = 1e-6 * max(abs(x[i]), 1e-3)
+        up, dn = x.copy(), x.copy()
+        up[i] += h
+        dn[i] -= h
+        cols.append((f(up) - f(dn)) / (2 * h))
+    return np.column_stack(cols)
+
+
+__all__ = ["BETA_BOUNDS", "EARLY_OFFSET_MAX_NATS", "KAPPA_BOUNDS", "ZETA_BOUNDS", "HeldoutCurve",
+           "PilotCurve"]
+

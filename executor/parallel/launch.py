@@ -1,0 +1,286 @@
+"""Processes: joining torchrun's process group, and launching torchrun jobs that cannot hang.
+
+A worker module run under `run_torchrun` calls `init_distributed(device)` first; the parent sees a
+failed or hung job as `WorkerFailedError` naming the rank, its exit code and its last stderr lines.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from trainplan_errors import TrainplanError
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+"""Prepended to the workers' PYTHONPATH so that ``-m executor...`` / ``-m tests...`` resolve."""
+
+STDERR_TAIL_LINES = 20
+"""Lines of the failed rank's stderr quoted in a WorkerFailedError."""
+
+KILL_GRACE_S = 10.0
+"""After SIGTERM, seconds to wait for torchrun to stop its workers before SIGKILL."""
+
+
+class WorkerFailedError(TrainplanError):
+    """A torchrun job exited non-zero or ran past its time limit.
+
+    Attributes: ``rank`` (global rank of the first failed worker, None when unknown, e.g. on
+    timeout), ``exit_code`` (that worker's exit code; negative: killed by that signal; None on
+    timeout), ``log_dir`` (where torchrun's and the per-rank logs are).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        rank: int | None = None,
+        exit_code: int | None = None,
+        log_dir: Path | None = None,
+    ):
+        super().__init__(message)
+        self.rank = rank
+        self.exit_code = exit_code
+        self.log_dir = log_dir
+
+
+# --------------------------------------------------------------------------------------------
+# In the worker
+# --------------------------------------------------------------------------------------------
+
+
+def init_distributed(device: torch.device, timeout_s: float = 120) -> tuple[int, int]:
+    """Join the process group torchrun describes in the environment; return ``(rank, world_size)``.
+
+    Reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT. Backend from the device type:
+    gloo for cpu; for an accelerator its default backend (nccl for cuda, ROCm included) for device
+    tensors plus gloo for cpu tensors, and the process's current device is set to LOCAL_RANK.
+    ``timeout_s`` bounds every collective (a peer that died surfaces as an error, not a hang).
+    With WORLD_SIZE unset or 1 no process group is created and ``(0, 1)`` is returned. Idempotent.
+    """
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device.type != "cpu":
+        getattr(torch, device.type).set_device(local_rank)
+    if world == 1:
+        return 0, 1
+    missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise TrainplanError(
+            f"WORLD_SIZE={world} but {', '.join(missing)} not set; launch with torchrun "
+            "(executor.parallel.launch.run_torchrun)"
+        )
+    backend = dist.Backend.default_device_backend_map.get(device.type)
+    if backend is None:
+        raise TrainplanError(
+            f"no distributed backend for device type {device.type!r}; known: "
+            f"{sorted(dist.Backend.default_device_backend_map)}"
+        )
+    if device.type != "cpu":
+        backend = f"cpu:gloo,{device.type}:{backend}"
+    rank = int(os.environ["RANK"])
+    dist.init_process_group(
+        backend=backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
+    )
+    return rank, world
+
+
+# --------------------------------------------------------------------------------------------
+# In the parent
+# --------------------------------------------------------------------------------------------
+
+
+def _children(pid: int) -> list[int]:
+    """Direct children of ``pid`` (Linux /proc; empty elsewhere)."""
+    kids = []
+    for entry in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            stat = entry.read_text()
+        except OSError:
+            continue
+        # pid (comm) state ppid ...; comm may contain spaces and parentheses
+        fields = stat[stat.rfind(")") + 2 :].split()
+        if len(fields) > 1 and int(fields[1]) == pid:
+            kids.append(int(entry.parent.name))
+    return kids
+
+
+def _killpg(pgid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Stop torchrun and its workers: SIGTERM torchrun's group (it then stops its workers), then
+    SIGKILL torchrun's group and each worker's own session (torchrun starts workers with
+    start_new_session, so they are not in torchrun's group)."""
+    workers = _children(proc.pid)
+    _killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=KILL_GRACE_S)
+    except subprocess.TimeoutExpired:
+        pass
+    for pgid in [proc.pid, *workers]:
+        _killpg(pgid, signal.SIGKILL)
+    proc.wait()
+
+
+def _tail(path: Path, n: int = STDERR_TAIL_LINES) -> str:
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return f"(no log at {path})"
+    return "\n".join(lines[-n:]) if lines else "(empty)"
+
+
+def _rank_stderr(run_dirs: list[Path], local_rank: int) -> Path | None:
+    """stderr.log of ``local_rank`` in the newest attempt of the newest run directory."""
+    for run_dir in sorted(run_dirs, key=lambda p: p.stat().st_mtime, reverse=True):
+        attempts = sorted(run_dir.glob("attempt_*"), key=lambda p: int(p.name.split("_")[1]))
+        for attempt in reversed(attempts):
+            path = attempt / str(local_rank) / "stderr.log"
+            if path.exists():
+                return path
+    return None
+
+
+_ROOT_CAUSE = re.compile(
+    r"Root Cause.*?rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\).*?exitcode\s*:\s*(-?\d+)", re.S
+)
+
+
+_FAILURE = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\).*?exitcode\s*:\s*(-?\d+)", re.S)
+
+_SECONDARY = ("DistBackendError", "Connection closed by peer", "Connection reset by peer",
+              "Broken pipe", "ProcessGroupGloo", "ProcessGroupNCCL", "NCCL communicator")
+"""Marks of a rank that failed because another one died first (its collective lost a peer)."""
+
+
+def _first_cause(summary: str, run_dirs: list[Path]) -> tuple[int, int, int] | None:
+    """(rank, local rank, exit code) of the failure that caused the others: torchrun's "Root
+    Cause" (the first failure its polling observed), unless that rank's stderr shows only a lost
+    peer in a collective while another failed rank's does not (ranks that fail in the same
+    second are observed in polling order, not in the order they failed)."""
+    root = _ROOT_CAUSE.search(summary)
+    if root is None:
+        return None
+    first = tuple(int(g) for g in root.groups())
+
+    def secondary(local_rank: int) -> bool:
+        path = _rank_stderr(run_dirs, local_rank)
+        text = _tail(path, 40) if path else ""
+        return any(m in text for m in _SECONDARY)
+
+    if not secondary(first[1]):
+        return first
+    failures = {tuple(int(g) for g in m.groups()) for m in _FAILURE.finditer(summary)}
+    primary = sorted(f for f in failures if f != first and not secondary(f[1]))
+    return primary[0] if primary else first
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"{code} ({signal.Signals(-code).name})"
+        except ValueError:
+            return str(code)
+    return str(code)
+
+
+def run_torchrun(
+    module: str,
+    args: list[str],
+    nproc: int,
+    *,
+    timeout_s: float,
+    log_dir: Path,
+    env: dict[str, str] | None = None,
+) -> None:
+    """Run ``python -m torch.distributed.run --standalone --nproc-per-node N -m module args...``.
+
+    Blocks until the job ends or ``timeout_s`` (wall clock) passes. Logs: torchrun's own output
+    (with every worker's output teed in, prefixed ``[rankN]:``) goes to ``log_dir/torchrun-*.log``;
+    each rank's stdout/stderr to ``log_dir/<run id>/attempt_0/<local rank>/std{out,err}.log``.
+    The repository root is prepended to the workers' PYTHONPATH; ``env`` adds variables.
+
+    Raises WorkerFailedError on a non-zero exit (naming the first failed rank from torchrun's
+    "Root Cause" summary, its exit code and the last lines of its stderr) or on timeout (the whole
+    job is killed: torchrun's process group and each worker's session; the message quotes the
+    last stderr lines of every rank). Nothing is left running when it returns or raises.
+    """
+    if nproc < 1:
+        raise TrainplanError(f"nproc must be >= 1, got {nproc}")
+    log_dir = Path(log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    before = set(log_dir.iterdir())
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run",
+        "--standalone", f"--nproc-per-node={nproc}",
+        f"--log-dir={log_dir}", "--redirects=3", "--tee=3",
+        "-m", module, *map(str, args),
+    ]  # fmt: skip
+    child_env = dict(os.environ)
+    child_env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(REPO_ROOT), child_env.get("PYTHONPATH", "")) if p
+    )
+    child_env.update(env or {})
+    torchrun_log = log_dir / f"torchrun-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+    with open(torchrun_log, "ab") as out:
+        proc = subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+            env=child_env, start_new_session=True,
+        )  # fmt: skip
+        try:
+            code = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            code = None
+            _stop(proc)
+        except BaseException:  # KeyboardInterrupt and the like: leave nothing behind
+            _stop(proc)
+            raise
+    if code == 0:
+        return
+
+    run_dirs = [p for p in set(log_dir.iterdir()) - before if p.is_dir()]
+    if code is None:
+        tails = []
+        for r in range(nproc):
+            path = _rank_stderr(run_dirs, r)
+            tail = _tail(path, 5) if path else "(no log)"
+            tails.append(f"--- rank {r} stderr ({path}):\n{tail}")
+        raise WorkerFailedError(
+            f"torchrun -m {module} ({nproc} processes) timed out after {timeout_s:g} s and was "
+            f"killed; logs in {log_dir}\n" + "\n".join(tails),
+            log_dir=log_dir,
+        )
+    summary = _tail(torchrun_log, 200)
+    cause = _first_cause(summary, run_dirs)
+    if cause is None:  # torchrun itself failed (bad arguments, rendezvous, ...)
+        raise WorkerFailedError(
+            f"torchrun -m {module} exited with code {_describe_exit(code)} before naming a failed "
+            f"rank; last lines of {torchrun_log}:\n{_tail(torchrun_log)}",
+            exit_code=code,
+            log_dir=log_dir,
+        )
+    rank, local_rank, rank_code = cause
+    path = _rank_stderr(run_dirs, local_rank)
+    tail = _tail(path) if path else f"(no per-rank log; see {torchrun_log})"
+    raise WorkerFailedError(
+        f"rank {rank} of torchrun -m {module} failed with exit code {_describe_exit(rank_code)}; "
+        f"last lines of its stderr ({path}):\n{tail}",
+        rank=rank,
+        exit_code=rank_code,
+        log_dir=log_dir,
+    )

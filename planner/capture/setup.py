@@ -1,0 +1,92 @@
+"""Model setup for `planner.api`: the default precision, the model's capture on the meta device
+(`capture_model`), the step model on a hardware profile and the loss law a plan predicts with."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from costmodels.loss.law import LossLaw
+from costmodels.step.model import StepModel
+from hardware_profiles import HardwareProfile
+from hardware_profiles import load as load_profile
+from modeling.presets import build_model, get_preset
+from planner.capture.graph import ModelGraph, capture
+from trainplan_errors import CaptureError, TrainplanError
+
+PRECISION_DTYPE = {"fp32": "fp32", "bf16-mixed": "bf16", "bf16": "bf16"}
+
+
+def default_precision(hw: HardwareProfile) -> str:
+    """fp32 on CPUs (bf16 matmuls are slow there), bf16 mixed precision on accelerators."""
+    return "fp32" if hw.device_type == "cpu" else "bf16-mixed"
+
+
+def capture_model(model: nn.Module | str, precision: str, *, vocab_size: int | None = None,
+                  activation_bits: tuple[int, ...] = ()) -> tuple[ModelGraph, str, tuple[int, ...]]:
+    """Build (if a preset name) and capture `model` on the meta device, with the regions of
+    each saved-activation width in `activation_bits` (`planner.capture.graph.capture`).
+
+    Returns the graph, the model's name and its parameter tensor sizes.
+
+    Raises:
+        UnknownNameError: unknown preset.
+        TrainplanError: not a module or preset name; a module not laid out as a causal LM.
+        CaptureError: the module's forward+backward cannot be traced (e.g. a graph break).
+    """
+    # bf16-mixed is torch.autocast over fp32 parameters; bf16 keeps parameters in bf16 too
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    autocast = torch.bfloat16 if precision == "bf16-mixed" else None
+    if isinstance(model, str):
+        get_preset(model)  # typed error for unknown names
+        module = build_model(model, device="meta", dtype=dtype, vocab_size=vocab_size)
+        name = model
+    elif isinstance(model, nn.Module):
+        module, name = model, getattr(model, "trainplan_preset", type(model).__name__)
+    else:
+        raise TrainplanError(f"model must be an nn.Module or a preset name, got {type(model).__name__}")
+    try:
+        graph = capture(module, dtype=dtype, name=name, autocast_dtype=autocast,
+                        activation_bits=tuple(activation_bits))
+    except TrainplanError:
+        raise
+    except Exception as e:  # a graph break: data-dependent control flow, an untraceable op, ...
+        why = (str(e).strip().splitlines() or [""])[0][:200]
+        raise CaptureError(
+            f"cannot capture {name}: tracing its forward+backward on fake tensors failed with "
+            f"{type(e).__name__}: {why}; trainplan needs a model without data-dependent control "
+            "flow (no .item(), no branching on tensor values): use a preset or a transformers "
+            "*ForCausalLM model") from e
+    return graph, name, tuple(p.numel() for p in module.parameters())
+
+
+def _setup(model, hw, *, precision, vocab_size, activation_bits=(32,)):
+    profile = load_profile(hw)
+    precision = precision or default_precision(profile)
+    if precision not in PRECISION_DTYPE:
+        raise TrainplanError(f"precision={precision!r} is not known: use {', '.join(PRECISION_DTYPE)}")
+    activation_bits = _check_bits_options(activation_bits)
+    graph, name, numels = capture_model(model, precision, vocab_size=vocab_size,
+                                        activation_bits=activation_bits)
+    step_model = StepModel(graph.regions, graph.blocks, numels, profile, n_heads=graph.n_heads,
+                           n_kv_heads=graph.n_kv_heads, head_dim=graph.head_dim)
+    return profile, precision, graph, name, step_model
+
+
+def _law_for(law, profile, name, graph) -> LossLaw:
+    if law is None and profile.name == "cpu":  # a law fitted by `trainplan calibrate`, if any
+        from costmodels.loss.cache import load_local_law
+
+        law = load_local_law(name, graph.vocab_size)
+    return law or LossLaw.besiroglu2024()
+
+
+def _check_bits_options(activation_bits) -> tuple[int, ...]:
+    from modeling.activation_compression import check_activation_bits
+
+    if isinstance(activation_bits, int) or not hasattr(activation_bits, "__iter__"):
+        activation_bits = (activation_bits,)
+    out = tuple(check_activation_bits(b) for b in activation_bits)
+    if not out:
+        raise TrainplanError("activation_bits is empty: give at least one of 32, 16, 8")
+    return out

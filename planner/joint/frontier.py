@@ -1,0 +1,224 @@
+"""The Pareto frontier of plans over per-device memory, cost and predicted loss.
+
+Method: solve the joint CP-SAT model (`planner.joint.solver.solve_joint`) once at the full budget on
+the device's memory (the chosen plan, the same as `planner.solve` returns), then again under a
+ladder of budget fractions (default x {0.1, 0.25, 0.5, 1}) and memory caps (geometric from just
+above the lightest plan's peak to the device's usable bytes), and keep the plans no other plan
+beats on all three at once: peak bytes per device (`memory_bytes`), device-hours
+(`cost_device_hours`; `time_s` beside it) and predicted final loss (`loss`, nats/token). Each
+plan is the lowest-loss plan under its cap and budget, so the ladder traces the frontier from
+its cheap, small end to the chosen plan. The re-solves share one step model and each block
+shape's checkpoint menu (solved once, at the first cap that needs it), with a shorter time
+limit per solve.
+
+`write_frontier` writes `frontier.csv` (read by `executor.reporting.figures.frontier_frame` and the run
+report) and `frontier.png`.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from planner.budget import Budget
+from planner.plan import Plan
+from trainplan_errors import InfeasibleError, TrainplanError
+
+BUDGET_FRACTIONS = (0.1, 0.25, 0.5, 1.0)
+MEMORY_STEPS = 2
+"""Memory caps below the device's (the device's own is always solved too)."""
+LADDER_TIME_S = 0.5
+"""CP-SAT time limit of each ladder solve, s."""
+OBJECTIVES = ("memory_bytes", "cost_device_hours", "loss")
+REL_TOL = 1e-9
+"""Relative tolerance of the dominance test (float noise, not a modelling margin)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Frontier:
+    plan: Plan
+    """The chosen plan: the full budget on the device's memory (or the caller's cap)."""
+    table: pd.DataFrame
+    """One row per plan kept: the non-dominated plans (`dominated` False) and the chosen plan
+    (`chosen` True; `dominated` True only if another plan beats it, e.g. the same loss and cost
+    with less memory), sorted by cost."""
+    solved: int
+    """Plans solved (feasible) over the ladder, the chosen one included."""
+    wall_s: float
+
+
+class _SharedMenus:
+    """A step model whose checkpoint menus are solved once per block shape: the first request
+    (with that solve's per-budget targets) is kept for every later cap."""
+
+    def __init__(self, step_model):
+        self._sm, self._menus = step_model, {}
+
+    def __getattr__(self, name):
+        return getattr(self._sm, name)
+
+    def menu(self, c, i: int = 0, targets=()):
+        key = (self._sm.blocks[i], c.micro_batch, c.seq_len // c.sp_degree, c.sp_degree, c.precision)
+        if key not in self._menus:
+            self._menus[key] = self._sm.menu(c, i, targets)
+        return self._menus[key]
+
+
+def non_dominated(frame: pd.DataFrame, columns=OBJECTIVES) -> pd.Series:
+    """True for each row no other row dominates (no worse in every column of `columns`, all to
+    be minimised, and better in one, beyond a relative `REL_TOL`). Of rows equal in every column
+    only the first is kept."""
+    vals = frame[list(columns)].to_numpy(dtype=float)
+    keep = []
+    for i, a in enumerate(vals):
+        tol = REL_TOL * abs(a) + 1e-300
+        dominated = False
+        for j, b in enumerate(vals):
+            if j == i:
+                continue
+            no_worse = (b <= a + tol).all()
+            better = (b < a - tol).any()
+            same = not better and (abs(b - a) <= tol).all()
+            if no_worse and (better or (same and j < i)):
+                dominated = True
+                break
+        keep.append(not dominated)
+    return pd.Series(keep, index=frame.index)
+
+
+def _row(plan: Plan, *, fraction: float, cap: float | None, chosen: bool) -> dict:
+    d, p = plan.decisions, plan.predictions
+    ck = ", ".join(f"{d.checkpoint.count(e)} x {e}" for e in dict.fromkeys(d.checkpoint))
+    return dict(memory_bytes=p.memory_bytes["total"], cost_device_hours=p.device_hours,
+                time_s=p.step_time_s * d.max_steps, loss=p.final_loss, chosen=chosen,
+                budget_fraction=fraction, memory_cap_bytes=math.nan if cap is None else cap,
+                sp_degree=d.sp_degree, dp_degree=d.dp_degree, zero_stage=d.zero_stage,
+                micro_batch=d.micro_batch, optimizer_bits=d.optimizer_bits,
+                activation_bits=d.activation_bits,
+                data_fraction=d.data_fraction, checkpoint=ck, max_steps=d.max_steps,
+                total_tokens=p.total_tokens, step_time_s=p.step_time_s)
+
+
+def _lightest_bytes(pr, budget: Budget) -> float:
+    """Peak bytes per device of a light plan: full checkpointing, the smallest micro-batch and
+    optimizer width, the highest ZeRO stage, the lightest SP degree (a floor for the caps)."""
+    from costmodels.step.model import Choice
+
+    space = pr.space(budget.devices)
+    L = len(pr.step_model.blocks)
+    return min(pr.step_model.evaluate(Choice(
+        sp_degree=sp, zero_stage=max(space.zero_stages), micro_batch=min(space.micro_batches),
+        seq_len=pr.seq_len, policies=("full",) * L, precision=space.precision,
+        optimizer_bits=min(space.optimizer_bits), devices=budget.devices,
+        activation_bits=min(space.activation_bits))).memory.total
+        for sp in space.sp_degrees)
+
+
+def frontier_for(pr, budget: Budget, *, memory_limit_bytes: float | None = None,
+                 budget_fractions=BUDGET_FRACTIONS, memory_steps: int = MEMORY_STEPS,
+                 time_limit_s: float = 10.0, ladder_time_limit_s: float = LADDER_TIME_S,
+                 seed: int = 0, lr: float = 3e-3) -> Frontier:
+    """The frontier of a prepared problem (`planner.api.prepare`) at `budget`.
+
+    Raises:
+        InfeasibleError: the chosen (full-budget) plan is infeasible (unexplained: see `frontier`).
+    """
+    from planner.api import solve_problem
+
+    t0 = time.perf_counter()
+    sm = _SharedMenus(pr.step_model)
+    opts = dict(time_limit_s=time_limit_s, seed=seed, lr=lr, step_model=sm)
+    chosen = solve_problem(pr, budget, memory_limit_bytes=memory_limit_bytes, diagnose=False, **opts)
+    rows = [_row(chosen, fraction=1.0, cap=memory_limit_bytes, chosen=True)]
+    top = min(pr.profile.usable_bytes, memory_limit_bytes or math.inf)
+    lo = min(1.05 * _lightest_bytes(pr, budget), top)
+    caps = [lo * (top / lo) ** (i / memory_steps) for i in range(memory_steps)] if memory_steps else []
+    caps = [c for c in caps if c < top] + [memory_limit_bytes]
+    value = float(getattr(budget, budget.kind))
+    opts["time_limit_s"] = min(time_limit_s, ladder_time_limit_s)
+    for fraction in sorted(budget_fractions):
+        b = Budget(devices=budget.devices, **{budget.kind: value * fraction})
+        for cap in caps:
+            if fraction == 1.0 and cap == memory_limit_bytes:
+                continue  # the chosen plan
+            try:
+                plan = solve_problem(pr, b, memory_limit_bytes=cap, diagnose=False, **opts)
+            except (InfeasibleError, TrainplanError):
+                continue
+            rows.append(_row(plan, fraction=fraction, cap=cap, chosen=False))
+    frame = pd.DataFrame(rows)
+    # the chosen plan first, so that of equal rows it is the one kept
+    frame["dominated"] = ~non_dominated(frame)
+    table = frame[~frame["dominated"] | frame["chosen"]]
+    table = table.sort_values(["cost_device_hours", "loss"], kind="stable").reset_index(drop=True)
+    return Frontier(plan=chosen, table=table, solved=len(rows), wall_s=time.perf_counter() - t0)
+
+
+def frontier(model, hw, budget: Budget, *, seq_len: int = 2048, data_tokens: int | None = None,
+             vocab_size: int | None = None, precision: str | None = None, law=None,
+             memory_limit_bytes: float | None = None, budget_fractions=BUDGET_FRACTIONS,
+             memory_steps: int = MEMORY_STEPS, time_limit_s: float = 10.0,
+             ladder_time_limit_s: float = LADDER_TIME_S, seed: int = 0, lr: float = 3e-3,
+             **space_options) -> Frontier:
+    """The Pareto frontier over (peak memory per device, device-hours, predicted loss) of the
+    plans for `model` on `hw` at up to `budget` (arguments as `planner.solve`'s; `space_options`:
+    micro_batches, optimizer_bits, activation_bits, policies, data_fractions).
+
+    Raises:
+        UnknownNameError: unknown hardware or preset.
+        TrainplanError: bad sequence length or option.
+        InfeasibleError: no plan fits the full budget (explained as by `planner.solve`).
+    """
+    from planner.api import prepare
+
+    pr = prepare(model, hw, seq_len=seq_len, data_tokens=data_tokens, vocab_size=vocab_size,
+                 precision=precision, law=law, **space_options)
+    try:
+        return frontier_for(pr, budget, memory_limit_bytes=memory_limit_bytes,
+                            budget_fractions=budget_fractions, memory_steps=memory_steps,
+                            time_limit_s=time_limit_s, ladder_time_limit_s=ladder_time_limit_s,
+                            seed=seed, lr=lr)
+    except InfeasibleError as e:
+        from planner.joint.explain import explain_infeasible
+
+        raise explain_infeasible(pr, budget, e, memory_limit_bytes=memory_limit_bytes) from e
+
+
+def format_frontier(table: pd.DataFrame) -> str:
+    """The frontier as a text table: GiB per device, device-hours, loss and the knobs."""
+    t = pd.DataFrame({
+        "": table["chosen"].map({True: "*", False: ""}),
+        "GiB/device": table["memory_bytes"] / 2**30,
+        "device_hours": table["cost_device_hours"],
+        "loss": table["loss"],
+        "sp": table["sp_degree"], "zero": table["zero_stage"], "mb": table["micro_batch"],
+        "opt_bits": table["optimizer_bits"], "data": table["data_fraction"],
+        "tokens": table["total_tokens"], "checkpoint": table["checkpoint"],
+    })
+    return t.to_string(index=False, float_format=lambda v: f"{v:.4g}")
+
+
+def write_frontier(fr: Frontier | pd.DataFrame, out: str | Path) -> dict[str, Path]:
+    """Write `frontier.csv` and `frontier.png` (`executor.reporting.figures.frontier_figure`) into the
+    folder `out` (created). Returns their paths under `csv` and `png`.
+
+    Raises:
+        OSError: `out` cannot be written."""
+    import matplotlib
+
+    if "matplotlib.pyplot" not in sys.modules:  # switching under a live pyplot closes its figures
+        matplotlib.use("Agg")
+    from executor.reporting.figures import frontier_figure
+
+    table = fr.table if isinstance(fr, Frontier) else fr
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"csv": out / "frontier.csv", "png": out / "frontier.png"}
+    table.to_csv(paths["csv"], index=False)
+    frontier_figure(table).savefig(paths["png"], dpi=110, metadata={"Software": None})
+    return paths

@@ -1,0 +1,362 @@
+"""The joint CP-SAT model: every knob of a Plan in one OR-Tools model.
+
+Written in the OR-Tools sample order: data, variables, constraints, objective, solve, read
+the solution. The cost models are nonlinear in the knobs (activation bytes scale with
+micro-batch x sequence / SP degree; time with the checkpoint mix), so the model enumerates
+the small product of discrete "shape" knobs as one-hot `combo` literals and keeps everything
+linear given a combo: the checkpoint choice is a count of blocks per menu entry (identical
+blocks are interchangeable), the stopping budget a one-hot over geometric token levels, the
+data fraction a one-hot, and the objective a table lookup of the scaling law.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from dataclasses import dataclass, field
+
+from ortools.sat.python import cp_model
+
+from costmodels.checkpoint_sets import BUILTIN, MENU, resolve
+from costmodels.loss.bits import bits_loss_penalty
+from costmodels.loss.law import LossLaw
+from costmodels.step.model import Choice, StepModel
+from hardware_profiles import HardwareProfile
+from planner.budget import Budget
+from planner.joint.combos import (
+    BYTES_PER_UNIT,
+    combo_memory,
+    lightest_uniform,
+    memory_infeasible,
+    memory_rows,
+    phase_peaks,
+)
+from planner.joint.combos import budget_terms as _budget_terms
+from planner.joint.combos import prune_narrower as _prune_narrower
+from planner.joint.combos import spent as _spent
+from planner.joint.combos import undominated as _undominated
+from planner.joint.combos import uniform_start as _uniform_start
+from planner.joint.combos import units as _units
+from planner.joint.remat_menu import add_menus, by_recompute, entry_numbers, menu_index, named_entries
+from planner.joint.space import DEFAULT_POLICIES, SearchSpace, check_optimizer_bits, default_space  # noqa: F401 (re-exported)
+from trainplan_errors import InfeasibleError
+
+LOSS_PER_UNIT = 1e-5            # objective resolution, nats
+TOKEN_LEVELS = 48
+POLISH_LEVELS = 10**6            # resolution of the step cost in the polish solve
+POLISH_TIME_S = 0.5               # deterministic seconds of each polish solve, at most
+WORK_PER_S = 1.0
+"""CP-SAT deterministic time per second of a time limit (`_deterministic`): its units are about
+a second of one core's work (CP-SAT calibrates them so)."""
+WALL_SAFETY = 10.0
+"""A solve's wall-clock cap, as a multiple of its time limit (plus as many seconds): only a
+machine far slower or busier than CP-SAT's calibration reaches it, where the result again
+depends on machine load."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Solution:
+    choice: Choice
+    data_fraction: float
+    total_tokens: int
+    max_steps: int
+    tokens_per_step: int
+    predicted_loss: float
+    status: str
+    objective: float
+    bound: float
+    wall_s: float
+    n_variables: int
+    n_constraints: int
+    memory_phases: dict = field(default_factory=dict)
+    """The joint model's bytes per device at each phase kind for the plan (`planner.joint.combos.
+    phase_peaks`): exactly what `StepModel.evaluate(choice).memory` predicts there."""
+
+    @property
+    def peak_bytes(self) -> float:
+        """The joint model's predicted peak bytes per device of the plan."""
+        return max(self.memory_phases.values(), default=0.0)
+
+
+def solve_joint(step_model: StepModel, hw: HardwareProfile, budget: Budget, *, seq_len: int,
+                space: SearchSpace, n_params: int, data_tokens: int, law: LossLaw,
+                memory_limit_bytes: float | None = None, time_limit_s: float = 10.0, seed: int = 0,
+                workers: int = 1,
+                export_path: str | None = None, diagnose: bool = True) -> Solution:
+    """Choose all knobs jointly to minimise predicted final loss, ties broken by cost.
+
+    time_limit_s: the search's limit in deterministic seconds (`_deterministic`: the same plan
+        under any machine load; wall time varies); `workers`: CP-SAT workers (more than one
+        interleave, still deterministic).
+    diagnose: when nothing fits memory, find the lightest plan for the message (an exact
+        replay of every dropped combo; `planner.joint.explain` passes False and surveys itself).
+
+    Raises:
+        InfeasibleError: nothing fits memory, or the budget buys no step; the message names the
+            binding term with both numbers and what to relax. When the time limit ends the
+            search before any plan is found, the message says so and asks for a longer limit
+            (the error's `binding` is "time limit").
+    """
+    t0 = time.perf_counter()
+    # ---- data -------------------------------------------------------------------------
+    devices = budget.devices
+    L = len(step_model.blocks)
+    limit = hw.usable_bytes if memory_limit_bytes is None else min(memory_limit_bytes, hw.usable_bytes)
+    named = named_entries(space.policies)
+    combos, dropped = [], []
+    for sp, zero, mb, ob, ab in itertools.product(space.sp_degrees, space.zero_stages, space.micro_batches,
+                                                  space.optimizer_bits, space.activation_bits):
+        bits = (ob, ab)  # (optimizer, saved-activation) widths
+        base = Choice(sp_degree=sp, zero_stage=zero, micro_batch=mb, seq_len=seq_len,
+                      policies=("none",) * L, precision=space.precision, optimizer_bits=ob,
+                      devices=devices, activation_bits=ab)
+        c = combo_memory(step_model, base)  # bytes per device, as StepModel.evaluate composes them
+        if max(c["fixed"].values()) > limit:  # head forward / backward, root reduce-scatter, optimizer
+            dropped.append(base)
+            continue
+        c.update(sp=sp, zero=zero, mb=mb, bits=bits, tokens_per_step=mb * seq_len * (devices // sp))
+        c.update(entry_numbers(step_model, base, {e: resolve(e) for e in named}), choice=base)
+        combos.append(c)
+    if not combos and not diagnose:
+        raise InfeasibleError(f"per-device memory binds: no plan fits {limit / 2**30:.3g} GiB")
+    if not combos:
+        raise memory_infeasible(lightest_uniform(step_model, dropped, named), limit, hw, seq_len,
+                                 capped=memory_limit_bytes is not None)
+    bits_pen = {(ob, ab): bits_loss_penalty(ob, ab, precision=space.precision, penalty=law.bits)
+                for ob in space.optimizer_bits for ab in space.activation_bits}
+    wall = budget.wall_s_for(devices)
+    combos = _prune_narrower(combos, L, int(limit // BYTES_PER_UNIT), bits_pen, wall)
+    if MENU in space.policies:
+        add_menus(step_model, combos, named, limit)
+    combos = _undominated(combos)
+    # checkpoint entries: the named ones, then solved `remat:k` (absent from a combo's menu: 0 blocks)
+    entries = named + sorted({e for c in combos for e in c["sets"]} - set(named), key=menu_index)
+    for c in combos:
+        for e in entries:
+            if e not in c["sets"]:
+                for key in ("R", "F", "T", "block_s", "flops"):
+                    c[key][e] = c[key]["full"]
+    # token levels: from one step of the smallest batch to the most the budget could buy
+    best_rate = max(c["tokens_per_step"] / (c["fixed_s"] + L * min(c["block_s"].values()))
+                    for c in combos)
+    if wall is not None:
+        max_tokens = best_rate * wall
+    else:
+        max_tokens = max(c["tokens_per_step"] / (min(c["flops"].values()) * devices) for c in combos) * budget.flops
+    min_tokens = min(c["tokens_per_step"] for c in combos)
+    if max_tokens < min_tokens:
+        raise InfeasibleError(
+            f"budget {budget.kind}={getattr(budget, budget.kind):g} buys less than one step: the "
+            f"fastest plan needs {min_tokens / best_rate:.3g} s per step on {devices} device(s); "
+            "raise the budget or shorten the sequence")
+    levels = sorted({int(min_tokens * (max_tokens / min_tokens) ** (k / (TOKEN_LEVELS - 1)))
+                     for k in range(TOKEN_LEVELS)})
+    loss = {(k, f): law.predict(n_params, levels[k], unique_tokens=max(1.0, f * data_tokens))
+            for k in range(len(levels)) for f in space.data_fractions}
+    # a fraction no better than the whole corpus at every level never wins (ties go to more data)
+    fractions = [f for f in space.data_fractions if f == max(space.data_fractions) or any(
+        loss[(k, f)] < loss[(k, max(space.data_fractions))] for k in range(len(levels)))]
+    loss = {kf: v for kf, v in loss.items() if kf[1] in fractions}
+
+    # ---- variables --------------------------------------------------------------------
+    m = cp_model.CpModel()
+    z = [m.new_bool_var(f"combo_sp{c['sp']}_z{c['zero']}_mb{c['mb']}_b{c['bits'][0]}_a{c['bits'][1]}")
+         for c in combos]  # shape knobs
+    n = {e: m.new_int_var(0, L, f"blocks_{e}") for e in entries}  # blocks per checkpoint entry
+    y = [m.new_bool_var(f"tokens_{t}") for t in levels]  # stopping budget level
+    x = {f: m.new_bool_var(f"fraction_{f}") for f in fractions}  # data fraction
+    w = {kf: m.new_bool_var(f"loss_{kf[0]}_{kf[1]}") for kf in loss}  # y_k AND x_f
+
+    # ---- constraints ------------------------------------------------------------------
+    m.add_exactly_one(z)
+    m.add_exactly_one(y)
+    m.add_exactly_one(x.values())
+    m.add(sum(n.values()) == L)  # [Constraint] every block has one checkpoint entry
+    for (k, f), v in w.items():
+        m.add_implication(v, y[k])
+        m.add_implication(v, x[f])
+    m.add_exactly_one(w.values())
+    u = {e: m.new_bool_var(f"uses_{e}") for e in entries}  # some block takes entry e
+    for e in entries:
+        m.add(n[e] >= u[e])
+        m.add(n[e] <= L * u[e])
+    mem_cap = int(limit // BYTES_PER_UNIT)
+    for zc, c in zip(z, combos, strict=False):
+        for e in entries:  # [Constraint] only entries on this combo's menu
+            if e not in c["sets"]:
+                m.add(n[e] == 0).only_enforce_if(zc)
+        # [Constraint] per-device memory <= HBM - reserve, at every phase of the step
+        # (`memory_rows`: blocks in order of retained bytes, each term rounded up to a unit)
+        order = sorted(entries, key=lambda e: c["R"][e])
+        for _, e, row in memory_rows(c, order, n, lambda v: _units(v, BYTES_PER_UNIT)):
+            m.add(row <= mem_cap).only_enforce_if([zc] if e is None else [zc, u[e]])
+        # [Constraint] compute <= budget, at each token level
+        per_step, fixed_cost, cap, scale = _budget_terms(c, entries, L, wall, budget, devices)
+        for k, tokens in enumerate(levels):
+            steps = math.ceil(tokens / c["tokens_per_step"])
+            m.add(sum(n[e] * _units(steps * per_step[e], scale) for e in n)
+                  + _units(steps * fixed_cost, scale) <= int(cap / scale)).only_enforce_if([zc, y[k]])
+
+    # ---- objective: lowest predicted loss, then fewest device-seconds ------------------
+    loss_terms = [v * int(round((loss[kf]) / LOSS_PER_UNIT)) for kf, v in w.items()]
+    pen_terms = [zc * int(round(bits_pen[c["bits"]] / LOSS_PER_UNIT)) for zc, c in zip(z, combos, strict=False)]
+    # ties, in order: fewer tokens (cost), more of the corpus (a random subset never helps),
+    # less recompute (entries ranked from least to most recomputing; the polish below then
+    # takes the cheapest blocks at the chosen knobs)
+    fr_rank = {f: i for i, f in enumerate(sorted(fractions, reverse=True))}
+    remat_rank = [n[e] * i for i, e in enumerate(by_recompute(entries))]
+    # last: of equal loss, the widest bits (no compression work; at equal penalty 32/16-bit
+    # saved activations cost quantize passes)
+    bits_order = sorted(bits_pen, key=lambda b: (bits_pen[b], -b[0], -b[1]))
+    bits_rank = [zc * bits_order.index(c["bits"]) for zc, c in zip(z, combos, strict=False)]
+    w_remat = (len(entries) - 1) * L + len(bits_order)
+    tie_terms = [y[k] * k * len(fr_rank) for k in range(len(levels))] + [v * fr_rank[f] for f, v in x.items()]
+    w_ties = (len(levels) + 1) * len(fr_rank) * w_remat
+    m.minimize(w_ties * (sum(loss_terms) + sum(pen_terms)) + w_remat * sum(tie_terms) + sum(remat_rank)
+               + sum(bits_rank))
+    # hint: the best plan with every block on one entry that fits (a feasible start), else
+    # the plain plan (no checkpointing)
+    start = _uniform_start(combos, entries, L, mem_cap, levels, fractions,
+                           lambda c: _budget_terms(c, entries, L, wall, budget, devices),
+                           loss=lambda k, f, b: loss[(k, f)] + bits_pen[b])
+    if start is None:
+        m.add_hint(n[entries[0]], L)
+    else:
+        hi, he, hk, hf = start
+        for i, zc in enumerate(z):
+            m.add_hint(zc, i == hi)
+        for e in entries:
+            m.add_hint(n[e], L if e == he else 0)
+            m.add_hint(u[e], e == he)
+        for k2, v in enumerate(y):
+            m.add_hint(v, k2 == hk)
+        for f2, v in x.items():
+            m.add_hint(v, f2 == hf)
+        for kf, v in w.items():
+            m.add_hint(v, kf == (hk, hf))
+
+    # ---- solve ------------------------------------------------------------------------
+    solver = cp_model.CpSolver()
+    _deterministic(solver.parameters, time_limit_s, seed, workers)
+    if export_path:
+        m.export_to_file(export_path)
+    status = solver.solve(m)
+    n_variables, n_constraints = len(m.proto.variables), len(m.proto.constraints)
+    if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        # ---- read the solution --------------------------------------------------------
+        ci = next(i for i, v in enumerate(z) if solver.value(v))
+        k = next(i for i, v in enumerate(y) if solver.value(v))
+        f = next(fr for fr, v in x.items() if solver.value(v))
+        counts = {e: solver.value(n[e]) for e in n}
+        objective, bound, status_name = solver.objective_value, solver.best_objective_bound, solver.status_name(status)
+    elif start is not None and status == cp_model.UNKNOWN:  # out of time before a solution: the start
+        ci, he, k, f = start
+        counts = {e: L if e == he else 0 for e in n}
+        objective, bound, status_name = 1.0, 0.0, "START"  # no bound proven: a gap of 100%
+    elif status == cp_model.UNKNOWN:  # the limit ended the search: nothing is proven infeasible
+        err = InfeasibleError(
+            f"no plan found within the solver time limit of {time_limit_s:g} s (the search stopped "
+            "before finding one; memory and the budget may still allow a plan): raise --time-limit "
+            "(time_limit_s)")
+        err.binding = "time limit"
+        raise err
+    else:
+        raise InfeasibleError(
+            f"no plan fits the budget {budget.to_dict()} (solver status {solver.status_name(status)}); "
+            "raise the budget, add devices or shorten the sequence")
+    c = combos[ci]
+    # ---- polish: the token levels are a grid, so at the chosen token level and data fraction
+    # (and optimizer bits: the same loss) take the combo and entries with the least cost per
+    # token (seconds under a time budget, FLOPs under a FLOP budget)
+    def per_token(c2: dict) -> tuple[float, dict]:
+        if wall is not None:
+            return c2["fixed_s"] / c2["tokens_per_step"], {e: c2["block_s"][e] / c2["tokens_per_step"] for e in entries}
+        return 0.0, {e: c2["flops"][e] / L / c2["tokens_per_step"] for e in entries}
+
+    costs = [per_token(c2) for c2 in combos]
+    unit = max(fx + L * max(bl.values()) for fx, bl in costs) / POLISH_LEVELS
+    m.add(y[k] == 1)
+    m.add(x[f] == 1)
+    token_cost = m.new_int_var(0, POLISH_LEVELS + L + 1, "cost_per_token")  # units of `unit`
+    width = {b: m.new_bool_var(f"polish_bits_{b[0]}_{b[1]}") for b in bits_pen}
+    m.add_exactly_one(width.values())
+    for zc, c2, (fx, bl) in zip(z, combos, costs, strict=False):
+        m.add_implication(zc, width[c2["bits"]])
+        m.add(token_cost >= _units(fx, unit) + sum(n[e] * _units(bl[e], unit) for e in entries)
+              ).only_enforce_if(zc)
+    if wall is None:  # a FLOP budget: of equal FLOPs per token, the faster tokens
+        tunit = max((c2["fixed_s"] + L * max(c2["block_s"].values())) / c2["tokens_per_step"]
+                    for c2 in combos) / POLISH_LEVELS
+        time_cost = m.new_int_var(0, POLISH_LEVELS + L + 1, "seconds_per_token")
+        for zc, c2 in zip(z, combos, strict=False):
+            m.add(time_cost >= _units(c2["fixed_s"] / c2["tokens_per_step"], tunit) + sum(
+                n[e] * _units(c2["block_s"][e] / c2["tokens_per_step"], tunit) for e in entries)
+                  ).only_enforce_if(zc)
+        m.minimize(token_cost * (POLISH_LEVELS + L + 2) + time_cost)
+    else:
+        m.minimize(token_cost)
+    m.clear_hints()
+    for e in entries:
+        m.add_hint(n[e], counts[e])
+    for i, zc in enumerate(z):
+        m.add_hint(zc, i == ci)
+    _deterministic(solver.parameters, min(time_limit_s, POLISH_TIME_S), seed, 1)  # see the loop
+    # per optimizer width (the loss differs by its penalty, the grid hides the token
+    # difference): the cheapest tokens of each width at the chosen level, then the lowest
+    # predicted loss once the budget is spent
+    best = (_spent(c, counts, L, wall, budget, devices, law, n_params, f, data_tokens, levels[k],
+                   bits_pen), c, counts)
+    # widths of equal penalty are polished together (the cheapest tokens among them); a group
+    # whose penalty alone, over the loss at the most tokens the budget could buy, is no better
+    # than the incumbent cannot win: not solved
+    floor = law.predict(n_params, max_tokens, unique_tokens=max(1.0, f * data_tokens))
+    groups: dict[float, list] = {}
+    for b in sorted(width, key=lambda b: (bits_pen[b] != bits_pen[c["bits"]], bits_pen[b])):
+        groups.setdefault(bits_pen[b], []).append(b)
+    for pen, group in groups.items():
+        mine = c["bits"] in group
+        if not mine and floor + pen >= best[0][0]:
+            continue
+        for b2, v in width.items():  # these widths only, by their domains (CP-SAT 9.15 aborted
+            dom = m.proto.variables[v.index].domain  # this solve interleaved: 1 worker)
+            dom[0], dom[1] = 0, int(b2 in group)
+        if solver.solve(m) in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            c2 = combos[next(i for i, v in enumerate(z) if solver.value(v))]
+            counts2 = {e: solver.value(n[e]) for e in n}
+            got = _spent(c2, counts2, L, wall, budget, devices, law, n_params, f, data_tokens,
+                         levels[k], bits_pen)
+            if got[0] < best[0][0] or (mine and got[0] <= best[0][0]):
+                best = (got, c2, counts2)  # the polished plan of the solved widths, unless worse
+    (_, steps), c, counts = best
+    # most-saving entries on the earliest blocks: their activations live the longest
+    order = sorted(entries, key=lambda e: c["R"][e])
+    policies = tuple(e for e in order for _ in range(counts[e]))
+    choice = Choice(sp_degree=c["sp"], zero_stage=c["zero"], micro_batch=c["mb"], seq_len=seq_len,
+                    policies=policies, precision=space.precision, optimizer_bits=c["bits"][0],
+                    devices=devices, activation_bits=c["bits"][1],
+                    sets=tuple(c["sets"][e] for e in entries if counts[e] and e not in BUILTIN))
+    return Solution(choice=choice, data_fraction=f, total_tokens=steps * c["tokens_per_step"],
+                    max_steps=steps, tokens_per_step=c["tokens_per_step"],
+                    predicted_loss=law.predict(n_params, steps * c["tokens_per_step"],
+                                               unique_tokens=max(1.0, f * data_tokens)) + bits_pen[c["bits"]],
+                    status=status_name, objective=objective,
+                    bound=bound, wall_s=time.perf_counter() - t0,
+                    n_variables=n_variables, n_constraints=n_constraints,
+                    memory_phases=phase_peaks(c, counts, order))
+
+
+def _deterministic(params, time_limit_s: float, seed: int, workers: int) -> None:
+    """Solver parameters under which the same model, seed and limit give the same result under
+    any machine load. The limit is CP-SAT's deterministic time (work counted, not seconds:
+    `max_deterministic_time`, `WORK_PER_S` per second); one worker searches sequentially, and
+    more interleave their search in fixed batches (`interleave_search`: "the search is
+    deterministic (independently of num_workers!)", OR-Tools 9.15 `sat_parameters.proto`); a
+    wall-clock cap of `WALL_SAFETY` times the limit stops a solve on a far slower machine.
+    One worker is the default: on these models it reaches the optimum with less work than two
+    interleaved (measured: llama3-70b at 128K on 8 x mi300, llama3.1-405b on 1024)."""
+    params.max_deterministic_time = time_limit_s * WORK_PER_S
+    params.max_time_in_seconds = WALL_SAFETY * (time_limit_s + 1.0)
+    params.interleave_search = workers > 1
+    params.num_workers = workers
+    params.random_seed = seed

