@@ -29,7 +29,7 @@ def check_optimizer_bits(bits, precision: str) -> int:
     Raises:
         TrainplanError: names the value and the valid ones (`planner.joint.space.check_optimizer_bits`).
     """
-    from planner.joint.space import check_optimizer_bits as check_widths
+    from costmodels.step.precision import check_optimizer_bits as check_widths
 
     check_widths((bits,), precision)
     return int(bits)

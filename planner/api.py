@@ -98,7 +98,7 @@ def prepare(model: nn.Module | str, hw: str | HardwareProfile, *, seq_len: int =
     check_data_tokens(data_tokens, seq_len)
     _check_bits_options(activation_bits)
     if optimizer_bits is not None:  # before the capture: bad widths fail fast
-        from planner.joint.solver import check_optimizer_bits
+        from costmodels.step.precision import check_optimizer_bits
 
         check_optimizer_bits(optimizer_bits, precision or default_precision(load_profile(hw)))
     profile, precision, graph, name, step_model = _setup(model, hw, precision=precision,
@@ -258,7 +258,7 @@ def plan_for_choice(model: nn.Module | str, hw: str | HardwareProfile, *, seq_le
     profile, precision, graph, name, step_model = _setup(model, hw, precision=precision,
                                                          vocab_size=vocab_size,
                                                          activation_bits=(activation_bits,))
-    from costmodels.step.model import optimizer_bits_for
+    from costmodels.step.precision import optimizer_bits_for
 
     valid_bits = optimizer_bits_for(precision)
     optimizer_bits = valid_bits[0] if optimizer_bits is None else optimizer_bits

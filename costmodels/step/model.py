@@ -20,26 +20,8 @@ from costmodels.step.fsdp import FsdpLayout, root_gather_events
 from costmodels.step.memory import MemoryBreakdown, RegionMemory, model_state_bytes, simulate_region, step_peak
 from costmodels.step.ulysses import ulysses_block_events
 from hardware_profiles import HardwareProfile
+from costmodels.step.precision import PRECISIONS, optimizer_bits_for
 from trainplan_errors import TrainplanError
-
-PRECISIONS = {
-    # name: (weight bytes, grad bytes, master bytes, compute dtype for the profile's peak)
-    "fp32": (4, 4, 0, "fp32"),
-    # torch.autocast: fp32 parameters and gradients, bf16 matmuls (16 bytes/param with Adam,
-    # as ZeRO's 2 + 2 + 12 split, Rajbhandari et al. 2020 Sec. 3.1, with other categories)
-    "bf16-mixed": (4, 4, 0, "bf16"),
-    "bf16": (2, 2, 0, "bf16"),
-}
-
-
-
-def optimizer_bits_for(precision: str) -> tuple[int, ...]:
-    """Adam-state widths the executor runs with parameters of `precision`
-    (`executor.optimizers`): torch's AdamW keeps states in the parameter dtype, so 32 bits
-    needs fp32 parameters (fp32, bf16-mixed) and 16 bits pure-bf16 ones; 8 (bitsandbytes) and 4
-    (torchao) run with either."""
-    return (16, 8, 4) if precision == "bf16" else (32, 8, 4)
-
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Choice:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from costmodels.step.model import optimizer_bits_for
+from costmodels.step.precision import optimizer_bits_for
 from planner.plan import edited_layout
 from trainplan_errors import DeviceError, OutputPathError, PlanMismatchError, TrainplanError, UnknownNameError
 

@@ -39,7 +39,7 @@ from planner.joint.combos import undominated as _undominated
 from planner.joint.combos import uniform_start as _uniform_start
 from planner.joint.combos import units as _units
 from planner.joint.remat_menu import add_menus, by_recompute, entry_numbers, menu_index, named_entries
-from planner.joint.space import DEFAULT_POLICIES, SearchSpace, check_optimizer_bits, default_space  # noqa: F401 (re-exported)
+from planner.joint.space import DEFAULT_POLICIES, SearchSpace, default_space  # noqa: F401 (re-exported)
 from trainplan_errors import InfeasibleError
 
 LOSS_PER_UNIT = 1e-5            # objective resolution, nats

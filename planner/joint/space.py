@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from costmodels.checkpoint_sets import MENU
 from costmodels.step import comm
-from costmodels.step.model import optimizer_bits_for
+from costmodels.step.precision import check_optimizer_bits, optimizer_bits_for
 from modeling.activation_compression import check_activation_bits
 from trainplan_errors import TrainplanError
 
@@ -56,20 +56,3 @@ def default_space(*, devices: int, seq_len: int, n_heads: int, n_kv_heads: int,
                        micro_batches=tuple(micro_batches), policies=tuple(policies),
                        optimizer_bits=tuple(optimizer_bits), data_fractions=tuple(data_fractions),
                        precision=precision, activation_bits=activation_bits)
-
-
-def check_optimizer_bits(optimizer_bits, precision: str) -> None:
-    """Raises TrainplanError naming the first width in `optimizer_bits` the executor cannot run
-    at `precision` (`costmodels.step.model.optimizer_bits_for`), or an empty list."""
-    valid = optimizer_bits_for(precision)
-    if isinstance(optimizer_bits, int) or not hasattr(optimizer_bits, "__iter__") or not tuple(optimizer_bits):
-        raise TrainplanError(f"optimizer_bits={optimizer_bits!r} must be a non-empty list of widths from "
-                             f"{', '.join(map(str, valid))}")
-    for b in optimizer_bits:
-        if isinstance(b, bool) or b not in (32, 16, 8, 4):
-            raise TrainplanError(f"optimizer_bits={b!r} is not a width: use 32, 16, 8 or 4 (at "
-                                 f"precision {precision!r}: {', '.join(map(str, valid))})")
-        if b not in valid:
-            raise TrainplanError(f"optimizer_bits={b!r} cannot run with precision={precision!r}: use "
-                                 f"{', '.join(map(str, valid))} (torch AdamW keeps states in the "
-                                 "parameter dtype: 32 needs fp32 parameters, 16 pure bf16)")

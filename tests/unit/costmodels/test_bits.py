@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from costmodels.step.memory import CATEGORIES, adam_state_bytes, quantization_map_bytes
-from costmodels.step.model import Choice, StepModel, optimizer_bits_for
+from costmodels.step.model import Choice, StepModel
+from costmodels.step.precision import optimizer_bits_for
 from executor.optimizers import build_optimizer, set_lr
 from executor.train import apply_checkpointing
 from modeling.activation_compression import (
@@ -177,7 +178,7 @@ def test_memory_per_category_matches_memtracker(step_models, tiny_llama, measure
     predicted phase within 1% of the predicted peak (two phases can tie: 8-bit compression
     brings the tail's forward and backward peaks within bytes of each other)."""
     from costmodels.step.memory import model_state_bytes, step_phases
-    from costmodels.step.model import PRECISIONS
+    from costmodels.step.precision import PRECISIONS
 
     sm = step_models[precision]
     c = Choice(sp_degree=1, zero_stage=0, micro_batch=B, seq_len=S, policies=("none",) * len(sm.blocks),

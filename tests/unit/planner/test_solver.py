@@ -304,7 +304,7 @@ def _evaluate_phases(sm: StepModel, c: Choice) -> dict[str, float]:
     """The highest bytes of each phase kind as `StepModel.evaluate` composes them (its peak is
     their maximum): `costmodels.step.memory.step_phases` over the same inputs."""
     from costmodels.step.memory import model_state_bytes, step_phases
-    from costmodels.step.model import PRECISIONS
+    from costmodels.step.precision import PRECISIONS
 
     wb, gb, mb, _ = PRECISIONS[c.precision]
     states = model_state_bytes(sm.param_numels, weight_bytes=wb, grad_bytes=gb, master_bytes=mb,
