@@ -113,7 +113,8 @@ def train(plan, data: Data, keep: np.ndarray, eval_at: set[int]) -> tuple[float,
     """Train a fresh tiny-llama on the kept windows for plan.decisions.max_steps; returns (final
     held-out loss, [(steps, loss)] at `eval_at` and at the end)."""
     from executor.data.batches import TokenBatches
-    from executor.train import build_optimizer, lr_at
+    from executor.optimizers import build_optimizer
+    from executor.train import lr_at
     from modeling.loss import lm_loss
     from modeling.presets import build_model
 

@@ -33,7 +33,7 @@ import pandas as pd
 import torch
 
 from executor.data.batches import load_corpus
-from executor.reporting.report import compare
+from executor.reporting.compare import compare
 from planner.api import plan_for_choice, solve
 from planner.budget import Budget
 
@@ -129,8 +129,9 @@ def calibrated_step_times(df: pd.DataFrame, out: Path) -> pd.DataFrame:
     import os
     import tempfile
 
-    from executor.calibrate.runs import calibrate
-    from hardware_profiles import cache_path
+    from executor.calibrate.calibration import calibrate
+    from hardware_profiles.cpu import cache_path
+    from planner.capture.setup import capture_model
 
     scratch = Path(tempfile.mkdtemp(prefix="trainplan-acc-"))
     src = cache_path()
@@ -140,7 +141,7 @@ def calibrated_step_times(df: pd.DataFrame, out: Path) -> pd.DataFrame:
         shutil.copy(src, cache_path())
     df = df.copy()
     df["calibration_set"] = [i % 2 == 0 and d == 1 for i, d in enumerate(df["devices"])]
-    calibrate(list(df.loc[df["calibration_set"], "run_dir"]), verbose=False,
+    calibrate(list(df.loc[df["calibration_set"], "run_dir"]), capture_model=capture_model, verbose=False,
               time_basis="cpu" if (df.loc[df["calibration_set"], "step_time_basis"] == "cpu").all() else "wall")
     after = []
     for _, r in df.iterrows():

@@ -121,7 +121,7 @@ def _matching_phase(plan, measured: dict):
     from costmodels.step.memory import step_phases
     from costmodels.step.model import Choice, StepModel
     from hardware_profiles import load
-    from planner.api import capture_model
+    from planner.capture.setup import capture_model
 
     d = plan.decisions
     graph, _, numels = capture_model(plan.model, d.precision, vocab_size=plan.vocab_size,

@@ -19,7 +19,7 @@ flops_per_step) (Yin and Rush 2025). Fraction 1.0 is run for random only: keepin
 after scoring it is the same data with fewer steps.
 
 Training: the benchmark's own minimal loop (plan from `planner.api.plan_for_choice`, model
-`modeling.presets.build_model`, `executor.train.build_optimizer` and `lr_at`, loss
+`modeling.presets.build_model`, `executor.optimizers.build_optimizer` and `lr_at`, loss
 `planner.capture.graph.lm_loss`, batches `TokenBatches(keep_indices=...)`), because every cell selects
 from the same junk-laced candidate pool, not from a whole corpus as `executor.train.run`'s
 `PlannedBatches` does. Cells run in `--jobs` processes of one
@@ -32,7 +32,7 @@ runs' held-out curves in the constant-learning-rate phase (`fit_local_law(fit_r_
 plus one offset for the final cooldown (mean final-minus-law of the random runs). Each selection
 method's quality q(f) = 1 + a (1 - f) (b pinned to 1) is fitted on its pilot fractions; the other
 fractions are predicted out of sample. Both errors are reported. `--save-fits` caches the fitted
-multipliers for tiny-llama (`costmodels.data.value.save_quality_fits`), where the planner's method
+multipliers for tiny-llama (`costmodels.data.quality_cache.save_quality_fits`), where the planner's method
 choice (`planner.data_choice`) finds them: they describe this junk-laced pool, so save them only
 to plan for data like it.
 
@@ -70,7 +70,9 @@ from _data_cells import train as train
 
 def predict(grid: Grid, rows: list[dict], n_params: int) -> tuple[dict, dict]:
     """Fill each row's predicted loss; returns (law summary, quality fits)."""
-    from costmodels.data.value import DEFAULT_QUALITY, fit_local_law, fit_quality, subset_loss
+    from costmodels.data.fit import fit_local_law, fit_quality
+    from costmodels.data.quality import DEFAULT_QUALITY
+    from costmodels.data.value import subset_loss
 
     pool_tokens = grid.pool * SEQ_LEN
     rand = [r for r in rows if r["method"] == "random"]
@@ -123,7 +125,7 @@ def run_grid(grid: Grid, jobs: int, log, save_fits: bool = False) -> tuple[list[
         if len(good) < len(fits):
             log(f"not saving the fits of {', '.join(sorted(set(fits) - set(good)))}: a at its bound")
         if good:
-            from costmodels.data.value import save_quality_fits
+            from costmodels.data.quality_cache import save_quality_fits
 
             path = save_quality_fits(good, model=MODEL, vocab_size=data.vocab_size,
                                      corpus=f"{data.name} pool of {grid.pool} windows, "

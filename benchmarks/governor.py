@@ -87,8 +87,9 @@ from _governor_figure import figure
 from _runs import reusable_record
 
 from costmodels.stopping.heldout_fit import fit_heldout_curve
+from costmodels.stopping.rule import Governor
 from executor.data.batches import load_corpus
-from executor.governor import Governor, pilot_curve
+from executor.governor import pilot_curve
 from executor.record import RunRecord
 from planner.api import plan_for_choice
 from planner.governor import picked_budget, simulated_decisions, with_governor

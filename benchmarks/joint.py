@@ -7,7 +7,7 @@ of plan, all predicted by the same cost models (`StepModel.evaluate`: peak bytes
 step cost; the loss law with the optimizer-width penalty, at the tokens the budget buys when
 the plan runs it out):
 
-- joint: `planner.api.solve_problem`, every knob in one CP-SAT model;
+- joint: `planner.joint.problem.solve_problem`, every knob in one CP-SAT model;
 - defaults: what a user starts from: full activation checkpointing, the default precision
   (bf16 mixed on accelerators, fp32 on CPU), 32-bit AdamW, all the data, SP degree 1, ZeRO-3
   (FSDP) on more than one device, the largest micro-batch that fits under full checkpointing,
@@ -173,8 +173,9 @@ def per_knob_plans(kn: Knobs) -> dict[str, tuple[dict, float, str]]:
 
 def case_rows(case: dict) -> tuple[list[dict], dict]:
     """Predicted rows of one case and the plans to run (`joint`, `greedy_best` as Plans)."""
-    from planner.api import plan_for_choice, prepare, solve_problem
+    from planner.api import plan_for_choice
     from planner.budget import Budget
+    from planner.joint.problem import prepare, solve_problem
 
     data_tokens = case.get("data_tokens")
     pr = prepare(case["model"], case["hw"], seq_len=case["seq_len"], data_tokens=data_tokens,

@@ -80,10 +80,10 @@ class Planner:
 
     def __init__(self):
         from hardware_profiles import load
-        from planner.api import _setup
+        from planner.capture.setup import setup_model
 
         self.hw = load("cpu")  # once: every prediction of the run uses the same profile
-        _, self.precision, graph, _, self.sm = _setup(MODEL, self.hw, precision=None, vocab_size=VOCAB)
+        _, self.precision, graph, _, self.sm = setup_model(MODEL, self.hw, precision=None, vocab_size=VOCAB)
         self.L = graph.n_layers
 
     def _choice(self, seq, mb, policies, sets=()):
@@ -98,9 +98,10 @@ class Planner:
             c = self._choice(seq, mb, (NAMED[strategy],) * self.L)
             return self._fits(c, cap)
         if strategy == "torch_knapsack":
-            from planner.joint.remat_menu import BUDGETS, knapsack_set
+            from planner.joint.remat_menu import block_case
+            from planner.joint.remat_strategies import BUDGETS, knapsack_set
 
-            case = self.sm.block_case(self._choice(seq, mb, ("none",) * self.L))
+            case = block_case(self.sm, self._choice(seq, mb, ("none",) * self.L))
             options = [self._fits(self._choice(seq, mb, ("none",) * self.L), cap)]
             for entry in {knapsack_set(case, b, "dp") for b in BUDGETS}:
                 options.append(self._fits(self._choice(seq, mb, (entry.name,) * self.L, [entry]), cap))
@@ -174,7 +175,8 @@ def _interleaved_times(plans: list, data, rounds: int = ROUNDS) -> list[float]:
     each in turn so that other load on the machine hits them alike: each plan's fastest step
     after one warm-up round."""
     from executor.data.batches import TokenBatches
-    from executor.train import apply_checkpointing, build_optimizer
+    from executor.optimizers import build_optimizer
+    from executor.train import apply_checkpointing
     from modeling.loss import lm_loss
     from modeling.presets import build_model
 

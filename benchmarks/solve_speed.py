@@ -68,8 +68,9 @@ def stacked_tiny(k: int) -> nn.Module:
 
 def block_row(name: str, region, hw: str, b: int, s: int, sp: int, stack: int) -> dict:
     from costmodels.checkpoint_sets import BUILTIN
+    from costmodels.step.remat_cost import BlockCase, evaluate
     from hardware_profiles import load
-    from planner.joint.remat_solver import BlockCase, BlockModel, evaluate, pareto_menu
+    from planner.joint.remat_solver import BlockModel, pareto_menu
 
     case = BlockCase(region=region, b=b, s=s, sp=sp, hw=load(hw), dtype="bf16", stack=stack)
     t0 = time.perf_counter()
@@ -137,8 +138,8 @@ def main(argv=None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(THREADS)
-    from planner.api import capture_model
     from planner.capture.graph import capture
+    from planner.capture.setup import capture_model
 
     capture_model("tiny-llama", "bf16-mixed")  # warm: imports and tracing machinery
     joint = joint_70b()  # before the block rows, which capture llama3-70b too

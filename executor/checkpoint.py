@@ -21,6 +21,10 @@ group for one process. bitsandbytes' 8-bit AdamW state (uint8 `state1`/`state2`,
 `qmap`) round-trips through it unchanged. `ZeroRedundancyOptimizer` (ZeRO stage 1) is not
 supported by `get_state_dict`: its state is consolidated on rank 0 and saved with `torch.save`
 (`optimizer.pt`); every rank loads it and keeps its own partition.
+
+`torch.distributed.checkpoint` (about a second to import) and ZeRO-1's optimizer class are imported
+by the functions that save and load, so that reading `CHECKPOINT_DIR` or a plan check
+(`check_resume_plan`) does not load them.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from executor.record import RunRecord
@@ -149,8 +154,6 @@ def _write_atomic(path: Path, text: str) -> None:
 
 def _barrier(world: int) -> None:
     if world > 1:
-        import torch.distributed as dist
-
         dist.barrier()
 
 

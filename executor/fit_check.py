@@ -22,6 +22,7 @@ import os
 
 import torch
 
+from hardware_profiles import cpu_probes
 from planner.plan import Plan, edited_layout
 from trainplan_errors import PlanMismatchError
 
@@ -45,10 +46,8 @@ def _gib(x: float) -> str:
 def available_ram_bytes() -> int:
     """RAM available to new processes now: psutil's estimate when installed, else MemAvailable;
     capped by this cgroup's memory limit."""
-    from hardware_profiles import cpu_probes
-
     try:
-        import psutil
+        import psutil  # optional: not a dependency of trainplan
     except ImportError:
         return cpu_probes.available_bytes()
     return min(int(psutil.virtual_memory().available), cpu_probes.total_ram_bytes())

@@ -2,8 +2,8 @@
 worth their cost.
 
 The stopping rule (`Governor`, `Decision`, reasons `nan`, `diverged`, `marginal_gain`, `budget`)
-is pure and lives in `costmodels.stopping.rule` (re-exported here); this module runs it in the loop
-(`GovernedLoop`, what `executor.train.run` calls) and draws it (`curve_frame`, `plot_governor`).
+is pure and lives in `costmodels.stopping.rule`; this module runs it in the loop (`GovernedLoop`,
+what `executor.train.run` calls) and draws it (`curve_frame`, `plot_governor`).
 
 Steps are counted as *steps done* (the record's `rec.steps`, 1 after the first optimizer step),
 the same axis as `RunRecord.heldout_loss`. In a loop over 0-based step indices, which is what
@@ -31,23 +31,21 @@ every rank feeds the governor the mean of the ranks' losses, so all decide alike
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
+from pathlib import Path
 
 import numpy as np
+import pandas as pd
 
-from costmodels.stopping.rule import (  # noqa: F401
-    COOLDOWN_FRACTION,
-    GOVERNED_EVALS,
-    LR_FLOOR,
-    REASONS,
-    Decision,
-    Governor,
-    default_eval_every,
-    lr_multiplier,
-)
+from costmodels.stopping.curve import CurveFit
+from costmodels.stopping.heldout_curve import PilotCurve
+from costmodels.stopping.rule import Decision, Governor
+from costmodels.stopping.schedule import default_eval_every
+from executor.measure import gather_floats
 
-#: The record's notes and `governor.json` name the governor's decisions with this prefix.
 NOTE = "governor: "
+"""The prefix with which the record's notes and `governor.json` name the governor's decisions."""
 
 
 class GovernedLoop:
@@ -130,8 +128,6 @@ class GovernedLoop:
         held = rec.heldout_loss[-1] if rec.heldout_loss and rec.heldout_loss[-1][0] == steps else None
         values = [train] + ([float(held[-1])] if held is not None else [])
         if self.world > 1:
-            from executor.measure import gather_floats
-
             values = [float(np.mean([gather_floats(v, self.world)])) for v in values]
         g.observe_train(steps, values[0])
         if held is not None:
@@ -139,18 +135,18 @@ class GovernedLoop:
         dec = g.decide(steps)
         if dec.stop and not self._noted:
             self._noted = True
-            rec.notes.append(self._note(dec))
+            rec.notes.append(self._note(dec, g.threshold_nats_per_step))
         if held is not None or dec.end_now:
             self.write()
         return dec.reason if dec.end_now else ""
 
-    def _note(self, dec: Decision) -> str:
+    def _note(self, dec: Decision, threshold: float) -> str:
         what = f"{NOTE}stop ({dec.reason}) decided after {dec.steps} steps"
         if dec.reason == "marginal_gain":
             parts = [f"{name} {g[2]:.3g}" for name, g in (("fitted curve", dec.gain_per_step),
                                                           ("trend", dec.trend_per_step)) if g]
             what += (f": upper bound of the loss drop per step ({', '.join(parts)}) below the "
-                     f"threshold {self.gov.threshold_nats_per_step:.3g} nats/step; " +
+                     f"threshold {threshold:.3g} nats/step; " +
                      (f"cooldown to step {dec.final_step}" if dec.cooldown_start is not None else
                       "held-out loss no longer falling (trend's mean drop <= 0): ends at once, "
                       "no cooldown"))
@@ -162,9 +158,6 @@ class GovernedLoop:
         """`out/governor.json`: `Governor.summary()` plus the plan's predicted stop (rank 0)."""
         if self.gov is None or self.out is None or self.rank != 0:
             return
-        import json
-        from pathlib import Path
-
         path = Path(self.out) / "governor.json"
         summary = self.gov.summary() | {"plan_predicted_stop_step": self.predicted_stop_step}
         tmp = path.with_name(path.name + ".tmp")
@@ -177,13 +170,11 @@ def pilot_curve(plan, record, *, skip_fraction: float = 0.2):
     the planner's curve on (`costmodels.stopping.heldout_fit.fit_heldout_curve`): the points at a constant
     learning rate (after `warmup_steps`, up to the step `executor.train.lr_at` starts its
     cooldown, the last 20% of `max_steps`), less the first `skip_fraction` of them (default 0.2,
-    the share `executor.calibrate.runs` skips as warm-up; kept apart as `early_steps` and
+    the share `executor.calibrate.law.SKIP_FRACTION` skips as warm-up; kept apart as `early_steps` and
     `early_losses`, the start the planner adds to the fitted curve); with the run's final
     held-out loss when it ran its budget out (the cooldown's gain). Unique tokens:
     `plan.data_tokens x data_fraction`, None (fresh data) when the run saw fewer tokens than
     that."""
-    from costmodels.stopping.heldout_curve import PilotCurve
-
     d, p = plan.decisions, plan.predictions
     cool_from = d.max_steps - max(1, int(0.2 * d.max_steps))
     pts = [(int(r[0]), float(r[-1])) for r in record.heldout_loss
@@ -210,10 +201,6 @@ def curve_frame(heldout_loss: Iterable[tuple], summary: dict, *, max_steps: int,
 
     `heldout_loss`: `RunRecord.heldout_loss` rows (steps, [tokens,] loss); `summary`:
     `Governor.summary()`. Pure: no file reads, no plotting."""
-    import pandas as pd
-
-    from costmodels.stopping.curve import CurveFit
-
     grid = np.unique(np.concatenate([np.linspace(1, max_steps, points).round(),
                                      [float(r[0]) for r in heldout_loss]])).astype(int)
     measured = {int(r[0]): float(r[-1]) for r in heldout_loss}
@@ -265,5 +252,4 @@ def plot_governor(ax, frame, summary: dict, *, max_steps: int,
     ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
 
 
-__all__ = ["COOLDOWN_FRACTION", "Decision", "GOVERNED_EVALS", "GovernedLoop", "Governor", "LR_FLOOR",
-           "REASONS", "curve_frame", "lr_multiplier", "pilot_curve", "plot_governor"]
+__all__ = ["NOTE", "GovernedLoop", "curve_frame", "pilot_curve", "plot_governor"]

@@ -1,6 +1,8 @@
 """What `executor.train.run` measures besides the loss: which step is measured how
 (`measured_step`: peak tensor memory by category with MemTracker, FLOPs with FlopCounterMode,
-wall time), held-out loss, per-rank values gathered to every rank, and the progress bar."""
+wall time), held-out loss, per-rank values gathered to every rank, and the progress bar.
+
+MemTracker (about a second to import) is imported by the step it measures (`measure_memory`)."""
 
 from __future__ import annotations
 
@@ -9,9 +11,16 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+from tqdm.auto import tqdm
 
-WARMUP_STEPS_UNMEASURED = 2  # optimizer states exist from step 1 on; measure after that
+from modeling.flop_counting import CPU_ATTENTION_FLOP_FORMULAS
+
+WARMUP_STEPS_UNMEASURED = 2
+"""Steps before the measured ones: optimizer states exist from step 1 on, so step 2 is measured
+under MemTracker and step 3 under FlopCounterMode (`measured_step`)."""
 
 
 def tracked_objects(model: nn.Module, opt) -> list:
@@ -40,9 +49,10 @@ def tracked_objects(model: nn.Module, opt) -> list:
     return objs
 
 
-def _measure_memory(step_fn, model, opt) -> dict[str, float]:
+def measure_memory(step_fn, model, opt) -> dict[str, float]:
     """Run `step_fn()` under `MemTracker`; bytes at its peak by category: params (with buffers),
-    grads, optimizer, activations, temporaries (with inputs and others), total."""
+    grads, optimizer, activations, temporaries (with inputs and others), total. `model` and `opt`
+    are tracked with `tracked_objects`, so sharded and ZeRO-1 states count."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     mt = MemTracker()
@@ -63,13 +73,9 @@ def measured_step(step: int, train_step, rec, dev: torch.device, model, opt) -> 
     CPU seconds, all its threads). Returns its loss."""
     if step == WARMUP_STEPS_UNMEASURED and dev.type == "cpu":
         losses = []
-        rec.peak_memory_bytes = _measure_memory(lambda: losses.append(train_step(step)), model, opt)
+        rec.peak_memory_bytes = measure_memory(lambda: losses.append(train_step(step)), model, opt)
         return losses[0]
     if step == WARMUP_STEPS_UNMEASURED + 1:
-        from torch.utils.flop_counter import FlopCounterMode
-
-        from modeling.flop_counting import CPU_ATTENTION_FLOP_FORMULAS
-
         fc = FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOP_FORMULAS)
         with fc:
             loss = train_step(step)
@@ -100,8 +106,6 @@ def gather_floats(value: float, world: int) -> list[float]:
     """`value` of every rank, in rank order (a collective when world > 1)."""
     if world == 1:
         return [value]
-    import torch.distributed as dist
-
     out: list = [None] * world
     dist.all_gather_object(out, value)
     return [float(v) for v in out]
@@ -112,14 +116,14 @@ def any_rank(flag: bool, world: int) -> bool:
     tensor, so it goes through gloo also on accelerators)."""
     if world == 1:
         return flag
-    import torch.distributed as dist
-
     t = torch.tensor([int(flag)], dtype=torch.int32)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
 
 
 def device_name(dev: torch.device) -> str:
+    """How a record names the device: `cpu`, or for CUDA the device with its name, e.g.
+    `cuda:0 (NVIDIA H100 80GB HBM3)`."""
     if dev.type == "cuda":
         return f"{dev} ({torch.cuda.get_device_name(dev)})"
     return str(dev)
@@ -130,8 +134,6 @@ def progress_bar(total: int, enabled: bool, initial: int = 0, file=None):
     it is not (a log file, a pipe, CI), a plain line now and then (`LogProgress`), so that logs
     show signs of life without carriage-return noise (tqdm redraws its line with carriage
     returns on any stream); nothing at all when not `enabled`."""
-    from tqdm.auto import tqdm
-
     stream = file if file is not None else sys.stderr
     if enabled and not _is_tty(stream):
         return LogProgress(total, initial=initial, file=stream)

@@ -11,6 +11,9 @@ torchao's optimizers compile their per-parameter update with `torch.compile(full
 which refuses to run under a `TorchDispatchMode` (MemTracker, FlopCounterMode) and on CPU needs
 a C++ toolchain and one compile per tensor shape (~5-20 s each): on CPU, and in a measured step
 anywhere, the update runs eagerly (`AdamW4bit.step`), the same ops without fusion.
+
+bitsandbytes and torchao are imported when their width is asked for: together they take seconds
+to load and warn about kernels they cannot find, which 32- and 16-bit runs do not need.
 """
 
 from __future__ import annotations
@@ -18,26 +21,27 @@ from __future__ import annotations
 from unittest import mock
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from costmodels.step.precision import check_optimizer_bits as check_widths
 
 BETAS = (0.9, 0.95)
+"""AdamW's (beta1, beta2) for every width."""
 WEIGHT_DECAY = 0.1
+"""AdamW's decoupled weight decay for every width."""
 
 
 def check_optimizer_bits(bits, precision: str) -> int:
     """`bits` as an int, if the executor can run it at `precision`.
 
     Raises:
-        TrainplanError: names the value and the valid ones (`planner.joint.space.check_optimizer_bits`).
+        TrainplanError: names the value and the valid ones (`costmodels.step.precision.check_optimizer_bits`).
     """
-    from costmodels.step.precision import check_optimizer_bits as check_widths
-
     check_widths((bits,), precision)
     return int(bits)
 
 
 def _dispatch_mode_active() -> bool:
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-
     return _get_current_dispatch_mode() is not None
 
 

@@ -2,28 +2,37 @@
 
 One process per rank. The plan's checkpoint menu entries become `torch.utils.checkpoint`
 selective checkpointing per block, its optimizer bits an optimizer (bitsandbytes for 8 bits),
-its data fraction, method and token budget the sampler (`executor.data.selection.PlannedBatches`)
-and the step count; `sp_degree`/`zero_stage` above one device go through `executor.parallel.ulysses`
-under torchrun. Measured: peak tensor memory by category (MemTracker, one step after warm-up),
-FLOPs of one step (FlopCounterMode), every step's wall time, train loss, held-out loss, the data
-selection's scoring FLOPs. Interrupts, checkpoints and resuming:
+its data fraction, method and token budget the sampler
+(`executor.data.dynamic_selection.PlannedBatches`) and the step count; `sp_degree`/`zero_stage`
+above one device go through `executor.parallel.ulysses` and `executor.parallel.zero` under torchrun.
+Measured: peak tensor memory by category (MemTracker, one step after warm-up), FLOPs of one step
+(FlopCounterMode), every step's wall time, train loss, held-out loss, the data selection's scoring
+FLOPs. Interrupts, checkpoints and resuming:
 `executor.checkpoint`; the measurement helpers: `executor.measure`.
+
+`executor.parallel.ulysses` and `executor.parallel.zero` are imported in the functions that use
+them, by multi-device runs only: they load transformers' attention interface and FSDP2's
+internals (seconds), which torch builds without distributed support do not have.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import signal
 import threading
 import time
 from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from costmodels.checkpoint_sets import CheckpointSet, KeyCounter, resolve, sets_from_mapping
+from costmodels.stopping.rule import Governor
 from executor.checkpoint import (
     OutOfMemoryRunError,
     check_resume_plan,
@@ -36,26 +45,21 @@ from executor.checkpoint import (
 )
 from executor.data.batches import TokenCorpus, check_corpus_for_plan, heldout_batches, load_corpus
 from executor.data.dynamic_selection import PlannedBatches
-from executor.governor import GovernedLoop, Governor
-from executor.measure import (  # noqa: F401 (re-exported)
-    WARMUP_STEPS_UNMEASURED,
-    _measure_memory,
-    any_rank,
-    device_name,
-    gather_floats,
-    heldout_loss,
-    measured_step,
-    progress_bar,
-)
-from executor.optimizers import build_optimizer, set_lr  # noqa: F401 (build_optimizer re-exported)
+from executor.fit_check import check_fits as check_plan_fits
+from executor.governor import GovernedLoop
+from executor.measure import any_rank, device_name, gather_floats, heldout_loss, measured_step, progress_bar
+from executor.optimizers import build_optimizer, set_lr
+from executor.parallel.launch import init_distributed
 from executor.record import RunRecord
 from hardware_profiles import load as load_profile
+from modeling import presets
 from modeling.activation_compression import compress_saved_activations
 from modeling.loss import lm_loss
 from planner.plan import Plan
 from trainplan_errors import PlanMismatchError, TrainingDivergedError, TrainplanError
 
 EVAL_BATCHES = 4
+"""Held-out micro-batches of each evaluation (`executor.data.batches.heldout_batches`)."""
 
 
 def resolve_device(plan: Plan, override: str | None = None) -> torch.device:
@@ -76,7 +80,7 @@ def resolve_device(plan: Plan, override: str | None = None) -> torch.device:
     return torch.device(kind)
 
 
-def _sac_forward(orig, entry: CheckpointSet, *args, **kwargs):
+def sac_forward(orig, entry: CheckpointSet, *args, **kwargs):
     """Run `orig` under torch's selective activation checkpointing with `entry`'s saved set.
 
     The policy function names each op call of this forward by its node key (`KeyCounter`: the
@@ -84,7 +88,6 @@ def _sac_forward(orig, entry: CheckpointSet, *args, **kwargs):
     nodes) and answers MUST_SAVE for the keys `entry` keeps, MUST_RECOMPUTE otherwise (views
     and other ops that make no storage are never kept). torch calls the policy in the forward
     only and replays by call index, so a fresh counter per forward is the whole state."""
-    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
     def context_fn():
         counter = KeyCounter()
@@ -109,7 +112,7 @@ def apply_checkpointing(model: nn.Module, policies: tuple[str, ...],
         PlanMismatchError: the model has a different number of layers than the plan, or the
             plan names an entry it does not define.
     """
-    layers = model.model.layers
+    layers = cast(nn.ModuleList, model.get_submodule("model.layers"))  # a transformers causal LM's blocks
     if len(layers) != len(policies):
         raise PlanMismatchError(f"plan has checkpoint choices for {len(policies)} layers, "
                                 f"the model has {len(layers)}")
@@ -120,7 +123,7 @@ def apply_checkpointing(model: nn.Module, policies: tuple[str, ...],
         except TrainplanError as e:
             raise PlanMismatchError(str(e)) from None
         if entry.checkpointed:
-            layer.forward = partial(_sac_forward, layer.forward, entry)
+            layer.forward = partial(sac_forward, layer.forward, entry)
 
 
 def lr_at(step: int, plan: Plan) -> float:
@@ -136,13 +139,15 @@ def lr_at(step: int, plan: Plan) -> float:
 
 
 
-def _forward_loss(model, dev, sp: int, sp_rank: int, world: int, x, y) -> torch.Tensor:
-    """Loss of one micro-batch: x, y (b, s) token ids and next-token targets. Under Ulysses SP
-    each rank feeds its contiguous sequence shard with global positions; `sp_loss` makes the
-    averaged gradients equal the single-process ones."""
+def micro_batch_loss(model, dev, sp: int, sp_rank: int, world: int, x, y) -> torch.Tensor:
+    """Loss of one micro-batch (nats/token, a scalar): x, y (b, s) token ids and next-token
+    targets, `model` on device `dev`. Under Ulysses SP (`sp` ranks per sequence, this one
+    `sp_rank`, `world` ranks in all) each rank feeds its contiguous sequence shard with global
+    positions; `executor.parallel.ulysses.sp_loss` makes the averaged gradients equal the
+    single-process ones."""
     if world == 1:
         return lm_loss(model(input_ids=x.to(dev)).logits, y.to(dev))
-    from executor.parallel.ulysses import sp_loss
+    from executor.parallel.ulysses import sp_loss  # multi-device only: see the module docstring
 
     sl = x.shape[1] // sp
     lo, hi = sp_rank * sl, (sp_rank + 1) * sl
@@ -152,8 +157,6 @@ def _forward_loss(model, dev, sp: int, sp_rank: int, world: int, x, y) -> torch.
 
 
 def _init_world(plan: Plan, dev: torch.device) -> tuple[int, int]:
-    import os
-
     d = plan.decisions
     world_env = int(os.environ.get("WORLD_SIZE", "1"))
     if world_env != d.devices:
@@ -162,20 +165,16 @@ def _init_world(plan: Plan, dev: torch.device) -> tuple[int, int]:
             "use `trainplan run PLAN --out DIR`, which launches torchrun with the plan's count")
     if world_env == 1:
         return 0, 1
-    from executor.parallel.launch import init_distributed
-
     return init_distributed(dev)
 
 
 def _build(plan: Plan, model: nn.Module | None, data: TokenCorpus, dev: torch.device, world: int):
     """The model (built from the preset when None), checkpointed per the plan and sharded per
     its ZeRO stage, and its optimizer."""
-    from modeling.presets import build_model
-
     d = plan.decisions
     if model is None:
         dtype = torch.bfloat16 if d.precision == "bf16" else torch.float32  # bf16-mixed: autocast
-        model = build_model(plan.model, device=dev, dtype=dtype, vocab_size=data.vocab_size, seed=d.seed)
+        model = presets.build_model(plan.model, device=dev, dtype=dtype, vocab_size=data.vocab_size, seed=d.seed)
     n_params = sum(p.numel() for p in model.parameters())
     if n_params != plan.model_n_params:
         raise PlanMismatchError(f"plan was made for {plan.model} with {plan.model_n_params:,} "
@@ -185,7 +184,8 @@ def _build(plan: Plan, model: nn.Module | None, data: TokenCorpus, dev: torch.de
     factory = partial(build_optimizer, bits=d.optimizer_bits, lr=d.lr, precision=d.precision)
     if world == 1:
         return model, factory(model.parameters())
-    from executor.parallel.ulysses import apply_zero, enable_ulysses, new_sequence_parallel_group
+    from executor.parallel.ulysses import enable_ulysses, new_sequence_parallel_group  # see the module docstring
+    from executor.parallel.zero import apply_zero
 
     new_sequence_parallel_group(d.sp_degree)
     enable_ulysses(model, seq_len=d.seq_len)
@@ -251,9 +251,7 @@ def run(plan: Plan, model: nn.Module | None = None, data: TokenCorpus | None = N
     dev = resolve_device(plan, device)
     rank, world = _init_world(plan, dev)
     if check_fits:
-        from executor.fit_check import check_fits as check
-
-        check(plan, dev, in_worker=world > 1)
+        check_plan_fits(plan, dev, in_worker=world > 1)
     out.mkdir(parents=True, exist_ok=True)
     data = data or load_corpus(vocab_size=plan.vocab_size)
     check_corpus_for_plan(data, seq_len=d.seq_len, vocab_size=plan.vocab_size)  # before building
@@ -261,13 +259,14 @@ def run(plan: Plan, model: nn.Module | None = None, data: TokenCorpus | None = N
     dp_rank, sp_rank = rank // d.sp_degree, rank % d.sp_degree
     held = heldout_batches(data.heldout_tokens, seq_len=d.seq_len, micro_batch=d.micro_batch,
                            max_batches=EVAL_BATCHES)
-    forward_loss = partial(_forward_loss, model, dev, d.sp_degree, sp_rank, world)
+    forward_loss = partial(micro_batch_loss, model, dev, d.sp_degree, sp_rank, world)
     eval_every = eval_every or GovernedLoop.default_eval_every(plan, governor)
     corpus = {"name": data.name, "sha256": data.sha256}
-    ckpt = dict(out=out, plan=plan, corpus=corpus, dev=dev, rank=rank, world=world)
+    ckpt: dict[str, Any] = dict(out=out, plan=plan, corpus=corpus, dev=dev, rank=rank, world=world)
     if resume:
-        meta = load_checkpoint(latest_checkpoint(out), model, opt, corpus=corpus, dev=dev,
-                               rank=rank, world=world)
+        latest = latest_checkpoint(out)
+        assert latest is not None  # check_resume_plan above found it
+        meta = load_checkpoint(latest, model, opt, corpus=corpus, dev=dev, rank=rank, world=world)
         rec, start = meta["record"], meta["steps"]
         rec.stop_reason, rec.device = "", device_name(dev)
         rec.notes.append(f"resumed at step {start} from {rec.checkpoint}")
@@ -279,7 +278,7 @@ def run(plan: Plan, model: nn.Module | None = None, data: TokenCorpus | None = N
                         same_hardware=(plan.hw == "cpu" and dev.type == "cpu"))
         start = 0
     batches = PlannedBatches(plan, data, model=model, rank=dp_rank, held=held, out=out, start=start,
-                             record=rec, progress=progress)  # the data subset: executor.data.selection
+                             record=rec, progress=progress)  # the data subset: executor.data.dynamic_selection
     gov = GovernedLoop.for_run(plan, governor, record=rec if resume else None, out=out, rank=rank,
                                world=world)
     autocast = (torch.autocast(dev.type, dtype=torch.bfloat16) if d.precision == "bf16-mixed"

@@ -9,10 +9,15 @@ import sys
 import threading
 from pathlib import Path
 
+from executor.checkpoint import check_resume_plan
+from executor.data.batches import load_corpus
+from executor.fit_check import check_fits as check_plan_fits
 from executor.parallel.launch import run_torchrun
+from executor.train import resolve_device, run
 from planner.plan import Plan
 
 LAUNCH_MARGIN_S = 300.0
+"""Seconds added to 3x the plan's predicted run time before `launch` stops a job as hung."""
 
 
 def launch(plan_path: str | Path, out: Path, data: list[str] | None, device: str | None, *,
@@ -37,14 +42,9 @@ def launch(plan_path: str | Path, out: Path, data: list[str] | None, device: str
     """
     plan = Plan.from_json(plan_path)
     if check_fits:
-        from executor.fit_check import check_fits as check
-        from executor.train import resolve_device
-
-        check(plan, resolve_device(plan, device))
+        check_plan_fits(plan, resolve_device(plan, device))
     out.mkdir(parents=True, exist_ok=True)
     if resume:
-        from executor.checkpoint import check_resume_plan
-
         check_resume_plan(plan, out)
     else:
         plan.to_json(out / "plan.json")
@@ -88,9 +88,8 @@ def _sigterm_as_keyboard_interrupt():
 
 
 def main(argv: list[str] | None = None) -> int:
-    from executor.data.batches import load_corpus
-    from executor.train import run
-
+    """`python -m executor.worker PLAN --out DIR ...`: one rank of `launch`'s job (torchrun sets
+    the rank in the environment); runs `executor.train.run` on it. Returns the exit status 0."""
     ap = argparse.ArgumentParser(prog="python -m executor.worker")
     ap.add_argument("plan")
     ap.add_argument("--out", required=True)

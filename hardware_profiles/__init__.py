@@ -2,7 +2,12 @@
 
 One TOML file per device in this package (a100, h100, h200, mi300x alias mi300, mi300a), each
 number with a unit in its key and a source in its `[sources]` table; plus `cpu`, measured on the
-local machine by `measure_cpu` and cached.
+local machine by `hardware_profiles.cpu.measure_cpu` and cached there.
+
+The package's public API is `__all__`: profiles by name (`load`, `known_names`, `list_profiles`,
+`describe_profiles`) and the `HardwareProfile` they return (defined in
+`hardware_profiles.profile`). Measuring and caching the cpu profile is `hardware_profiles.cpu`;
+the errors raised are `trainplan_errors`'.
 
     >>> hw = load("mi300")            # by name or alias, any case
     >>> hw.peak("bf16")               # dense FLOP/s
@@ -15,36 +20,27 @@ from __future__ import annotations
 
 import importlib.resources
 import logging as _logging
+import tomllib
 from typing import Any
+
+from hardware_profiles.cpu import load_cpu
+from hardware_profiles.profile import HardwareProfile
+from trainplan_errors import TrainplanError, UnknownNameError
 
 # Import-time warnings of optional kernels trainplan does not use: bitsandbytes' CPU 4-bit GEMM
 # (needs the `kernels` package), torchao's CUDA extensions (also imported by transformers'
 # quantizers whenever torchao is installed) and torch's pytree notes on torchao's enums. Set
-# here, the package every entry point imports first.
+# here, the package every entry point imports first (its own imports load neither torch nor those).
 for _name in ("bitsandbytes.backends.cpu.ops", "torchao", "torch.utils._pytree"):
     _logging.getLogger(_name).setLevel(_logging.ERROR)
 
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10: the tomli backport has the same API
-    import tomli as tomllib  # type: ignore[no-redef]
-
-from hardware_profiles.cpu import cache_path, load_cpu, measure_cpu, save_profile
-from hardware_profiles.profile import FrozenMap, HardwareProfile
-from trainplan_errors import TrainplanError, UnknownNameError
-
 __all__ = [
-    "FrozenMap",
+    "CPU",
     "HardwareProfile",
-    "TrainplanError",
-    "UnknownNameError",
-    "cache_path",
     "describe_profiles",
     "known_names",
     "list_profiles",
     "load",
-    "measure_cpu",
-    "save_profile",
 ]
 
 CPU = "cpu"
@@ -115,8 +111,8 @@ def _known_text() -> str:
 def load(name_or_profile: str | HardwareProfile, *, remeasure: bool = False) -> HardwareProfile:
     """The `HardwareProfile` for a name or alias (case-insensitive); a profile passes through.
 
-    "cpu" returns the local machine, measured by `measure_cpu` and cached per host (see
-    `hardware_profiles.cpu`); `remeasure=True` forces a new measurement (other names ignore it).
+    "cpu" returns the local machine, measured by `hardware_profiles.cpu.measure_cpu` and cached
+    per host (see `hardware_profiles.cpu`); `remeasure=True` forces a new measurement (other names ignore it).
     Raises `UnknownNameError` listing every known name and alias, e.g.
     "unknown hardware 'h800': known profiles are a100, cpu, h100, h200, mi300a, mi300x (alias mi300)",
     and `TrainplanError` if a packaged TOML file is invalid.

@@ -5,6 +5,9 @@
 was written on this host with the same torch version and torch thread count; else a profile
 measured earlier in this process under the same key; else a fresh `measure_cpu()`, which it
 writes to the cache. A cache file that cannot be read back is re-measured with a warning.
+
+torch is imported inside the functions that need it (as in `hardware_profiles.cpu_probes`):
+every entry point imports `hardware_profiles`, and a datasheet profile needs no torch.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import time
 import warnings
 from pathlib import Path
 
-from hardware_profiles import cpu_probes as probes
+import hardware_profiles.cpu_probes as probes
 from hardware_profiles.profile import HardwareProfile
 from trainplan_errors import TrainplanError
 
@@ -31,6 +34,8 @@ Python/torch process itself); an engineering choice, not a measurement."""
 
 GLOO_LATENCY_S = 50e-6
 """Assumed startup latency of one gloo collective step over loopback, s (to be calibrated)."""
+GLOO_LATENCY_SOURCE = "assumption: 50 us for a gloo collective step over loopback; to be refit by trainplan calibrate"
+"""The `sources` entry of both link latencies of a measured profile."""
 
 # key (hostname, torch version, threads) -> profile measured or loaded in this process
 _MEMO: dict[tuple[str, str, int], HardwareProfile] = {}
@@ -88,7 +93,7 @@ def measure_cpu(dtype: str = "fp32", quick: bool = False) -> HardwareProfile:
     budget_s = 1.0 if quick else 6.0  # for the matmuls; copy and TCP add well under a second
     host, version, threads = _host_key()
     when = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    where = f"measured by hardware_profiles.measure_cpu on {host}, {threads} torch threads, torch {version}, {when}"
+    where = f"measured by hardware_profiles.cpu.measure_cpu on {host}, {threads} torch threads, torch {version}, {when}"
     if quick:
         where += " (quick)"
 
@@ -120,15 +125,17 @@ def measure_cpu(dtype: str = "fp32", quick: bool = False) -> HardwareProfile:
     sources = {
         "hbm_bytes": f"total RAM (os.sysconf, cgroup limit applied); {where}",
         "hbm_bandwidth_bytes_per_s": f"fp32 tensor copy_, bytes read + written / best time; {where}",
-        "intra_node_bandwidth_bytes_per_s": f"assumption: equal to the measured copy bandwidth (gloo through shared memory); {where}",
+        "intra_node_bandwidth_bytes_per_s": (
+            f"assumption: equal to the measured copy bandwidth (gloo through shared memory); {where}"),
         "inter_node_bandwidth_bytes_per_s": (
             f"one-way TCP throughput on 127.0.0.1 (gloo's transport between local processes); {where}"
             if tcp_bw else f"assumption: copy bandwidth / 10 (loopback TCP could not be measured); {where}"
         ),
-        "intra_node_latency_s": "assumption: 50 us for a gloo collective step over loopback; to be refit by trainplan calibrate",
-        "inter_node_latency_s": "assumption: 50 us for a gloo collective step over loopback; to be refit by trainplan calibrate",
+        "intra_node_latency_s": GLOO_LATENCY_SOURCE,
+        "inter_node_latency_s": GLOO_LATENCY_SOURCE,
         "devices_per_node": "the cpu profile treats the whole machine as one device",
-        "memory_reserve_bytes": f"max(25% of RAM, RAM in use at measurement: total - MemAvailable), at most 90%; {where}",
+        "memory_reserve_bytes": (
+            f"max(25% of RAM, RAM in use at measurement: total - MemAvailable), at most 90%; {where}"),
         "matmul_efficiency": f"achieved / peak of square {dtype} torch.mm by op FLOPs, running maximum; {where}",
         "memory_efficiency": "1: hbm_bandwidth_bytes_per_s is already an achieved copy rate",
         "network_efficiency": "1: the link bandwidths are already achieved (or assumed) rates",

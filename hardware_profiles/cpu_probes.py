@@ -5,15 +5,18 @@ torch is imported inside the functions that need it, so importing this module st
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import platform
 import socket
+import statistics
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 from trainplan_errors import TrainplanError
 
@@ -96,7 +99,7 @@ def matmul_rates(dtype: str, quick: bool, deadline: float) -> list[tuple[float, 
         b = torch.randn(n, n, generator=gen).to(tdtype)
         c = torch.empty(n, n, dtype=tdtype)
         with torch.no_grad():
-            op_s = best_op_s(lambda: torch.mm(a, b, out=c), reps, min_rep_s, _SIZE_BUDGET_S[quick])
+            op_s = best_op_s(functools.partial(torch.mm, a, b, out=c), reps, min_rep_s, _SIZE_BUDGET_S[quick])
         out.append((flops, flops / op_s))
         slow = n >= _SLOW_FROM_N[quick] and op_s > _MAX_OP_S[quick]
     return out
@@ -106,8 +109,6 @@ def op_overhead_s(quick: bool) -> float:
     """Seconds per eager op beyond its arithmetic: a chain of 16 elementwise ops on 64-element
     tensors, forward and backward (autograd included), median of repeats divided by its
     ~48 ops (16 forward, ~32 backward)."""
-    import statistics
-
     import torch
 
     x = torch.randn(64, requires_grad=True)
@@ -138,8 +139,6 @@ def optimizer_s_per_param(quick: bool) -> dict[str, float]:
     the states), divided by the parameter count; a few seconds in all on 2 cores (the
     quantized optimizers' CPU paths are the slow part). Keys "32", "16", "8", "4"; "8" and "4"
     are absent when their library does not import."""
-    from unittest import mock
-
     import torch
 
     rows, cols = (128, 256) if quick else (512, 1024)
@@ -149,8 +148,8 @@ def optimizer_s_per_param(quick: bool) -> dict[str, float]:
         for p in ps:
             p.grad = torch.randn_like(p)
         return ps
-    kw = dict(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
-    makers = {"32": lambda: torch.optim.AdamW(params(), foreach=False, **kw),
+    kw: dict[str, Any] = dict(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    makers: dict[str, Callable[[], Any]] = {"32": lambda: torch.optim.AdamW(params(), foreach=False, **kw),
               "16": lambda: torch.optim.AdamW(params(torch.bfloat16), foreach=False, **kw)}
     try:
         import bitsandbytes as bnb

@@ -160,6 +160,7 @@ class HardwareProfile:
         setattr_ = object.__setattr__  # frozen: normalise through object.__setattr__
         if not isinstance(self.name, str) or not self.name.strip() or self.name != self.name.strip():
             raise _bad("name", self.name, "must be a non-empty string without surrounding spaces")
+        aliases: tuple[object, ...]
         try:
             aliases = (self.aliases,) if isinstance(self.aliases, str) else tuple(self.aliases)
         except TypeError:

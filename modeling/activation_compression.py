@@ -4,7 +4,7 @@ One implementation serves both sides: `executor.train` runs a step's forward ins
 `compress_saved_activations(bits)`, and `planner.capture.graph` traces each region inside the same
 context, so the quantize ops of the forward, the compressed copies' lifetimes and the
 dequantize temporaries of the backward are in the captured graph the memory and time models
-replay (`costmodels.step.memory.simulate_region`, `costmodels.step.model.region_cost`): nothing about the
+replay (`costmodels.step.memory.simulate_region`, `costmodels.step.roofline.region_cost`): nothing about the
 compression is modelled by hand.
 
 Built on `torch.autograd.graph.saved_tensors_hooks` (pack when autograd saves a tensor for the

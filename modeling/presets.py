@@ -3,7 +3,9 @@
 Nothing is downloaded: each preset is the config's architecture numbers written out here, each
 with its source (the model's published `config.json`). `build_model` instantiates the
 architecture on the meta device (no memory) for planning, or on a real device with random
-weights for a training run.
+weights for a training run. `transformers` is imported by the functions that build a config or
+a model: its import takes seconds, and the preset table, its checks and `sp_degree_note` (the
+command line's) need none of it.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from costmodels.step import comm
 from trainplan_errors import UnknownNameError
 
 
@@ -138,9 +141,11 @@ def build_model(name: str, *, device: str | torch.device = "meta", dtype: torch.
         torch.manual_seed(seed)
         with torch.device(device):
             model = cls(cfg)
-    model.to(dtype=dtype)
+    model.to(dtype=dtype)  # type: ignore[call-arg]  # transformers' stub of `to` misses `self`
     model.config.use_cache = False
-    model.trainplan_preset = preset.name  # how a Plan recognises the model it was made for
+    # how a Plan recognises the model it was made for (torch's stub types module attributes as
+    # tensors or modules)
+    model.trainplan_preset = preset.name  # type: ignore[assignment]
     return model
 
 
@@ -161,8 +166,6 @@ def sp_degree_note(*, n_heads: int, n_kv_heads: int, devices: int, seq_len: int)
     E.g. 8 devices, 32 heads, seq_len 131070: "seq_len=131070 limits sp_degree to 1, 2 (the
     degree must divide the sequence); a seq_len divisible by 8, e.g. 131072, allows sp_degree
     up to 8"."""
-    from costmodels.step import comm
-
     if seq_len < 1 or devices < 1 or n_heads < 1 or n_kv_heads < 1 or n_heads % n_kv_heads:
         return ""
     by_heads = [p for p in comm.valid_sp_degrees(n_heads, n_heads, n_kv_heads) if devices % p == 0]

@@ -1,5 +1,6 @@
 """`Budget`: how much compute a plan may spend, on how many devices; and the checks of the other
-numbers a solve takes (time limit, corpus size, devices the corpus can feed).
+numbers a solve takes (time limit, corpus size, devices the corpus can feed), and the corpus size
+assumed when none is given (`UNLIMITED_DATA_TOKENS`).
 
 Every check raises a `BudgetError` (a `TrainplanError`) whose message names the value and what
 would be valid; the CLI prints it on one line and exits with status 2.
@@ -22,6 +23,9 @@ MAX_DEVICES = 1_000_000
 (the memory model partitions states over every device)."""
 MAX_TIME_LIMIT_S = 86400.0
 """Largest solver time limit, s (a day)."""
+UNLIMITED_DATA_TOKENS = 15 * 10**12
+"""Default unique tokens when no corpus size is given: Llama 3's 15T pre-training tokens
+(Meta, "The Llama 3 Herd of Models", 2024), i.e. no repetition for any plan here."""
 
 
 def _years(seconds: float) -> str:

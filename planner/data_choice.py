@@ -16,16 +16,16 @@ exactly when its predicted gain (quality > 1) beats its scoring cost (fewer step
 
 Sources: the law and effective data are Muennighoff et al. 2023 ("Scaling Data-Constrained
 Language Models", arXiv:2305.16264, eq. 5) on Hoffmann et al. 2022's form (`costmodels.loss.law`);
-q_m(f) = 1 + a (1 - f)**b is `costmodels.data.value`'s selection-quality multiplier; charging the
+q_m(f) = 1 + a (1 - f)**b is `costmodels.data.quality`'s selection-quality multiplier; charging the
 scoring compute to the budget follows Yin and Rush 2025 ("Compute-Constrained Data Selection",
 arXiv:2410.16208), with the FLOPs of the executor's default reference model predicted by
-`costmodels.data.value.reference_scoring_flops` over every corpus window plus `TARGET_WINDOWS`
+`costmodels.data.scoring.reference_scoring_flops` over every corpus window plus `TARGET_WINDOWS`
 target windows, converted to steps at the plan's FLOPs per step (under a time budget the same
 conversion at the plan's FLOP rate).
 
 Which multiplier a method gets (`known_quality`), first that applies:
-1. `fits` passed in (e.g. from `costmodels.data.value.fit_quality` on pilot runs);
-2. a local fit cached for (model, vocabulary) (`costmodels.data.value.load_quality_fits`,
+1. `fits` passed in (e.g. from `costmodels.data.fit.fit_quality` on pilot runs);
+2. a local fit cached for (model, vocabulary) (`costmodels.data.quality_cache.load_quality_fits`,
    written by `save_quality_fits` or `python benchmarks/data.py --save-fits`);
 3. the published default (`DEFAULT_QUALITY`) for models of at least `LARGE_MODEL_PARAMS`
    parameters: Ankner et al. 2024 ("Perplexed by Perplexity", arXiv:2405.20541) measured loss-
@@ -38,7 +38,7 @@ Approximations: the knobs (combo, checkpointing, optimizer width) stay the solve
 tokens and fraction move, which is exact for every knob but the optimizer width, whose loss
 penalty the solver traded against tokens at the random subset's quality. The published loss
 multiplier was measured with a 125M reference model; the executor's default reference is far
-smaller (`executor.data.selection.ReferenceConfig`), so refit it locally before trusting it. With no
+smaller (`executor.data.scorers.ReferenceConfig`), so refit it locally before trusting it. With no
 corpus size (`data_tokens` unconstrained) there is no pool to score and the plan stays random.
 Dynamic selection (`Decisions.selection_every_steps`) is never chosen here (no multiplier model
 for it); `with_data_method` sets it by hand and predicts it at the random subset's quality.
@@ -51,9 +51,13 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from costmodels.data.value import DEFAULT_QUALITY, METHODS, QualityFit, load_quality_fits, reference_scoring_flops
+from costmodels.data.quality import DEFAULT_QUALITY, METHODS, QualityFit
+from costmodels.data.quality_cache import load_quality_fits
+from costmodels.data.scoring import reference_scoring_flops
 from costmodels.loss.bits import bits_loss_penalty
+from costmodels.loss.cache import load_local_law
 from costmodels.loss.law import LossLaw
+from planner.budget import UNLIMITED_DATA_TOKENS
 from planner.plan import Plan
 from trainplan_errors import TrainplanError
 
@@ -67,7 +71,7 @@ LARGE_MODEL_PARAMS = 1e9
 """From this many parameters a method without a local fit gets its published default multiplier
 (Ankner et al. 2024 trained 1B and 3B models)."""
 TARGET_WINDOWS = 64
-"""Held-out target windows influence/DSIR also score; mirrors `executor.data.selection.TARGET_WINDOWS`
+"""Held-out target windows influence/DSIR also score; mirrors `executor.data.dynamic_selection.TARGET_WINDOWS`
 (the planner does not import the executor)."""
 
 
@@ -109,8 +113,6 @@ def plan_law(plan: Plan) -> LossLaw:
     """The law `planner.api.solve` predicts `plan` with: the locally fitted law of (model,
     vocabulary) on the cpu profile when one is cached, else Besiroglu et al. 2024's."""
     if plan.hw == "cpu":
-        from costmodels.loss.cache import load_local_law
-
         law = load_local_law(plan.model, plan.vocab_size)
         if law is not None:
             return law
@@ -232,8 +234,6 @@ def choose_data_method(plan: Plan, law: LossLaw | None = None, *,
 
     Raises: TrainplanError on an unknown method or a fraction outside (0, 1].
     """
-    from planner.api import UNLIMITED_DATA_TOKENS
-
     methods = check_data_methods(methods)
     d = plan.decisions
     if (methods == ("random",) and d.data_method == "random") or d.selection_every_steps > 0 \

@@ -9,12 +9,12 @@ planner fixes the governor's threshold from economics and predicts where it will
   device-hours; the value of a nat is the user's (`--loss-value-device-hours-per-nat` on
   `trainplan solve` and `demo`): how many device-hours one nat less held-out loss is worth.
   A step is worth taking while it lowers the loss by at least the threshold
-  (`costmodels.stopping.curve.threshold_from_value`).
+  (`costmodels.stopping.prediction.threshold_from_value`).
 - predicted stop step: the step at which the governor's own rule (`costmodels.stopping.rule.
   Governor`: the same refit cadence, fit window, confidence bound, trend check and cooldown
   rule), run over a predicted held-out curve evaluated as the run will be (every `eval_every`
   steps, with the noise a pilot's held-out curve showed about its fit), decides to stop: the
-  median over simulated evaluation series (`costmodels.stopping.prediction.simulated_stop_step`).
+  median over simulated evaluation series (`costmodels.stopping.simulation.simulated_stop_step`).
   The curve is, best, the one calibrated on pilot runs (`curve=`, `costmodels.stopping.heldout_curve`:
   a fresh-data law plus a penalty for repeated data, which can rise, as an overfitting run's
   held-out loss does, and the pilots' measured start before their fitted range); without
@@ -37,11 +37,15 @@ import dataclasses
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 from costmodels.loss.bits import bits_loss_penalty
+from costmodels.loss.cache import load_local_law
 from costmodels.loss.law import LossLaw, learning_curve
 from costmodels.stopping.heldout_curve import HeldoutCurve
-from costmodels.stopping.prediction import cooldown_steps, predict_stop_from_law, simulated_stops, threshold_from_value
+from costmodels.stopping.prediction import predict_stop_from_law, threshold_from_value
+from costmodels.stopping.schedule import cooldown_steps
+from costmodels.stopping.simulation import simulated_stops
 from planner.plan import Plan
 from trainplan_errors import TrainplanError
 
@@ -71,8 +75,6 @@ def plan_law(plan: Plan, cache_dir=None) -> LossLaw:
     source = next((n[len(LAW_NOTE):] for n in plan.notes if n.startswith(LAW_NOTE)), None)
     candidates = [LossLaw.besiroglu2024(), LossLaw.hoffmann2022()]
     try:
-        from costmodels.loss.cache import load_local_law
-
         local = load_local_law(plan.model, plan.vocab_size, cache_dir)
     except TrainplanError:
         local = None
@@ -110,7 +112,7 @@ def with_governor(plan: Plan, *, value_device_hours_per_nat: float | None = None
     noise_nats: the held-out evaluation noise expected (nats). With a curve or a noise, the
         predicted stop is the governor's own rule simulated over the curve (`runs` series of
         evaluations every `eval_every` steps, default: a governed run's, max_steps // 50, with
-        `governor_settings`, `Governor` fields; `costmodels.stopping.prediction.
+        `governor_settings`, `Governor` fields; `costmodels.stopping.simulation.
         simulated_stop_step`): it waits for an upper confidence bound, so it stops later than
         the curve's crossing. Neither: the crossing of the law's mean curve
         (`costmodels.stopping.prediction.predict_stop_from_law`), a lower bound on the stop.
@@ -140,7 +142,7 @@ def with_governor(plan: Plan, *, value_device_hours_per_nat: float | None = None
         thr = threshold_from_value(value_device_hours_per_nat, step_device_hours)
         how = (f"threshold {thr:.3g} nats/step = one step's {step_device_hours:.3g} device-hours / "
                f"{value_device_hours_per_nat:g} device-hours per nat")
-    else:
+    elif threshold_nats_per_step is not None:
         thr = float(threshold_nats_per_step)
         if not (math.isfinite(thr) and thr >= 0):
             raise TrainplanError(f"threshold_nats_per_step must be a finite number >= 0, got {thr!r}")
@@ -153,6 +155,7 @@ def with_governor(plan: Plan, *, value_device_hours_per_nat: float | None = None
         fitted = law.bits if law is not None else (None if curve is not None else plan_law(plan, cache_dir).bits)
         offset = bits_loss_penalty(d.optimizer_bits, d.activation_bits, precision=d.precision,
                                    penalty=fitted)
+        noise: float | None
         if curve is not None:
             curve = run_curve(plan, curve)
             noise = curve.sim_noise_nats if noise_nats is None else noise_nats
@@ -168,13 +171,14 @@ def with_governor(plan: Plan, *, value_device_hours_per_nat: float | None = None
                 return float(learning_curve([max(s, 1) * p.tokens_per_step], law=law,
                                             n_params=plan.model_n_params, unique_tokens=unique)[0])
         if noise is None:
+            assert law is not None  # no noise only without a curve, where the law is set
             stop, final, loss = predict_stop_from_law(
                 law, n_params=plan.model_n_params, tokens_per_step=p.tokens_per_step, threshold=thr,
                 max_steps=d.max_steps, unique_tokens=unique, offset_nats=offset)
             rule = "where the law's mean drop per step crosses it"
         else:
             def simulate(max_steps: int):
-                sim = dict(threshold_nats_per_step=thr, max_steps=max_steps, eval_every=eval_every,
+                sim: dict[str, Any] = dict(threshold_nats_per_step=thr, max_steps=max_steps, eval_every=eval_every,
                            governor_settings=governor_settings, runs=runs)
                 pairs = (simulated_decisions(plan, curve, noise_nats=noise, **sim) if curve is not None
                          else _simulated(plan, loss_at, noise, **sim))
@@ -232,7 +236,7 @@ def simulated_decisions(plan: Plan, curve: HeldoutCurve, *, threshold_nats_per_s
                         eval_every: int | None = None, governor_settings: dict | None = None,
                         runs: int = 16) -> list[tuple[int, int]]:
     """(decision, end) steps of the governor simulated `runs` times over the pilots' `curve`
-    for `plan`, sorted (`costmodels.stopping.prediction.simulated_stops`): the curve as the plan's
+    for `plan`, sorted (`costmodels.stopping.simulation.simulated_stops`): the curve as the plan's
     run sees it (`run_curve`), its start as the pilots measured it (`loss_with_early`), with
     `noise_nats` of evaluation noise (default `sim_noise_nats`), `max_steps` (default the
     plan's), `eval_every` and `governor_settings` (`Governor` fields) as the live run's, the

@@ -67,7 +67,7 @@ class Decisions:
     selection_every_steps: int = 0
     """Data selection timing: 0 = static (score once before training, keep `data_fraction` of
     the windows for the whole run); K > 0 = dynamic (start from a seeded random subset and
-    re-score every K steps with the model being trained, `executor.data.selection.DynamicSelector`).
+    re-score every K steps with the model being trained, `executor.data.dynamic_selection.DynamicSelector`).
     Plans written before the field read 0."""
 
 
@@ -114,7 +114,7 @@ class Predictions:
     checked)."""
     scoring_flops: float = 0.0
     """FLOPs of scoring the corpus for `Decisions.data_method` (reference-model training and
-    the scoring pass, `costmodels.data.value.reference_scoring_flops`), charged to the budget
+    the scoring pass, `costmodels.data.scoring.reference_scoring_flops`), charged to the budget
     before training: `max_steps` is what is left. 0 for `random`; plans written before the
     field read 0."""
 

@@ -89,12 +89,12 @@ def torch_threads() -> Callable:
 @pytest.fixture(scope="session")
 def measured_peak() -> Callable:
     """`measured_peak(model, opt, b, s, autocast_dtype=None, activation_bits=32)`: MemTracker's
-    peak by category (`executor.measure._measure_memory`) over one real training step of
+    peak by category (`executor.measure.measure_memory`) over one real training step of
     `model` on random tokens (b sequences of s), after two warm-up steps, as the executor
     measures; the forward under autocast and saved-activation compression when given."""
     import torch
 
-    from executor.measure import _measure_memory
+    from executor.measure import measure_memory
     from modeling.activation_compression import compress_saved_activations
     from modeling.loss import lm_loss
 
@@ -112,7 +112,7 @@ def measured_peak() -> Callable:
 
         step()
         step()
-        return _measure_memory(step, model, opt)
+        return measure_memory(step, model, opt)
 
     return measure
 

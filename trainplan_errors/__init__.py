@@ -1,8 +1,10 @@
 """Typed errors shared by every trainplan package.
 
-They live here because `hardware_profiles` is the bottom of the import graph
-(`planner`/`executor` -> `costmodels` -> `hardware_profiles`), so every package can raise them.
-The CLI catches `TrainplanError`, prints its message on one line and exits with status 2.
+This package is the bottom of the import graph (`planner`, `executor` -> `modeling` ->
+`costmodels` -> `hardware_profiles` -> `trainplan_errors`; the import-linter contract in
+pyproject.toml) and imports nothing of trainplan, so every package can raise these errors and
+imports them from here. The CLI catches `TrainplanError`, prints its message on one line and
+exits with status 2.
 """
 
 from __future__ import annotations
@@ -22,7 +24,19 @@ class UnknownNameError(TrainplanError, KeyError):
 
 class InfeasibleError(TrainplanError):
     """No choice of knobs satisfies the budget; the message names the binding term with both
-    numbers and what to relax."""
+    numbers and what to relax.
+
+    The planner sets, where it knows them (absent otherwise, `getattr(err, name, None)`):"""
+
+    binding: str
+    """What binds: "time limit" (the solver stopped before any plan, `planner.joint.solver`), or,
+    once explained (`planner.joint.explain`), "memory", "budget" or "memory and budget"."""
+    explanation: object
+    """The diagnosis, a `planner.joint.explain.Explanation`."""
+    suggestions: tuple[object, ...]
+    """The changes that fit, smallest first: `planner.joint.explain.Suggestion`s."""
+    solver_message: str
+    """The solver's own message, before the explanation replaced it."""
 
 
 class PlanMismatchError(TrainplanError):

@@ -1,7 +1,8 @@
-"""Fitting the data-value model to local runs: the law's constants (`fit_local_law`, optionally
-with R_D*) and each scoring method's selection-quality multiplier (`fit_quality`).
+"""Fitting the data-value model (`costmodels.data.value`) to local runs: the law's constants
+(`fit_local_law`, optionally with R_D*) and each scoring method's selection-quality multiplier
+(`fit_quality`).
 
-Split out of `costmodels/data/value.py` (which re-exports everything here). Effective tokens:
+Effective tokens:
 Muennighoff et al. 2023, "Scaling Data-Constrained Language Models" (arXiv:2305.16264), eq. 5;
 law fit: Hoffmann et al. 2022 eq. 3 / Besiroglu et al. 2024 (`costmodels.loss.law.LossLaw.fit`).
 """
@@ -16,11 +17,12 @@ from collections.abc import Sequence
 import numpy as np
 from scipy.optimize import least_squares, nnls
 
-from costmodels.data.quality import QUALITY_FORM, QualityFit, _curve, _fraction, _num
-from costmodels.loss.law import HUBER_DELTA, R_D_STAR, LossLaw, _effective
+from costmodels.checks import check_range
+from costmodels.data.quality import QUALITY_FORM, QualityFit, check_fraction
+from costmodels.data.value import subset_loss_curve
+from costmodels.loss.fit import HUBER_DELTA
+from costmodels.loss.law import R_D_STAR, LossLaw, effective_array
 from trainplan_errors import TrainplanError
-
-__all__ = ["fit_quality", "fit_local_law"]
 
 R_D_STAR_BOUNDS = (0.05, 100.0)
 """Range searched when `fit_local_law` fits R_D* (repetitions)."""
@@ -52,14 +54,14 @@ def fit_quality(fractions: Sequence[float], losses: Sequence[float], law: LossLa
     if f.size == 0 or f.size != loss.size or tok.size != f.size:
         raise TrainplanError(f"fractions ({f.size}), losses ({loss.size}) and tokens_seen "
                              f"({np.size(tokens_seen)}) must be non-empty and of equal length")
-    for i, v in enumerate(f):
-        _fraction(v)
+    for v in f:
+        check_fraction(v)
     if not (np.all(np.isfinite(loss)) and np.all(loss > 0) and np.all(np.isfinite(tok))
             and np.all(tok > 0)):
         raise TrainplanError(f"losses and tokens_seen must be positive and finite, got "
                              f"{loss.tolist()[:8]} and {tok.tolist()[:8]}")
-    corpus = _num("corpus_tokens", corpus_tokens, low=0.0)
-    n = _num("n_params", n_params, low=0.0)
+    corpus = check_range("corpus_tokens", corpus_tokens, low=0.0)
+    n = check_range("n_params", n_params, low=0.0)
     n_free = 1 if fix_b is not None else 2
     informative = int(np.sum(f < 1.0))
     if informative < n_free:
@@ -73,7 +75,7 @@ def fit_quality(fractions: Sequence[float], losses: Sequence[float], law: LossLa
         a = theta[0]
         b = fix_b if fix_b is not None else theta[1]
         q = 1.0 + a * (1.0 - f) ** b
-        pred = _curve(law, n, tok, unique, np.maximum(q, 1e-12)) + offset
+        pred = subset_loss_curve(law, n, tok, unique, np.maximum(q, 1e-12)) + offset
         return np.log(np.maximum(pred, 1e-12)) - log_loss
 
     lo = [-1.0 + 1e-6] + ([] if fix_b is not None else [1e-3])
@@ -81,12 +83,9 @@ def fit_quality(fractions: Sequence[float], losses: Sequence[float], law: LossLa
     starts = [[a0] + ([] if fix_b is not None else [b0])
               for a0 in (-0.5, 0.0, 0.5, 2.0, 10.0) for b0 in ((1.0,) if fix_b is not None
                                                                else (0.5, 1.0, 2.0))]
-    best = None
-    for x0 in starts:
-        res = least_squares(residuals, x0, bounds=(lo, hi), method="trf", xtol=1e-14,
-                            ftol=1e-14, gtol=1e-14, max_nfev=5000)
-        if best is None or res.cost < best.cost:
-            best = res
+    # the best optimum wins (the first of equals)
+    best = min((least_squares(residuals, x0, bounds=(lo, hi), method="trf", xtol=1e-14, ftol=1e-14,
+                              gtol=1e-14, max_nfev=5000) for x0 in starts), key=lambda res: res.cost)
     a = float(best.x[0])
     b = float(fix_b) if fix_b is not None else float(best.x[1])
     if a >= 0.99 * hi[0]:
@@ -109,8 +108,8 @@ def fit_local_law(n_params: Sequence[float] | float, tokens_seen: Sequence[float
     Converts each (tokens_seen, unique_tokens) to effective tokens (Muennighoff et al. 2023,
     eq. 5, with `r_d_star`, the published 15.4 by default), then `LossLaw.fit` (Hoffmann et
     al. 2022 eq. 3 / Besiroglu et al. 2024: Huber in log space, L-BFGS-B). When every run has
-    the same `n_params`, A = 0 and alpha at its default are pinned (the size term is one constant, folded into E; the law then predicts only
-    at that size), so E, B, beta are fitted.
+    the same `n_params`, A = 0 and alpha at its default are pinned (the size term is one
+    constant, folded into E; the law then predicts only at that size), so E, B, beta are fitted.
 
     fit_r_d_star: also fit R_D* (`_fit_r_d_star`: E, B, beta and log R_D* jointly by scipy
     `least_squares` on log residuals, soft-L1 with LossLaw.fit's Huber scale, from a grid of
@@ -134,7 +133,7 @@ def fit_local_law(n_params: Sequence[float] | float, tokens_seen: Sequence[float
     if np.any(~np.isfinite(unique)) or np.any(unique <= 0) or np.any(~np.isfinite(seen)) \
             or np.any(seen <= 0):
         raise TrainplanError("tokens_seen and unique_tokens must be positive and finite")
-    r = _num("r_d_star", r_d_star, low=0.0)
+    r = check_range("r_d_star", r_d_star, low=0.0)
     pinned = dict(fix or {})
     if np.all(n == n[0]):
         pinned.setdefault("A", 0.0)
@@ -147,7 +146,7 @@ def fit_local_law(n_params: Sequence[float] | float, tokens_seen: Sequence[float
 
         r = _fit_r_d_star(n, seen, unique, loss, pinned)
         how = "fitted"
-    law = LossLaw.fit(n, _effective(seen, unique, r), loss, fix=pinned)
+    law = LossLaw.fit(n, effective_array(seen, unique, r), loss, fix=pinned)
     return dataclasses.replace(law, r_d_star=r, source=law.source + f"; effective tokens with "
                                f"{how} R_D*={r:.4g}")
 
@@ -162,7 +161,7 @@ def _fit_r_d_star(n: np.ndarray, seen: np.ndarray, unique: np.ndarray, loss: np.
 
     def pred(theta):
         e, log_b, beta, log_r = theta
-        eff = _effective(seen, unique, math.exp(log_r))
+        eff = effective_array(seen, unique, math.exp(log_r))
         return e + size + np.exp(log_b - beta * np.log(eff))
 
     def residuals(theta):
@@ -171,18 +170,16 @@ def _fit_r_d_star(n: np.ndarray, seen: np.ndarray, unique: np.ndarray, loss: np.
     starts = []
     for beta in (0.1, 0.25, 0.5, 1.0):
         for log_r in np.linspace(lo_r, hi_r, 7):
-            col = _effective(seen, unique, math.exp(log_r)) ** -beta
+            col = effective_array(seen, unique, math.exp(log_r)) ** -beta
             (e, b), _ = nnls(np.column_stack([np.ones_like(col), col]) / loss[:, None],
                              (loss - size) / loss)
             theta = np.array([e, math.log(max(b, 1e-9)), beta, log_r])
             starts.append((float(np.sum(residuals(theta) ** 2)), theta))
     starts.sort(key=lambda s: s[0])
     bounds = ([0.0, -30.0, 1e-3, lo_r], [np.inf, 60.0, 3.0, hi_r])
-    best = None
-    for _, theta in starts[:6]:
-        res = least_squares(residuals, np.clip(theta, bounds[0], bounds[1]), bounds=bounds,
-                            loss="soft_l1", f_scale=HUBER_DELTA, xtol=1e-12, ftol=1e-12,
-                            gtol=1e-12, max_nfev=2000)
-        if best is None or res.cost < best.cost:
-            best = res
+    # the best optimum wins (the first of equals)
+    best = min((least_squares(residuals, np.clip(theta, bounds[0], bounds[1]), bounds=bounds,
+                              loss="soft_l1", f_scale=HUBER_DELTA, xtol=1e-12, ftol=1e-12,
+                              gtol=1e-12, max_nfev=2000) for _, theta in starts[:6]),
+               key=lambda res: res.cost)
     return float(math.exp(best.x[3]))

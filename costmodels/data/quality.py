@@ -1,25 +1,19 @@
-"""The selection-quality multiplier and the predicted loss of a run on a selected subset.
+"""The selection-quality multiplier of a scoring method: how many random tokens one selected
+token is worth.
 
-Split out of `costmodels/data/value.py` (which re-exports everything here; its docstring
-describes the whole data-value model). Holds the method names, the multiplier
-q(f) = 1 + a * (1 - f)**b (`selection_quality`, `QualityFit`), its published-number defaults
-(`DEFAULT_QUALITY`) and the loss L = E + A / N**alpha + B / (q * D')**beta of a kept fraction
-(`predicted_loss`, `subset_loss`), with D' the effective data of Muennighoff et al. 2023
-("Scaling Data-Constrained Language Models", arXiv:2305.16264, eq. 5). The form of q is a
-modelling assumption (see `costmodels.data.value`).
+Holds the method names (`METHODS`), the multiplier q(f) = 1 + a * (1 - f)**b of a kept
+fraction f (`selection_quality`, `QualityFit`) and its published-number defaults
+(`DEFAULT_QUALITY`). The form of q is a modelling assumption; `costmodels.data.value` describes
+the whole data-value model and gives the loss of a run on a selected subset, and
+`costmodels.data.fit.fit_quality` fits q per method from pilot runs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
-from costmodels.loss.law import LossLaw, _effective, _finite
+from costmodels.checks import check_range
 from trainplan_errors import TrainplanError
-
-__all__ = ["METHODS", "QUALITY_FORM", "QualityFit", "DEFAULT_QUALITY", "selection_quality",
-           "predicted_loss", "subset_loss"]
 
 METHODS = ("random", "loss", "influence", "dsir")
 """Scoring methods `executor.data.selection` implements."""
@@ -28,18 +22,11 @@ QUALITY_FORM = "q(f) = 1 + a * (1 - f)**b"
 """The selection-quality multiplier's functional form (a modelling assumption; see module doc)."""
 
 
-def _num(name: str, value, *, low: float | None = None, low_open: bool = True,
-         high: float | None = None) -> float:
-    v = _finite(name, value)
-    if low is not None and (v <= low if low_open else v < low):
-        raise TrainplanError(f"{name} must be {'>' if low_open else '>='} {low}, got {value!r}")
-    if high is not None and v > high:
-        raise TrainplanError(f"{name} must be <= {high}, got {value!r}")
-    return v
+def check_fraction(value: float) -> float:
+    """A kept fraction f of a corpus as a float: finite, in (0, 1] (1: keep everything).
 
-
-def _fraction(value) -> float:
-    return _num("fraction", value, low=0.0, high=1.0)
+    Raises: TrainplanError "fraction must be > 0.0" / "<= 1.0" otherwise (`check_range`)."""
+    return check_range("fraction", value, low=0.0, high=1.0)
 
 
 def selection_quality(fraction: float, a: float, b: float) -> float:
@@ -48,9 +35,9 @@ def selection_quality(fraction: float, a: float, b: float) -> float:
     Args: fraction in (0, 1]; a > -1; b > 0.
     Raises: TrainplanError on an input out of range.
     """
-    f = _fraction(fraction)
-    a = _num("a", a, low=-1.0)
-    b = _num("b", b, low=0.0)
+    f = check_fraction(fraction)
+    a = check_range("a", a, low=-1.0)
+    b = check_range("b", b, low=0.0)
     return 1.0 + a * (1.0 - f) ** b
 
 
@@ -74,9 +61,9 @@ class QualityFit:
     def __post_init__(self) -> None:
         if not isinstance(self.method, str) or not self.method:
             raise TrainplanError(f"QualityFit.method must be a non-empty name, got {self.method!r}")
-        _num("QualityFit.a", self.a, low=-1.0)
-        _num("QualityFit.b", self.b, low=0.0)
-        _num("QualityFit.max_rel_err", self.max_rel_err, low=0.0, low_open=False)
+        check_range("QualityFit.a", self.a, low=-1.0)
+        check_range("QualityFit.b", self.b, low=0.0)
+        check_range("QualityFit.max_rel_err", self.max_rel_err, low=0.0, low_open=False)
 
     def q(self, fraction: float) -> float:
         """q(fraction), dimensionless; see `selection_quality`."""
@@ -103,43 +90,3 @@ DEFAULT_QUALITY: dict[str, QualityFit] = {
                               "reports downstream accuracy): q = 1 until fitted"),
 }
 """Quality multipliers used before a local fit, by method."""
-
-
-def predicted_loss(law: LossLaw, n_params: float, tokens_seen: float, unique_tokens: float | None,
-                   quality: float = 1.0) -> float:
-    """Predicted final loss, nats per token, of training on `unique_tokens` unique tokens of
-    selection quality `quality` until `tokens_seen` tokens.
-
-    L = E + A / N**alpha + B / (quality * D')**beta with D' = `effective_tokens(tokens_seen,
-    unique_tokens, law.r_d_star)` (Hoffmann et al. 2022 eq. 2; Muennighoff et al. 2023 eq. 5):
-    `LossLaw.predict`. Pass `quality = QualityFit.q(fraction)` for a selected subset.
-
-    Args: n_params (parameters, > 0), tokens_seen (tokens, > 0), unique_tokens (tokens, > 0; None:
-    unlimited), quality (dimensionless, > 0).
-    Raises: TrainplanError on a non-positive or non-finite input.
-    """
-    return law.predict(n_params, tokens_seen, unique_tokens=unique_tokens, quality=quality)
-
-
-def subset_loss(law: LossLaw, n_params: float, tokens_seen: float, corpus_tokens: float,
-                fraction: float, fit: QualityFit = DEFAULT_QUALITY["random"], *,
-                offset: float = 0.0) -> float:
-    """Predicted final loss, nats per token, of keeping `fraction` of a corpus of
-    `corpus_tokens` unique tokens by `fit`'s method and training for `tokens_seen` tokens.
-
-    unique = max(1, fraction * corpus_tokens), quality = fit.q(fraction), then `predicted_loss`,
-    plus `offset` (nats; e.g. a learning-rate cooldown's gain when the law was fitted on the
-    stable phase of runs).
-
-    Raises: TrainplanError on an input out of range.
-    """
-    f = _fraction(fraction)
-    corpus = _num("corpus_tokens", corpus_tokens, low=0.0)
-    unique = max(1.0, f * corpus)
-    return predicted_loss(law, n_params, tokens_seen, unique, fit.q(f)) + float(offset)
-
-
-def _curve(law: LossLaw, n_params, tokens: np.ndarray, unique: np.ndarray, q) -> np.ndarray:
-    """Vectorised `predicted_loss` (arrays broadcast)."""
-    eff = _effective(tokens, unique, law.r_d_star)
-    return law.E + law.A / n_params**law.alpha + law.B / (q * eff) ** law.beta

@@ -1,9 +1,12 @@
 """The on-disk cache of fitted selection-quality multipliers, per (model, vocabulary).
 
-Split out of `costmodels/data/value.py` (which re-exports everything here). Fits are written by
-`save_quality_fits` (e.g. `python benchmarks/data.py --save-fits`) under the cache root of
-`costmodels.loss.cache` and read back by `load_quality_fits`, which the planner's method choice
-(`planner.data_choice`) prefers to `DEFAULT_QUALITY`.
+Fits are written by `save_quality_fits` (e.g. `python benchmarks/data.py --save-fits`) under the
+cache root of `costmodels.loss.cache` and read back by `load_quality_fits`, which the planner's
+method choice (`planner.data_choice`) prefers to `costmodels.data.quality.DEFAULT_QUALITY`.
+
+Like `costmodels.loss.cache`, a small JSON cache of fitted constants (`QualityFit`s) kept in
+costmodels on purpose: the cost models themselves stay pure functions, and these files only
+hold the constants they take.
 """
 
 from __future__ import annotations
@@ -16,9 +19,8 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from costmodels.data.quality import QUALITY_FORM, QualityFit
+from costmodels.loss.cache import model_file
 from trainplan_errors import TrainplanError
-
-__all__ = ["quality_path", "save_quality_fits", "load_quality_fits"]
 
 QUALITY_CACHE_FORMAT = 1
 """Version of the quality-fit file layout; a file of another version is ignored."""
@@ -28,8 +30,6 @@ def quality_path(model: str, vocab_size: int, cache_dir: str | Path | None = Non
     """`<cache root>/quality/<model>-v<vocab_size>.json` (the cache root as
     `costmodels.loss.cache.cache_root`; characters other than letters, digits, `.`, `_`, `-` in
     the model name become `_`)."""
-    from costmodels.loss.cache import model_file
-
     return model_file("quality", model, vocab_size, cache_dir)
 
 

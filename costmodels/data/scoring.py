@@ -1,6 +1,6 @@
 """What scoring a corpus costs, and the solver's (method, fraction) data-subset menu.
 
-Split out of `costmodels/data/value.py` (which re-exports everything here). Scoring compute is
+Part of the data-value model (`costmodels.data.value`). Scoring compute is
 charged to the budget (Yin and Rush 2025, "Compute-Constrained Data Selection",
 arXiv:2410.16208: counting it, perplexity and gradient scoring pay off only when the trained
 model is ~5x resp. ~10x larger than the scoring model); `scoring_flops` gives it, and
@@ -15,11 +15,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from costmodels.data.quality import METHODS, QualityFit, _fraction, _num
+from costmodels.checks import check_range
+from costmodels.data.quality import METHODS, QualityFit, check_fraction
 from trainplan_errors import TrainplanError
-
-__all__ = ["ScoringFlops", "SelectionOption", "scoring_flops", "reference_scoring_flops",
-           "selection_menu"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -37,7 +35,7 @@ class ScoringFlops:
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
-            _num(f"ScoringFlops.{f.name}", getattr(self, f.name), low=0.0, low_open=False)
+            check_range(f"ScoringFlops.{f.name}", getattr(self, f.name), low=0.0, low_open=False)
 
     @property
     def total(self) -> float:
@@ -85,8 +83,8 @@ def scoring_flops(method: str, n_windows: int, seq_len: int, reference_params: f
                     ("rescores", rescores), ("projection_rank", projection_rank)):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
             raise TrainplanError(f"{name} must be a whole number >= 0, got {v!r}")
-    n = _num("reference_params", reference_params, low=0.0, low_open=False)
-    train_tokens = _num("reference_train_tokens", reference_train_tokens, low=0.0, low_open=False)
+    n = check_range("reference_params", reference_params, low=0.0, low_open=False)
+    train_tokens = check_range("reference_train_tokens", reference_train_tokens, low=0.0, low_open=False)
     if method == "random":
         return ScoringFlops()
     tokens = float(n_windows + (target_windows if method != "loss" else 0)) * seq_len
@@ -110,7 +108,7 @@ def reference_scoring_flops(method: str, n_windows: int, seq_len: int, vocab_siz
                             train_micro_batch: int = 8, target_windows: int = 64,
                             projection_rank: int = 8, grad_blocks: int = 2) -> ScoringFlops:
     """`scoring_flops` for `executor.data.selection`'s default reference model (a tied-embedding
-    Llama; the defaults mirror `executor.data.selection.ReferenceConfig`), trained for
+    Llama; the defaults mirror `executor.data.scorers.ReferenceConfig`), trained for
     `train_steps` x `train_micro_batch` windows, before any scoring has run: what the planner
     charges a method it has not tried yet. Matmul parameters per layer: 2 h^2 (q, o) +
     2 h kv_heads (h / heads) (k, v) + 3 h I (gate, up, down), plus the V x h output matrix.
@@ -155,10 +153,10 @@ def selection_menu(fits: dict[str, QualityFit], fractions: Sequence[float], *,
 
     Raises: TrainplanError on an invalid fraction or corpus size.
     """
-    corpus = _num("corpus_tokens", corpus_tokens, low=0.0)
+    corpus = check_range("corpus_tokens", corpus_tokens, low=0.0)
     out = []
     for method, fit in fits.items():
-        for f in sorted({_fraction(x) for x in fractions}):
+        for f in sorted({check_fraction(x) for x in fractions}):
             if f == 1.0 and method != "random":
                 continue
             out.append(SelectionOption(method=method, fraction=f, quality=fit.q(f),

@@ -28,37 +28,66 @@ there). `fit_local_law` refits E, B, beta of the law on the local machine's smal
 Fitted multipliers are cached per (model, vocabulary) with `save_quality_fits` (e.g.
 `python benchmarks/data.py --save-fits`) and read back by `load_quality_fits`, which the planner's
 method choice (`planner.data_choice`) prefers to the defaults.
+
+Where each part lives: the loss of a run on a selected subset here (`predicted_loss`,
+`subset_loss`); the multiplier q, the method names and `DEFAULT_QUALITY` in
+`costmodels.data.quality`; the fits in `costmodels.data.fit`; scoring compute and the solver's
+(method, fraction) menu in `costmodels.data.scoring`; the cache of fitted multipliers in
+`costmodels.data.quality_cache`.
 """
 
 from __future__ import annotations
 
-# The code lives in four modules beside this one; every name stays importable from here.
-from costmodels.data.fit import R_D_STAR_BOUNDS as R_D_STAR_BOUNDS
-from costmodels.data.fit import _fit_r_d_star as _fit_r_d_star
-from costmodels.data.fit import fit_local_law, fit_quality
-from costmodels.data.quality import (
-                                     DEFAULT_QUALITY,
-                                     METHODS,
-                                     QUALITY_FORM,
-                                     QualityFit,
-                                     predicted_loss,
-                                     selection_quality,
-                                     subset_loss,
-)
-from costmodels.data.quality import _curve as _curve
-from costmodels.data.quality import _fraction as _fraction
-from costmodels.data.quality import _num as _num
-from costmodels.data.quality_cache import QUALITY_CACHE_FORMAT as QUALITY_CACHE_FORMAT
-from costmodels.data.quality_cache import load_quality_fits, quality_path, save_quality_fits
-from costmodels.data.scoring import (
-                                     ScoringFlops,
-                                     SelectionOption,
-                                     reference_scoring_flops,
-                                     scoring_flops,
-                                     selection_menu,
-)
+import numpy as np
 
-__all__ = ["METHODS", "QUALITY_FORM", "QualityFit", "DEFAULT_QUALITY", "ScoringFlops",
-           "SelectionOption", "selection_quality", "predicted_loss", "subset_loss", "fit_quality",
-           "fit_local_law", "scoring_flops", "reference_scoring_flops", "selection_menu",
-           "quality_path", "save_quality_fits", "load_quality_fits"]
+from costmodels.checks import check_range
+from costmodels.data.quality import DEFAULT_QUALITY, QualityFit, check_fraction
+from costmodels.loss.law import LossLaw, effective_array
+
+
+def predicted_loss(law: LossLaw, n_params: float, tokens_seen: float, unique_tokens: float | None,
+                   quality: float = 1.0) -> float:
+    """Predicted final loss, nats per token, of training on `unique_tokens` unique tokens of
+    selection quality `quality` until `tokens_seen` tokens.
+
+    L = E + A / N**alpha + B / (quality * D')**beta with D' = `effective_tokens(tokens_seen,
+    unique_tokens, law.r_d_star)` (Hoffmann et al. 2022 eq. 2; Muennighoff et al. 2023 eq. 5):
+    `LossLaw.predict`. Pass `quality = QualityFit.q(fraction)` for a selected subset.
+
+    Args: n_params (parameters, > 0), tokens_seen (tokens, > 0), unique_tokens (tokens, > 0; None:
+    unlimited), quality (dimensionless, > 0).
+    Raises: TrainplanError on a non-positive or non-finite input.
+    """
+    return law.predict(n_params, tokens_seen, unique_tokens=unique_tokens, quality=quality)
+
+
+def subset_loss(law: LossLaw, n_params: float, tokens_seen: float, corpus_tokens: float,
+                fraction: float, fit: QualityFit = DEFAULT_QUALITY["random"], *,
+                offset: float = 0.0) -> float:
+    """Predicted final loss, nats per token, of keeping `fraction` of a corpus of
+    `corpus_tokens` unique tokens by `fit`'s method and training for `tokens_seen` tokens.
+
+    unique = max(1, fraction * corpus_tokens), quality = fit.q(fraction), then `predicted_loss`,
+    plus `offset` (nats; e.g. a learning-rate cooldown's gain when the law was fitted on the
+    stable phase of runs).
+
+    Raises: TrainplanError on an input out of range.
+    """
+    f = check_fraction(fraction)
+    corpus = check_range("corpus_tokens", corpus_tokens, low=0.0)
+    unique = max(1.0, f * corpus)
+    return predicted_loss(law, n_params, tokens_seen, unique, fit.q(f)) + float(offset)
+
+
+def subset_loss_curve(law: LossLaw, n_params: float | np.ndarray, tokens: np.ndarray,
+                      unique: np.ndarray, q: float | np.ndarray) -> np.ndarray:
+    """`predicted_loss` on arrays, without input checks: L = E + A / N**alpha +
+    B / (q * D')**beta, D' = `effective_array(tokens, unique, law.r_d_star)` (Muennighoff et al.
+    2023 eq. 5), nats per token.
+
+    Args: n_params (parameters, > 0), tokens (tokens seen, > 0), unique (unique tokens, > 0),
+    q (selection-quality multiplier, > 0); arrays broadcast together.
+    Returns: the loss at each point, the broadcast shape.
+    """
+    eff = effective_array(tokens, unique, law.r_d_star)
+    return law.E + law.A / n_params**law.alpha + law.B / (q * eff) ** law.beta

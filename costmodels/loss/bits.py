@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import ClassVar
 
-from costmodels.loss.law import _non_negative
+from costmodels.checks import check_non_negative
 from trainplan_errors import TrainplanError
 
 
@@ -61,7 +61,7 @@ class BitsPenalty:
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            _non_negative(f"BitsPenalty.{f.name}", getattr(self, f.name))
+            check_non_negative(f"BitsPenalty.{f.name}", getattr(self, f.name))
 
     def penalty(self, optimizer_bits: int, activation_bits: int = 32, weight_bits: int = 16,
                 precision: str = "fp32") -> float:

@@ -1,6 +1,6 @@
 """Locally fitted loss laws, cached as JSON per (model, vocabulary size).
 
-`trainplan calibrate` (`executor.calibrate.runs`) fits L(D) = E + B / D**beta to the held-out curves
+`trainplan calibrate` (`executor.calibrate.law`) fits L(D) = E + B / D**beta to the held-out curves
 of real runs and writes `$TRAINPLAN_CACHE_DIR/laws/<model>-v<vocab_size>.json` (default cache
 root `~/.cache/trainplan`); `planner.api.solve` reads it back with `load_local_law` for the
 `cpu` profile. Pure: json + `LossLaw`, no torch, so the planner can import it.
@@ -9,6 +9,11 @@ File layout (format 1): {"format", "model", "vocab_size", "created", "law": {Los
 "fit": {method, points, residuals, ...}, "runs": [...]}; "law" may hold "bits", the fitted
 `costmodels.loss.bits.BitsPenalty` fields. Only "format", "model", "vocab_size" and "law" are read
 back; the rest documents the fit.
+
+The one disk access in `costmodels.loss` besides `costmodels.data.quality_cache`, kept here on
+purpose: the cost models stay pure functions of graph x profile x choice, and these small JSON
+files only hold the fitted constants those functions take (a `LossLaw`), read once by the
+planner and written by calibration. `model_file` and `cache_root` are the layout both share.
 """
 
 from __future__ import annotations
@@ -110,6 +115,3 @@ def load_local_law(model: str, vocab_size: int, cache_dir: str | Path | None = N
         warnings.warn(f"ignoring local loss law {path}: {e}", RuntimeWarning, stacklevel=2)
         return None
 
-
-__all__ = ["LAW_CACHE_FORMAT", "cache_root", "law_path", "load_local_law", "model_file",
-           "read_local_law_file", "save_local_law"]

@@ -1,10 +1,12 @@
-"""Fitting internals of `costmodels.loss.law.LossLaw.fit`: input checks, the Huber/L-BFGS-B fit in
-log space and its variable-projection starting grid.
+"""The numerical fit behind `costmodels.loss.law.LossLaw.fit`: input checks
+(`check_fit_arrays`), the Huber/L-BFGS-B fit in log space (`huber_fit`) and its
+variable-projection starting grid.
 
-Split out of `costmodels/loss/law.py` (which re-exports `HUBER_DELTA` and imports these helpers);
-see there for the law and its sources. Method: Hoffmann et al. 2022, "Training Compute-Optimal
-Large Language Models" (arXiv:2203.15556), Sec. 3.3 eq. 3, as corrected by Besiroglu et al. 2024
-(arXiv:2404.10102): Huber loss on log residuals, summed, L-BFGS-B from a grid of starts.
+The law and its sources are in `costmodels.loss.law`, which validates the pinned names and the
+identifiability of a fit before it calls `huber_fit`. Method: Hoffmann et al. 2022, "Training
+Compute-Optimal Large Language Models" (arXiv:2203.15556), Sec. 3.3 eq. 3, as corrected by
+Besiroglu et al. 2024 (arXiv:2404.10102): Huber loss on log residuals, summed, L-BFGS-B from a
+grid of starts.
 """
 
 from __future__ import annotations
@@ -21,7 +23,14 @@ from trainplan_errors import TrainplanError
 HUBER_DELTA = 1e-3
 
 
-def _check_arrays(*arrays: np.ndarray) -> tuple[np.ndarray, ...]:
+def check_fit_arrays(*arrays: np.ndarray) -> tuple[np.ndarray, ...]:
+    """The measured (n_params, tokens, losses) of a law fit as flat float arrays.
+
+    Args: up to three array-likes, in that order: parameters, tokens, losses (nats/token).
+    Returns: each flattened to a 1-D float array.
+    Raises: TrainplanError naming the array when one is empty, holds a non-finite or
+    non-positive value, or when their lengths differ.
+    """
     names = ("n_params", "tokens", "losses")
     out = [np.asarray(a, dtype=float).ravel() for a in arrays]
     for name, a in zip(names, out, strict=False):
@@ -34,8 +43,21 @@ def _check_arrays(*arrays: np.ndarray) -> tuple[np.ndarray, ...]:
     return tuple(out)
 
 
-def _fit(n, d, loss, pinned, free):
-    """Huber/L-BFGS-B fit over the free names; returns all five values."""
+def huber_fit(n: np.ndarray, d: np.ndarray, loss: np.ndarray, pinned: dict[str, float],
+              free: list[str]) -> dict[str, float]:
+    """Fit L = E + A / n**alpha + B / d**beta (Hoffmann et al. 2022 eq. 2) to `loss` over the
+    `free` names, the others fixed at `pinned`.
+
+    Minimises the sum of Huber(delta = `HUBER_DELTA`) losses of log(predicted) - log(observed)
+    (Hoffmann et al. 2022 eq. 3; Besiroglu et al. 2024) by L-BFGS-B over log E, log A, log B
+    (bounds [-25, 60]) and alpha, beta (bounds [0, 3]), from the best variable-projection grid
+    starts; the best optimum wins.
+
+    Args: n (parameters), d (tokens), loss (nats/token): checked 1-D arrays of equal length
+    (`check_fit_arrays`); pinned: name -> value for the fixed names; free: the names fitted, in
+    `LossLaw.FIT_NAMES` order.
+    Returns: all five values by name ("E", "A", "B", "alpha", "beta").
+    """
     log_n, log_d, log_loss = np.log(n), np.log(d), np.log(loss)
     logs = {"E", "A", "B"}
 

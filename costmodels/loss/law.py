@@ -20,20 +20,17 @@ Sources:
 
 from __future__ import annotations
 
-import math
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import numpy as np
+from numpy.typing import ArrayLike
 
-# The fitting internals live in costmodels.loss.fit; HUBER_DELTA is re-exported from here.
-from costmodels.loss.fit import HUBER_DELTA, _check_arrays, _fit
-from costmodels.loss.fit import _grid_starts as _grid_starts
+from costmodels.checks import check_finite, check_non_negative, check_positive
+from costmodels.loss.bits import BitsPenalty
+from costmodels.loss.fit import HUBER_DELTA, check_fit_arrays, huber_fit
 from trainplan_errors import TrainplanError
-
-if TYPE_CHECKING:
-    from costmodels.loss.bits import BitsPenalty
 
 #: Muennighoff et al. 2023, Sec. 3 (fit reported as R_D* = 15.387756): repetitions of the data
 #: after which a repeated token is worth 1/e of a fresh one.
@@ -45,32 +42,15 @@ R_N_STAR = 5.3
 _FIT_NAMES = ("E", "A", "B", "alpha", "beta")
 
 
-def _finite(name: str, value: float) -> float:
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        raise TrainplanError(f"{name} must be a number, got {value!r}") from None
-    if not math.isfinite(v):
-        raise TrainplanError(f"{name} must be finite, got {value!r}")
-    return v
+def effective_array(tokens_seen: np.ndarray, unique_tokens: float | np.ndarray, r_star: float) -> np.ndarray:
+    """Muennighoff et al. 2023 eq. 5 on arrays, without input checks (`effective_tokens` is the
+    checked scalar form; `effective_params` applies the same decay to parameters, eq. 6).
 
-
-def _positive(name: str, value: float) -> float:
-    v = _finite(name, value)
-    if v <= 0.0:
-        raise TrainplanError(f"{name} must be > 0, got {value!r}")
-    return v
-
-
-def _non_negative(name: str, value: float) -> float:
-    v = _finite(name, value)
-    if v < 0.0:
-        raise TrainplanError(f"{name} must be >= 0, got {value!r}")
-    return v
-
-
-def _effective(tokens_seen: np.ndarray, unique_tokens: float, r_star: float) -> np.ndarray:
-    """Vectorised Muennighoff eq. 5; see `effective_tokens`."""
+    Args: tokens_seen (tokens, >= 0), unique_tokens (tokens, > 0; a scalar or an array that
+    broadcasts with `tokens_seen`), r_star (repetitions, > 0).
+    Returns: effective tokens, the broadcast shape: `tokens_seen` itself where it is at most
+    `unique_tokens` (one epoch or less).
+    """
     repeats = np.maximum(tokens_seen / unique_tokens - 1.0, 0.0)
     eff = unique_tokens + unique_tokens * r_star * -np.expm1(-repeats / r_star)
     return np.where(tokens_seen <= unique_tokens, tokens_seen, eff)
@@ -88,10 +68,10 @@ def effective_tokens(tokens_seen: float, unique_tokens: float, r_star: float = R
     Returns: effective tokens.
     Raises: TrainplanError on a negative, zero (unique_tokens, r_star) or non-finite input.
     """
-    seen = _non_negative("tokens_seen", tokens_seen)
-    unique = _positive("unique_tokens", unique_tokens)
-    r = _positive("r_star", r_star)
-    return float(_effective(np.asarray(seen), unique, r))
+    seen = check_non_negative("tokens_seen", tokens_seen)
+    unique = check_positive("unique_tokens", unique_tokens)
+    r = check_positive("r_star", r_star)
+    return float(effective_array(np.asarray(seen), unique, r))
 
 
 def effective_params(n_params: float, optimal_params: float, r_star: float = R_N_STAR) -> float:
@@ -107,10 +87,10 @@ def effective_params(n_params: float, optimal_params: float, r_star: float = R_N
     Returns: effective parameters.
     Raises: TrainplanError on a bad input.
     """
-    n = _non_negative("n_params", n_params)
-    u = _positive("optimal_params", optimal_params)
-    r = _positive("r_star", r_star)
-    return float(_effective(np.asarray(n), u, r))
+    n = check_non_negative("n_params", n_params)
+    u = check_positive("optimal_params", optimal_params)
+    r = check_positive("r_star", r_star)
+    return float(effective_array(np.asarray(n), u, r))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -151,13 +131,13 @@ class LossLaw:
     FIT_NAMES: ClassVar[tuple[str, ...]] = _FIT_NAMES
 
     def __post_init__(self) -> None:
-        _non_negative("LossLaw.E", self.E)
-        _non_negative("LossLaw.A", self.A)
-        _non_negative("LossLaw.B", self.B)
-        _non_negative("LossLaw.alpha", self.alpha)
-        _non_negative("LossLaw.beta", self.beta)
-        _positive("LossLaw.r_d_star", self.r_d_star)
-        _positive("LossLaw.r_n_star", self.r_n_star)
+        check_non_negative("LossLaw.E", self.E)
+        check_non_negative("LossLaw.A", self.A)
+        check_non_negative("LossLaw.B", self.B)
+        check_non_negative("LossLaw.alpha", self.alpha)
+        check_non_negative("LossLaw.beta", self.beta)
+        check_positive("LossLaw.r_d_star", self.r_d_star)
+        check_positive("LossLaw.r_n_star", self.r_n_star)
 
     @classmethod
     def besiroglu2024(cls) -> LossLaw:
@@ -199,11 +179,11 @@ class LossLaw:
         Returns: loss, nats per token.
         Raises: TrainplanError on a non-positive or non-finite input.
         """
-        n = _positive("n_params", n_params)
-        d = _positive("tokens_seen", tokens_seen)
-        q = _positive("quality", quality)
+        n = check_positive("n_params", n_params)
+        d = check_positive("tokens_seen", tokens_seen)
+        q = check_positive("quality", quality)
         if unique_tokens is not None:
-            d = effective_tokens(d, _positive("unique_tokens", unique_tokens), self.r_d_star)
+            d = effective_tokens(d, check_positive("unique_tokens", unique_tokens), self.r_d_star)
         return float(self.E + self.A / n**self.alpha + self.B / (q * d) ** self.beta)
 
     @classmethod
@@ -238,12 +218,12 @@ class LossLaw:
         Raises: TrainplanError on bad arrays, an unknown `fix` name, too few points or an
         unidentifiable pinned set.
         """
-        n, d, loss = _check_arrays(n_params, tokens, losses)
+        n, d, loss = check_fit_arrays(n_params, tokens, losses)
         pinned = dict(fix or {})
         for key, value in pinned.items():
             if key not in _FIT_NAMES:
                 raise TrainplanError(f"fix has unknown name {key!r}; valid names: {list(_FIT_NAMES)}")
-            pinned[key] = _finite(f"fix[{key!r}]", value)
+            pinned[key] = check_finite(f"fix[{key!r}]", value)
         notes = []
         for coef, expo, axis, values in (("A", "alpha", "n_params", n), ("B", "beta", "tokens", d)):
             if np.all(values == values[0]) and not (coef in pinned and expo in pinned):
@@ -268,15 +248,16 @@ class LossLaw:
                 UserWarning,
                 stacklevel=2,
             )
-        values = _fit(n, d, loss, pinned, free)
+        fitted = huber_fit(n, d, loss, pinned, free)
         src = f"fit to {len(loss)} runs (Huber delta={HUBER_DELTA}, log space)"
         if notes:
             src += "; " + "; ".join(notes)
-        return cls(**values, source=src)
+        return cls(E=fitted["E"], A=fitted["A"], B=fitted["B"], alpha=fitted["alpha"], beta=fitted["beta"],
+                   source=src)
 
 
 def learning_curve(
-    tokens: np.ndarray,
+    tokens: ArrayLike,
     *,
     law: LossLaw,
     n_params: float,
@@ -296,20 +277,10 @@ def learning_curve(
     t = np.asarray(tokens, dtype=float)
     if t.size and (not np.all(np.isfinite(t)) or np.any(t <= 0)):
         raise TrainplanError(f"tokens must be positive and finite, got min {t.min()!r}")
-    n = _positive("n_params", n_params)
-    q = _positive("quality", quality)
+    n = check_positive("n_params", n_params)
+    q = check_positive("quality", quality)
     d = t
     if unique_tokens is not None:
-        d = _effective(t, _positive("unique_tokens", unique_tokens), law.r_d_star)
+        d = effective_array(t, check_positive("unique_tokens", unique_tokens), law.r_d_star)
     return law.E + law.A / n**law.alpha + law.B / (q * d) ** law.beta
 
-
-__all__ = [
-    "HUBER_DELTA",
-    "LossLaw",
-    "R_D_STAR",
-    "R_N_STAR",
-    "effective_params",
-    "effective_tokens",
-    "learning_curve",
-]

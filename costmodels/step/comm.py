@@ -11,14 +11,14 @@ NCCL uses at large sizes:
 | reduce-scatter  | (n-1)/n * nbytes / bw + (n-1) a             | the full, unscattered buffer   |
 | all-to-all      | (n-1)/n * nbytes / bw + (n-1) a             | each rank's send buffer        |
 
-Sources: Thakur, Rabenseifner & Gropp 2005, "Optimization of Collective Communication Operations
-in MPICH" (IJHPCA 19(1)): the cost model (a message of n bytes costs a + n b) and its analyses of
-the ring allgather ((p-1) a + (p-1)/p n b), reduce-scatter (same bandwidth term), allreduce as
-reduce-scatter then allgather (Rabenseifner; bandwidth term 2 (p-1)/p n b) and the
-pairwise-exchange alltoall ((p-1) a + (p-1)/p n b, n the per-rank buffer); NCCL tests, doc/PERFORMANCE.md ("bus bandwidth"): algorithm-to-bus
-bandwidth factors 2(n-1)/n for all-reduce and (n-1)/n for all-gather, reduce-scatter, all-to-all.
-The ring latency term (n-1 or 2(n-1) hops) is pessimistic for NCCL's tree/NVLS algorithms at small
-sizes; `Link.latency_s` is fitted, so it absorbs the difference.
+Sources: Thakur, Rabenseifner & Gropp 2005, "Optimization of Collective Communication Operations in
+MPICH" (IJHPCA 19(1)): the cost model (a message of n bytes costs a + n b) and its analyses of the
+ring allgather ((p-1) a + (p-1)/p n b), reduce-scatter (same bandwidth term), allreduce as
+reduce-scatter then allgather (Rabenseifner; bandwidth term 2 (p-1)/p n b) and the pairwise-exchange
+alltoall ((p-1) a + (p-1)/p n b, n the per-rank buffer); NCCL tests, doc/PERFORMANCE.md ("bus
+bandwidth"): algorithm-to-bus bandwidth factors 2(n-1)/n for all-reduce and (n-1)/n for all-gather,
+reduce-scatter, all-to-all. The ring latency term (n-1 or 2(n-1) hops) is pessimistic for NCCL's
+tree/NVLS algorithms at small sizes; `Link.latency_s` is fitted, so it absorbs the difference.
 
 Time and bytes sent only; the memory the Ulysses exchanges take (send and receive buffers, the copy
 each block keeps for `o_proj`) is `costmodels.step.ulysses`'.
@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from trainplan_errors import TrainplanError
 
@@ -275,7 +275,7 @@ def ulysses_all_to_all_bytes(
     return {"q": float(q), "k": float(kv), "v": float(kv), "out": float(q)}
 
 
-def ulysses_comm_bytes_per_layer(*, backward: bool = True, **shape: int | float) -> float:
+def ulysses_comm_bytes_per_layer(*, backward: bool = True, **shape: Any) -> float:
     """Total per-rank all-to-all send-buffer bytes of one attention layer per micro-batch:
     the four forward all-to-alls (`ulysses_all_to_all_bytes`), times 2 when `backward`
     (the backward pass runs the same four on gradients; Jacobs et al. 2023, Sec. 3).

@@ -1,5 +1,5 @@
 """FSDP2's all-gathered parameters and reduce-scatter buffers, beyond the shards that
-`costmodels.step.memory.model_state_bytes` counts, for ZeRO 2/3 as `executor.parallel.ulysses.apply_zero` runs
+`costmodels.step.memory.model_state_bytes` counts, for ZeRO 2/3 as `executor.parallel.zero.apply_zero` runs
 them (`fully_shard` on each transformer block, then on the root module).
 
 Sources: torch 2.13 `torch/distributed/fsdp/_fully_shard/` (`_fsdp_state.py` lazy_init: a root
@@ -36,7 +36,7 @@ def root_gather_events(region: Region, root_param_bytes: float) -> list[tuple[fl
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class FsdpLayout:
-    """What FSDP2 holds beyond the shards `ModelStates` counts, for `executor.parallel.ulysses.apply_zero`
+    """What FSDP2 holds beyond the shards `ModelStates` counts, for `executor.parallel.zero.apply_zero`
     at ZeRO 2/3 over `shard_degree` > 1 ranks: `fully_shard` on each block and on the root
     module, whose own parameters (those in no block: embedding, final norm, LM head) form the
     root group (sources: the module text).

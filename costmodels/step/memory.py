@@ -1,16 +1,16 @@
 """Per-device memory of one training step: model states plus a tensor-lifetime simulation.
 
 Model states follow the ZeRO accounting (Rajbhandari et al. 2020, Sec. 3.1 and Fig. 1): with
-mixed-precision Adam a parameter costs 2 (bf16 weight) + 2 (bf16 grad) + 12 (fp32 master, m, v)
-= 16 bytes, and stages 1/2/3 shard the optimizer states / gradients / parameters over the
-data-parallel x SP group; as the executor runs them (`model_state_bytes(as_executed=True)`)
-stage 1 shards whole tensors and stages 2/3 are FSDP2, whose all-gathered parameters and
-reduce-scatter buffers come from `costmodels.step.fsdp`. Activations are not a sum of saved sizes: each captured region is
-replayed op by op, a storage alive from the op that makes it to the last op that reads it
-(views share their base's storage), and regions compose in execution order (head, blocks,
-tail, blocks backward, head backward). With a checkpointed block, only the block input and the
-outputs of ops the policy saves survive its forward; at the start of its backward the forward
-is replayed (recompute) before the backward ops.
+mixed-precision Adam a parameter costs 2 (bf16 weight) + 2 (bf16 grad) + 12 (fp32 master, m, v) = 16
+bytes, and stages 1/2/3 shard the optimizer states / gradients / parameters over the data-parallel x
+SP group; as the executor runs them (`model_state_bytes(as_executed=True)`) stage 1 shards whole
+tensors and stages 2/3 are FSDP2, whose all-gathered parameters and reduce-scatter buffers come from
+`costmodels.step.fsdp`. Activations are not a sum of saved sizes: each captured region is replayed
+op by op, a storage alive from the op that makes it to the last op that reads it (views share their
+base's storage), and regions compose in execution order (head, blocks, tail, blocks backward, head
+backward). With a checkpointed block, only the block input and the outputs of ops the policy saves
+survive its forward; at the start of its backward the forward is replayed (recompute) before the
+backward ops.
 
 What is counted: tensor bytes as `torch.distributed._tools.mem_tracker.MemTracker` counts them
 (parameters, gradients, optimizer states, activations, temporaries). Not counted: allocator
@@ -26,7 +26,7 @@ from dataclasses import dataclass, fields
 from functools import lru_cache
 
 from costmodels.graph import Region, poly_at
-from costmodels.step.fsdp import FsdpLayout, root_gather_events  # noqa: F401 (re-exported)
+from costmodels.step.fsdp import FsdpLayout
 from trainplan_errors import TrainplanError
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "temporaries")
@@ -195,20 +195,20 @@ def simulate_region(region: Region, b: int, s: int, *, checkpoint: bool = False,
     for t0, t1, nbytes, cat in extra:
         live(t0, t1, nbytes, cat)
     events.sort(key=lambda e: (e[0], e[1]))
-    live = {"act": 0.0, "temp": 0.0, "grad": 0.0, "param": 0.0}
+    alive = {"act": 0.0, "temp": 0.0, "grad": 0.0, "param": 0.0}  # bytes alive by category
     fwd_peak = bwd_peak = MemoryBreakdown()
     retained = 0.0
     for t, kind, nbytes, cat in events:
-        live[cat] += nbytes if kind == 0 else -nbytes
+        alive[cat] += nbytes if kind == 0 else -nbytes
         if kind == 0:
-            snap = MemoryBreakdown(activations=live["act"], temporaries=live["temp"], grads=live["grad"],
-                                   params=live["param"])
+            snap = MemoryBreakdown(activations=alive["act"], temporaries=alive["temp"], grads=alive["grad"],
+                                   params=alive["param"])
             if t <= bnd and snap.total > fwd_peak.total:
                 fwd_peak = snap
             elif t > bnd and snap.total > bwd_peak.total:
                 bwd_peak = snap
         if t <= bnd:
-            retained = live["act"] + live["temp"]
+            retained = alive["act"] + alive["temp"]
     grad_bytes = region.param_grad_bytes(b, s)
     return RegionMemory(fwd_peak=fwd_peak, retained=retained, bwd_peak=bwd_peak, grad_bytes=grad_bytes)
 
@@ -267,7 +267,7 @@ def model_state_bytes(param_numels: Iterable[int], *, weight_bytes: int, grad_by
     `master_bytes` is 4 for bf16 mixed precision (an fp32 master copy, counted with the
     optimizer states as ZeRO does) and 0 otherwise. `as_executed=False` is the paper's
     accounting (elementwise shards, stage-2 parameters replicated); `True` the stages as
-    `executor.parallel.ulysses.apply_zero` runs them with torch: stage 1's `ZeroRedundancyOptimizer`
+    `executor.parallel.zero.apply_zero` runs them with torch: stage 1's `ZeroRedundancyOptimizer`
     shards whole tensors (`zero1_partition`: the largest rank share is counted), stage 2's FSDP2
     (`fully_shard`, `reshard_after_forward=False`) keeps parameters sharded at rest and
     all-gathers them from forward to backward (`FsdpLayout`, not counted here).
@@ -286,6 +286,7 @@ def model_state_bytes(param_numels: Iterable[int], *, weight_bytes: int, grad_by
     def opt_bytes(ns: list[int]) -> float:
         b = sum(adam_state_bytes(n, optimizer_bits, weight_bytes) for n in ns) + master_bytes * sum(ns)
         return b + (quantization_map_bytes(optimizer_bits) if any(n >= MIN_QUANT_NUMEL for n in ns) else 0.0)
+    opt_numel: float  # optimizer-state elements on this device
     if zero_stage == 1 and d > 1 and as_executed:
         mine = [numels[i] for i in zero1_partition(numels, d)]
         optimizer, opt_numel = opt_bytes(mine), sum(mine)

@@ -1,10 +1,11 @@
 """Cost of one training step for one choice of knobs: memory, FLOPs and time per device.
 
 Composes the region lifetime simulation (`costmodels.step.memory`), per-node FLOPs (torch's
-`flop_counter` formulas, captured as polynomials), a per-node roofline over the hardware
-profile (Williams et al. 2009; efficiency curves as data, as Calculon does, Isaev et al. 2023)
-and the collectives of Ulysses SP and ZeRO (`costmodels.step.comm`). Communication is added, not
-overlapped with compute: a conservative bound, stated in the Plan.
+`flop_counter` formulas, captured as polynomials) and a per-node roofline over the hardware
+profile (`costmodels.step.roofline`: Williams et al. 2009; efficiency curves as data, as
+Calculon does, Isaev et al. 2023) and the collectives of Ulysses SP and ZeRO
+(`costmodels.step.comm`). Communication is added, not overlapped with compute: a
+conservative bound, stated in the Plan.
 """
 
 from __future__ import annotations
@@ -14,14 +15,16 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from costmodels.checkpoint_sets import CheckpointSet, resolve, saved_nodes, sets_from_mapping
-from costmodels.graph import Poly, Region
+from costmodels.graph import Region
 from costmodels.step import comm
 from costmodels.step.fsdp import FsdpLayout, root_gather_events
 from costmodels.step.memory import MemoryBreakdown, RegionMemory, model_state_bytes, simulate_region, step_peak
+from costmodels.step.precision import PRECISIONS
+from costmodels.step.roofline import RegionCost, region_cost
 from costmodels.step.ulysses import ulysses_block_events
 from hardware_profiles import HardwareProfile
-from costmodels.step.precision import PRECISIONS, optimizer_bits_for
 from trainplan_errors import TrainplanError
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Choice:
@@ -58,59 +61,6 @@ class Choice:
         Raises:
             TrainplanError: unknown name."""
         return resolve(policy, {x.name: x for x in self.sets})
-
-
-def flops_at(p: Poly, b: float, s_local: float, sp: int) -> float:
-    """FLOPs of a node per rank. Terms in s**2 are attention, whose heads (not sequence) are
-    sharded under Ulysses: b * (h/P) * s**2 = b * h * s_local**2 * P."""
-    return sum(c * b**i * s_local**j * (sp ** (j - 1) if j >= 2 else 1) for i, j, c in p)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class RegionCost:
-    """FLOPs and roofline seconds of a region's forward, backward and recompute, per rank."""
-
-    fwd_flops: float
-    bwd_flops: float
-    recompute_flops: float
-    fwd_s: float
-    bwd_s: float
-    recompute_s: float
-    n_ops: int
-    """Ops executed: forward, backward and recomputed."""
-
-
-def _node_s(attrs: Mapping, b: float, s: float, sp: int, hw: HardwareProfile, dtype: str) -> tuple[float, float]:
-    f = flops_at(attrs["flops"], b, s, sp)
-    moved = flops_at(attrs["in_bytes"], b, s, 1) + flops_at(attrs["out_bytes"], b, s, 1)
-    t_mem = moved / (hw.hbm_bandwidth_bytes_per_s * hw.memory_efficiency)
-    t_flop = f / (hw.peak(dtype) * hw.matmul_efficiency_at(f)) if f > 0 else 0.0
-    return f, max(t_flop, t_mem)
-
-
-def region_cost(region: Region, b: int, s_local: int, sp: int, policy: str | CheckpointSet,
-                hw: HardwareProfile, dtype: str) -> RegionCost:
-    """Per-rank FLOPs and roofline time of `region` at micro-batch b, local sequence s_local.
-
-    Recompute under a checkpoint entry re-runs every forward op whose output is not saved, up
-    to the early stop (`Region.recompute_horizon`)."""
-    g = region.graph
-    entry = resolve(policy)
-    saved = saved_nodes(region, entry)
-    horizon = region.recompute_horizon()
-    out = dict(fwd_flops=0.0, bwd_flops=0.0, recompute_flops=0.0, fwd_s=0.0, bwd_s=0.0, recompute_s=0.0,
-               n_ops=0)
-    for n, a in g.nodes(data=True):
-        f, t = _node_s(a, b, s_local, sp, hw, dtype)
-        ph = a["phase"]
-        out[f"{ph}_flops"] += f
-        out[f"{ph}_s"] += t
-        out["n_ops"] += 1
-        if ph == "fwd" and entry.checkpointed and n not in saved and a["order"] <= horizon:
-            out["recompute_flops"] += f
-            out["recompute_s"] += t
-            out["n_ops"] += 1
-    return RegionCost(**out)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -153,7 +103,6 @@ class StepModel:
         self._mem = lru_cache(maxsize=None)(self._region_memory)
         self._cost = lru_cache(maxsize=None)(self._region_cost)
         self._tail_root = lru_cache(maxsize=None)(self._tail_root_memory)
-        self._menus: dict[tuple, object] = {}
         self._states = lru_cache(maxsize=None)(self._model_states)
         self._param_bytes = lru_cache(maxsize=None)(lambda name: self.regions[name].param_bytes())
 
@@ -222,27 +171,6 @@ class StepModel:
         """Seconds of block i per step: forward, backward, recompute and per-op overhead."""
         x = self.block_cost(c, i, policy)
         return x.fwd_s + x.bwd_s + x.recompute_s + x.n_ops * self.hw.op_overhead_s
-
-    def block_case(self, c: Choice, i: int = 0):
-        """Block i's rematerialization problem at `c`'s shape (`planner.joint.remat_solver`); its
-        stack is the number of layers that run the same region."""
-        from planner.joint.remat_solver import BlockCase
-
-        name = self.blocks[i]
-        return BlockCase(region=self.regions[name], b=c.micro_batch, s=c.seq_len // c.sp_degree,
-                         sp=c.sp_degree, hw=self.hw, dtype=PRECISIONS[c.precision][3],
-                         stack=self.blocks.count(name))
-
-    def menu(self, c: Choice, i: int = 0, targets: tuple[tuple[float, float], ...] = ()):
-        """Block i's Pareto menu at `c`'s shape (`planner.joint.remat_solver.pareto_menu`, with
-        extra (stacked peak, retained) caps `targets`), solved once per distinct region, shape
-        and targets."""
-        from planner.joint.remat_solver import pareto_menu
-
-        key = (self.blocks[i], c.micro_batch, c.seq_len // c.sp_degree, c.sp_degree, c.precision, targets)
-        if key not in self._menus:
-            self._menus[key] = pareto_menu(self.block_case(c, i), targets=targets)
-        return self._menus[key]
 
     def evaluate(self, c: Choice) -> StepCost:
         """Memory, FLOPs and time of one step under `c`, per device."""

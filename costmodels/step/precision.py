@@ -26,7 +26,7 @@ def optimizer_bits_for(precision: str) -> tuple[int, ...]:
 
 def check_optimizer_bits(optimizer_bits, precision: str) -> None:
     """Raises TrainplanError naming the first width in `optimizer_bits` the executor cannot run
-    at `precision` (`costmodels.step.model.optimizer_bits_for`), or an empty list."""
+    at `precision` (`optimizer_bits_for`), or an empty list."""
     valid = optimizer_bits_for(precision)
     if isinstance(optimizer_bits, int) or not hasattr(optimizer_bits, "__iter__") or not tuple(optimizer_bits):
         raise TrainplanError(f"optimizer_bits={optimizer_bits!r} must be a non-empty list of widths from "

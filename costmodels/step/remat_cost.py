@@ -1,9 +1,9 @@
 """One block's rematerialization problem and the exact cost of a checkpoint set on it.
 
 `BlockCase` is a captured transformer block at one shape on one device; `evaluate` replays a
-checkpoint set's storage lifetimes (`costmodels.step.memory.simulate_region`) and sums the roofline
-time of every forward op the replay recomputes (`costmodels.step.model`'s node times plus the profile's
-per-op overhead). It is the referee of `planner.joint.remat_solver`'s CP-SAT model and its menus.
+checkpoint set's storage lifetimes (`costmodels.step.memory.simulate_region`) and sums the
+roofline time of every forward op the replay recomputes (`costmodels.step.roofline.node_s` plus the
+profile's per-op overhead). It is the referee of `planner.joint.remat_solver`'s CP-SAT model and its menus.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from costmodels.checkpoint_sets import CheckpointSet, saved_nodes
 from costmodels.graph import Region
 from costmodels.step.memory import simulate_region
-from costmodels.step.model import _node_s
+from costmodels.step.roofline import node_s
 from hardware_profiles import HardwareProfile
 
 
@@ -51,9 +51,12 @@ class SetCost:
     recompute_flops: float
 
 
-def _times(case: BlockCase) -> dict[str, tuple[float, float]]:
+def forward_node_times(case: BlockCase) -> dict[str, tuple[float, float]]:
+    """(FLOPs, roofline seconds) of each forward node of `case`'s block at its shape, per-op
+    overhead not included: what replaying that node costs (`evaluate`, and the per-block CP-SAT
+    model of `planner.joint.remat_solver`)."""
     g, hw = case.region.graph, case.hw
-    return {n: _node_s(g.nodes[n], case.b, case.s, case.sp, hw, case.dtype) for n in case.region.fwd_nodes()}
+    return {n: node_s(g.nodes[n], case.b, case.s, case.sp, hw, case.dtype) for n in case.region.fwd_nodes()}
 
 
 def evaluate(case: BlockCase, entry: CheckpointSet) -> SetCost:
@@ -65,7 +68,7 @@ def evaluate(case: BlockCase, entry: CheckpointSet) -> SetCost:
     g = region.graph
     rec_s = rec_f = 0.0
     if entry.checkpointed:
-        for n, (f, t) in _times(case).items():
+        for n, (f, t) in forward_node_times(case).items():
             if n not in saved and g.nodes[n]["order"] <= horizon:
                 rec_s += t + case.hw.op_overhead_s
                 rec_f += f

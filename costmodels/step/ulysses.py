@@ -2,28 +2,28 @@
 `costmodels.step.memory.simulate_region(extra=...)` events on the block's captured (single-process)
 graph.
 
-The block is captured with plain SDPA. `executor.parallel.ulysses.ulysses_attention_forward` (SP degree
-P > 1) runs the same ops plus, around attention, the copies and buffers below; sizes at
+The block is captured with plain SDPA. `executor.parallel.ulysses.ulysses_attention_forward` (SP
+degree P > 1) runs the same ops plus, around attention, the copies and buffers below; sizes at
 micro-batch b and per-rank sequence s (the captured storages' bytes), heads h, kv heads h_kv
-(replicated `rep = lcm(h_kv, P) / h_kv` times first when P does not divide h_kv), h/P heads
-(`hp`) per rank after the exchange. Sources: torch 2.13, `torch/csrc/autograd` (what autograd
-saves), `aten/src/ATen/native/TensorShape.cpp` (`reshape` copies when `computeStride` finds no
-view), `_scaled_dot_product_flash_attention_for_cpu` (its output takes its query's memory
-layout: checked with torch 2.13, strides of a transposed query's output), transformers 5.x
-`LlamaAttention.forward` (q, k and v are `view(b, s, h, d).transpose(1, 2)`, RoPE keeps that
-layout, so a single-process attention output is (b, s, h, d) in memory and its
-`transpose(1, 2).reshape(b, s, -1)` for `o_proj` is a view), and per-op storage timelines of the block run with a simulated all-to-all
+(replicated `rep = lcm(h_kv, P) / h_kv` times first when P does not divide h_kv), h/P heads (`hp`)
+per rank after the exchange. Sources: torch 2.13, `torch/csrc/autograd` (what autograd saves),
+`aten/src/ATen/native/TensorShape.cpp` (`reshape` copies when `computeStride` finds no view),
+`_scaled_dot_product_flash_attention_for_cpu` (its output takes its query's memory layout: checked
+with torch 2.13, strides of a transposed query's output), transformers 5.x `LlamaAttention.forward`
+(q, k and v are `view(b, s, h, d).transpose(1, 2)`, RoPE keeps that layout, so a single-process
+attention output is (b, s, h, d) in memory and its `transpose(1, 2).reshape(b, s, -1)` for `o_proj`
+is a view), and per-op storage timelines of the block run with a simulated all-to-all
 (`tests/integration/test_ulysses_memory.py` checks the result against MemTracker).
 
 Forward, before attention, for q, k and v (k and v first repeated when rep > 1: a contiguous copy
-that lives to the end of its exchange): the `_AllToAll` send buffer (a contiguous copy, made
-when the (P, b, hp, s, d) view is not contiguous: always for the transposed q/k/v, only when
-b > 1 for a repeated k/v; freed on return), its receive buffer, and the (b, hp, P*s, d) copy
-`reshape` makes of it unless b*hp == 1 (then the buffer itself). Attention saves these head
-shards instead of q, k and v, which are now freed when the attention module returns (its locals),
-not at attention's backward. After attention (its output now (b, hp, P*s, d)-contiguous, like the
-head shards): a send buffer when b*hp > 1, a receive buffer, and `o_proj`'s input, a copy that `o_proj` saves to its backward: the tensor a
-single-process block does not have (there `o_proj` reads a view of attention's output).
+that lives to the end of its exchange): the `_AllToAll` send buffer (a contiguous copy, made when
+the (P, b, hp, s, d) view is not contiguous: always for the transposed q/k/v, only when b > 1 for a
+repeated k/v; freed on return), its receive buffer, and the (b, hp, P*s, d) copy `reshape` makes of
+it unless b*hp == 1 (then the buffer itself). Attention saves these head shards instead of q, k and
+v, which are now freed when the attention module returns (its locals), not at attention's backward.
+After attention (its output now (b, hp, P*s, d)-contiguous, like the head shards): a send buffer
+when b*hp > 1, a receive buffer, and `o_proj`'s input, a copy that `o_proj` saves to its backward:
+the tensor a single-process block does not have (there `o_proj` reads a view of attention's output).
 
 Backward: `o_proj`'s input gradient is sent back (send buffer always, receive buffer, a
 (b, hp, P*s, d) copy when b*hp > 1) and freed then, not at attention's backward; attention's
@@ -74,7 +74,7 @@ class _Attention:
             return
         self.a, self.ab = fwd[0], bwd[0]
         preds = list(g.predecessors(self.a))
-        srcs = [self._source(p) for p in preds[:3]]
+        srcs = [r for r in (self._source(p) for p in preds[:3]) if r is not None]
         outs = self.creators.get(self.a, [])
         grads = self.creators.get(self.ab, [])
         g_src = self._source(next(iter(g.predecessors(self.ab)), None))
@@ -82,9 +82,10 @@ class _Attention:
         dv_mm = self._mm_readers(self._getitems(self.ab)[2:3])
         fwd_mm = [self.order(n) for n in readers if g.nodes[n]["phase"] == "fwd"]
         bwd_mm = [self.order(n) for n in readers if g.nodes[n]["phase"] == "bwd"]
-        self.ok = (len(preds) >= 3 and all(srcs) and len(outs) >= 1 and len(grads) == 3
-                   and g_src is not None and fwd_mm and bwd_mm and dv_mm)
-        if not self.ok:
+        # q, k, v each found in a storage, attention's output and its three input gradients
+        if not (len(srcs) == 3 and len(outs) >= 1 and len(grads) == 3 and g_src is not None
+                and fwd_mm and bwd_mm and dv_mm):
+            self.ok = False
             return
         self.q, self.k, self.v = srcs
         self.out, (self.dq, self.dk, self.dv) = outs[0], grads

@@ -3,8 +3,8 @@
 Pure numpy/scipy: no torch, no planner, no executor. The governor (`costmodels.stopping.rule.
 Governor`, run in the loop by `executor.governor`) fits the held-out loss of a running job with
 `fit_curve` and stops it when `marginal_gain` (or `trend_gain`) says the next steps are no
-longer worth their cost. The price of a step and the planner's predicted stop are in
-`costmodels.stopping.prediction` (re-exported here); the planner's curve before a run is
+longer worth their cost. The price of a step and the stop a fitted curve implies are in
+`costmodels.stopping.prediction`; the planner's curve before a run is
 `costmodels.stopping.heldout_curve`.
 
 The curve is a power law in steps plus a floor,
@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from numpy.typing import ArrayLike
 from scipy.optimize import OptimizeWarning, least_squares
 from scipy.stats import norm
 
@@ -195,7 +195,7 @@ def _linear_start(t, y, w, alpha, t0, t_ref):
     return float(r @ r), E, D
 
 
-def fit_curve(steps: Sequence[float], losses: Sequence[float], *, weights=None,
+def fit_curve(steps: ArrayLike, losses: ArrayLike, *, weights: ArrayLike | None = None,
               t0: float | None = 1.0, robust: bool = True) -> CurveFit:
     """Fit L(t) = E + A (t + t0)^-alpha (eq. 1) to (step, loss) points.
 
@@ -221,14 +221,17 @@ def fit_curve(steps: Sequence[float], losses: Sequence[float], *, weights=None,
     t, y, w = _check_xy(steps, losses, weights)
     if np.any(y < 0):
         raise TrainplanError(f"losses must be >= 0 (cross-entropy), got min {y.min()!r}")
-    fit_t0 = t0 is None
-    if not fit_t0 and (not math.isfinite(t0) or t0 < 0):
-        raise TrainplanError(f"t0 must be None or a finite number >= 0, got {t0!r}")
+    fixed_t0: float | None = None
+    if t0 is not None:
+        if not math.isfinite(t0) or t0 < 0:
+            raise TrainplanError(f"t0 must be None or a finite number >= 0, got {t0!r}")
+        fixed_t0 = float(t0)
+    fit_t0 = fixed_t0 is None
     n_par = 4 if fit_t0 else 3
     if t.size < n_par:
         raise TrainplanError(f"fit_curve needs at least {n_par} points with t0 fitted, got {t.size}")
     t_ref = float(t.max())
-    t0_grid = (0.0, 0.1 * t_ref + 1.0, 0.5 * t_ref + 1.0) if fit_t0 else (float(t0),)
+    t0_grid = (0.0, 0.1 * t_ref + 1.0, 0.5 * t_ref + 1.0) if fixed_t0 is None else (fixed_t0,)
     best = min(((_linear_start(t, y, w, a, c, t_ref), a, c) for a in ALPHA_STARTS for c in t0_grid),
                key=lambda s: s[0][0])
     (_, E0, D0), a0, c0 = best
@@ -239,7 +242,6 @@ def fit_curve(steps: Sequence[float], losses: Sequence[float], *, weights=None,
     x0 = np.clip(np.array([E0, D0, a0] + ([c0] if fit_t0 else []), dtype=float),
                  np.array(lo) + 1e-12 * (np.array(hi) - np.array(lo)),
                  np.array(hi) - 1e-9 * (np.array(hi) - np.array(lo)))
-    fixed_t0 = None if fit_t0 else float(t0)
 
     def resid(p):
         c = p[3] if fit_t0 else fixed_t0
@@ -266,7 +268,7 @@ def fit_curve(steps: Sequence[float], losses: Sequence[float], *, weights=None,
         cov = np.full((n_par, n_par), np.inf)
     names = ("E", "D", "alpha", "t0") if fit_t0 else ("E", "D", "alpha")
     return CurveFit(E=float(p[0]), D=float(p[1]), alpha=float(p[2]),
-                    t0=float(p[3]) if fit_t0 else float(t0), t_ref=t_ref, t_min=float(t.min()),
+                    t0=float(p[3]) if fixed_t0 is None else fixed_t0, t_ref=t_ref, t_min=float(t.min()),
                     param_names=names,
                     cov=tuple(tuple(float(v) for v in row) for row in cov), n_points=int(t.size),
                     residual_std=math.sqrt(s2), success=bool(res.success))
@@ -292,7 +294,7 @@ def marginal_gain(fit: CurveFit, step: float, horizon_steps: float,
     return mean, max(mean - z * sd, 0.0), mean + z * sd
 
 
-def trend_gain(steps: Sequence[float], losses: Sequence[float],
+def trend_gain(steps: ArrayLike, losses: ArrayLike,
                confidence: float = 0.9) -> tuple[float, float, float]:
     """Loss drop per step from a straight line fitted to (step, loss) by ordinary least squares:
     -slope, with a central `confidence` band from the slope's standard error
@@ -314,29 +316,3 @@ def trend_gain(steps: Sequence[float], losses: Sequence[float],
     se = math.sqrt(float(r @ r) / max(t.size - 2, 1) / sxx)
     z = _z(confidence)
     return -slope, -slope - z * se, -slope + z * se
-
-
-# The economics and the predicted stop live in `costmodels.stopping.prediction`; re-exported here
-# for callers that import them with the fit.
-from costmodels.stopping.prediction import (  # noqa: E402
-    cooldown_steps,
-    governed_stop_step,
-    predict_stop_from_law,
-    predict_stop_step,
-    predict_stop_step_from_curve,
-    threshold_from_value,
-)
-
-__all__ = [
-    "CurveFit",
-    "cooldown_steps",
-    "governed_stop_step",
-    "predict_stop_from_law",
-    "fit_curve",
-    "marginal_gain",
-    "noise_scale",
-    "predict_stop_step",
-    "predict_stop_step_from_curve",
-    "threshold_from_value",
-    "trend_gain",
-]

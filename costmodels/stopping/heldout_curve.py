@@ -42,9 +42,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from numpy.typing import ArrayLike
 from scipy.stats import norm
 
 from trainplan_errors import TrainplanError
@@ -149,8 +151,8 @@ class HeldoutCurve:
         return np.array([getattr(self, n) for n in PARAMS], dtype=float)
 
     def _eval(self, theta: np.ndarray, steps: np.ndarray) -> np.ndarray:
-        return _model(theta, steps * self.tokens_per_step, self.unique_tokens, self.d_ref_tokens,
-                      self.u_ref_tokens)
+        return heldout_loss(theta, steps * self.tokens_per_step, self.unique_tokens, self.d_ref_tokens,
+                            self.u_ref_tokens)
 
     def loss_at(self, steps) -> np.ndarray:
         """Eq. (1) at `steps` (scalar or array of steps done; below 1 taken as 1), nats/token."""
@@ -209,8 +211,8 @@ class HeldoutCurve:
         cov = np.asarray(self.cov, dtype=float)
         if not np.all(np.isfinite(cov)):
             return np.full_like(mean, -np.inf), np.full_like(mean, np.inf)
-        g = _jacobian(lambda th: self._eval(th, s).ravel(), self._theta(),
-                      [PARAMS.index(n) for n in self.param_names]).T
+        g = central_jacobian(lambda th: self._eval(th, s).ravel(), self._theta(),
+                             [PARAMS.index(n) for n in self.param_names]).T
         sd = np.sqrt(np.maximum(np.einsum("ik,ij,jk->k", g, cov, g), 0.0)).reshape(mean.shape)
         z = float(norm.ppf(0.5 + confidence / 2.0))
         return mean - z * sd, mean + z * sd
@@ -303,22 +305,32 @@ def _curve_problem(c: HeldoutCurve) -> str | None:
     return None
 
 
-def _model(theta, tokens, unique, d_ref, u_ref) -> np.ndarray:
-    """Eq. (1) at `tokens` seen; `unique` None or inf: fresh data."""
+def heldout_loss(theta: Sequence[float] | np.ndarray, tokens: ArrayLike, unique: ArrayLike | None, d_ref: float,
+                 u_ref: float) -> np.ndarray:
+    """Eq. (1): the held-out loss, nats/token, at `tokens` seen.
+
+    Args: theta = (E, B, beta, gamma, kappa, zeta) in `PARAMS` order (nats, nats, -, nats, -, -);
+    tokens (tokens seen, > 0, array-like); unique (unique tokens, broadcast with `tokens`; None
+    or inf: fresh data, no penalty); d_ref and u_ref (tokens, > 0): the reference counts of
+    `HeldoutCurve.d_ref_tokens` and `u_ref_tokens`.
+    Returns: the loss, the broadcast shape of `tokens` and `unique`. No input checks.
+    """
     E, B, beta, gamma, kappa, zeta = theta
-    tokens = np.asarray(tokens, dtype=float)
-    fresh = E + B * (tokens / d_ref) ** -beta
+    t = np.asarray(tokens, dtype=float)
+    fresh = E + B * (t / d_ref) ** -beta
     if unique is None:
         return fresh
     u = np.asarray(unique, dtype=float)
     finite = np.isfinite(u)
     u_safe = np.where(finite, u, u_ref)
-    reps = np.where(finite, np.maximum(tokens / u_safe - 1.0, 0.0), 0.0)
+    reps = np.where(finite, np.maximum(t / u_safe - 1.0, 0.0), 0.0)
     return fresh + gamma * (u_safe / u_ref) ** zeta * reps ** kappa
 
 
-def _jacobian(f, x: np.ndarray, idx: list[int]) -> np.ndarray:
-    """Central-difference Jacobian of f with respect to x[idx]: shape (len(f(x)), len(idx))."""
+def central_jacobian(f: Callable[[np.ndarray], np.ndarray], x: np.ndarray, idx: list[int]) -> np.ndarray:
+    """Central-difference Jacobian of `f` (a 1-D array of x) with respect to x[idx], step
+    1e-6 x max(|x[i]|, 1e-3) per parameter: shape (len(f(x)), len(idx)). Used for the delta-method
+    bands of eq. (1) (`HeldoutCurve`) and the covariance of its fit (`fit_heldout_curve`)."""
     cols = []
     for i in idx:
         h = 1e-6 * max(abs(x[i]), 1e-3)
@@ -327,8 +339,3 @@ def _jacobian(f, x: np.ndarray, idx: list[int]) -> np.ndarray:
         dn[i] -= h
         cols.append((f(up) - f(dn)) / (2 * h))
     return np.column_stack(cols)
-
-
-__all__ = ["BETA_BOUNDS", "EARLY_OFFSET_MAX_NATS", "KAPPA_BOUNDS", "ZETA_BOUNDS", "HeldoutCurve",
-           "PilotCurve"]
-

@@ -23,8 +23,8 @@ from costmodels.stopping.heldout_curve import (
     ZETA_BOUNDS,
     HeldoutCurve,
     PilotCurve,
-    _jacobian,
-    _model,
+    central_jacobian,
+    heldout_loss,
 )
 from trainplan_errors import TrainplanError
 
@@ -95,14 +95,14 @@ def fit_heldout_curve(pilots: Sequence[PilotCurve], *, tokens_per_step: float | 
         return theta
 
     def resid(x):
-        return _model(full(x), tokens, unique, d_ref, u_ref) - loss
+        return heldout_loss(full(x), tokens, unique, d_ref, u_ref) - loss
 
     starts = []
     for beta in _BETA_STARTS:
         for kappa in (_KAPPA_STARTS if "kappa" in names else (1.0,)):
             for zeta in (_ZETA_STARTS if "zeta" in names else (0.0,)):
                 fresh_col = (tokens / d_ref) ** -beta
-                pen_col = _model((0.0, 0.0, beta, 1.0, kappa, zeta), tokens, unique, d_ref, u_ref)
+                pen_col = heldout_loss((0.0, 0.0, beta, 1.0, kappa, zeta), tokens, unique, d_ref, u_ref)
                 X = np.column_stack([np.ones_like(tokens), fresh_col, pen_col])
                 coef, _ = nnls(X[:, :3 if "gamma" in names else 2], loss)
                 theta = np.array([coef[0], coef[1], beta, coef[2] if "gamma" in names else 0.0,
@@ -111,26 +111,25 @@ def fit_heldout_curve(pilots: Sequence[PilotCurve], *, tokens_per_step: float | 
                 r = resid(x0)
                 starts.append((float(r @ r), x0))
     starts.sort(key=lambda s: s[0])
-    best = None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", OptimizeWarning)
-        for _, x0 in starts[:3]:
-            res = least_squares(resid, x0, bounds=(lo_f, hi_f), method="trf", loss="soft_l1",
-                                f_scale=scale, x_scale="jac", max_nfev=3000)
-            if best is None or res.cost < best.cost:
-                best = res
+        # the best optimum wins (the first of equals)
+        best = min((least_squares(resid, x0, bounds=(lo_f, hi_f), method="trf", loss="soft_l1",
+                                  f_scale=scale, x_scale="jac", max_nfev=3000) for _, x0 in starts[:3]),
+                   key=lambda res: res.cost)
     x = best.x
     r = resid(x)
     s2 = float(r @ r) / max(loss.size - len(free), 1)
-    J = _jacobian(resid, x, list(range(len(free))))
+    J = central_jacobian(resid, x, list(range(len(free))))
     with np.errstate(all="ignore"):
         cov = np.linalg.pinv(J.T @ J, rcond=1e-12) * s2
     if not np.all(np.isfinite(cov)):
         cov = np.full((len(free), len(free)), np.inf)
     theta = full(x)
     last = pilots[-1]
+    E, B, beta, gamma, kappa, zeta = (float(v) for v in theta)  # PARAMS order
     curve = HeldoutCurve(
-        **dict(zip(PARAMS, (float(v) for v in theta), strict=False)), d_ref_tokens=d_ref, u_ref_tokens=u_ref,
+        E=E, B=B, beta=beta, gamma=gamma, kappa=kappa, zeta=zeta, d_ref_tokens=d_ref, u_ref_tokens=u_ref,
         tokens_per_step=float(tokens_per_step or last.tokens_per_step),
         unique_tokens=last.unique_tokens if tokens_per_step is None and unique_tokens is None
         else unique_tokens, param_names=names, cov=tuple(tuple(float(v) for v in row) for row in cov),
@@ -162,8 +161,3 @@ def _early_offsets(curve: HeldoutCurve, pilots: Sequence[PilotCurve]) -> tuple:
         u = 0.0 if p.unique_tokens is None else float(p.unique_tokens)
         rows += [(u, float(s), float(o)) for s, o in zip(steps[ok], off, strict=False)]
     return tuple(rows)
-
-
-__all__ = ["fit_heldout_curve"]
-
-

@@ -1,8 +1,8 @@
 """The compute governor's stopping rule: fit the learning curve online, stop when the next
 steps are no longer worth their cost. Pure (numpy/scipy, no torch): `executor.governor` runs it
 inside the training loop (`GovernedLoop`), `Governor.replay` runs it over a record, and the
-planner runs it over its predicted curve (`costmodels.stopping.prediction.simulated_stop_step`, also
-importable from here) to predict where it will stop.
+planner runs it over its predicted curve (`costmodels.stopping.simulation.simulated_stop_step`)
+to predict where it will stop.
 
 It stops a run for one of four reasons (`Decision.reason`, also the record's `stop_reason`):
 
@@ -12,14 +12,16 @@ It stops a run for one of four reasons (`Decision.reason`, also the record's `st
 - `marginal_gain`: a learning curve L(t) = E + A (t + t0)^-alpha fitted to the held-out losses
   (`costmodels.stopping.curve.fit_curve`, refitted at most every `refit_every` steps, once
   `min_points` evaluations exist and a new one has arrived since the last fit) predicts that
-  the next `horizon_steps` steps lower the loss by less than `threshold_nats_per_step` each, *even at the upper `confidence` bound* (conservative: a noisy
-  fit delays the stop, it does not cause one); or the same bound on the drop per step of a
+  the next `horizon_steps` steps lower the loss by less than `threshold_nats_per_step` each,
+  *even at the upper `confidence` bound* (conservative: a noisy fit delays the stop, it does
+  not cause one); or the same bound on the drop per step of a
   straight line through the recent evaluations (`trend_gain`, steps >= `trend_from` x steps
   done) is below the threshold: the power law plus floor cannot rise, so a held-out loss that
   rises (overfitting on repeated data) is caught by the trend. A stop whose cooldown would
   reach the budget is not taken (it would save nothing). The run then cools down: the learning
   rate decays linearly to 5% over `cooldown_steps(s)` more steps (`cooldown_fraction` of the
-  final run, 20% as `executor.train.lr_at`'s warmup-stable-decay schedule) and ends at
+  final run, 20% as `executor.train.lr_at`'s warmup-stable-decay schedule;
+  `costmodels.stopping.schedule`) and ends at
   `Decision.final_step`. Unless the held-out loss has stopped falling: when the trend's mean
   drop per step is <= 0 at the decision (`skip_cooldown_when_rising`), the run ends at once,
   as classic early stopping does (Prechelt 1998, "Early stopping - but when?"): a cooldown
@@ -43,15 +45,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from costmodels.stopping.curve import CurveFit, fit_curve, marginal_gain, trend_gain
-from costmodels.stopping.prediction import cooldown_steps, predict_stop_step, simulated_stop_step
+from costmodels.stopping.prediction import predict_stop_step
+from costmodels.stopping.schedule import COOLDOWN_FRACTION, cooldown_steps, lr_multiplier
 from trainplan_errors import TrainplanError
 
-#: Share of the final run spent in the cooldown, as `executor.train.lr_at` (last 20% of steps;
-#: Hu et al. 2024, MiniCPM, warmup-stable-decay).
-COOLDOWN_FRACTION = 0.2
-#: The cooldown ends at this fraction of the stable learning rate, as `lr_at`.
-LR_FLOOR = 0.05
 REASONS = ("", "budget", "marginal_gain", "nan", "diverged")
+"""Values of `Decision.reason` (and the record's `stop_reason`): "" while the run goes on."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -101,7 +100,7 @@ class Governor:
     threshold_nats_per_step: float
     """Stop when the predicted held-out loss drop per step (upper bound) is below this,
     nats/token per step (`Decisions.governor_threshold`); 0 disables the marginal-gain rule.
-    From economics: `costmodels.stopping.curve.threshold_from_value(value_per_nat, cost_per_step)`."""
+    From economics: `costmodels.stopping.prediction.threshold_from_value(value_per_nat, cost_per_step)`."""
     max_steps: int
     """Step budget: the run ends with reason `budget` when this many steps are done."""
     refit_every: int = 10
@@ -301,8 +300,9 @@ class Governor:
     # -- learning rate ----------------------------------------------------------------------
     def lr_multiplier(self, step: int) -> float:
         """Multiplier of the planned learning rate for the step with 0-based index `step`: 1
-        until a marginal-gain stop, then linear from 1 down to LR_FLOOR over the cooldown (the
-        shape of `lr_at`'s own decay). Use as `lr_at(step, plan) * gov.lr_multiplier(step)`."""
+        until a marginal-gain stop, then linear from 1 down to `LR_FLOOR` over the cooldown (the
+        shape of `lr_at`'s own decay; `costmodels.stopping.schedule.lr_multiplier`). Use as
+        `lr_at(step, plan) * gov.lr_multiplier(step)`."""
         return lr_multiplier(step, self.state)
 
     @property
@@ -386,28 +386,3 @@ class Governor:
             return end if after < end < before else None
         due = max(after + 1, self._fit_step + self.refit_every)
         return due if len(self.heldout) != self._fit_seen and due < before else None
-
-
-def lr_multiplier(step: int, state: dict) -> float:
-    """Learning-rate multiplier for the 0-based step index `step` under a governor cooldown
-    `state` ({"cooldown_start": s, "final_step": n}, see `Governor.state`): 1 before s, then
-    max(LR_FLOOR, (n - step) / (n - s)): the same linear decay `lr_at` applies over the last
-    20% of a planned run, started by the stop decision instead of the plan."""
-    s, n = state.get("cooldown_start"), state.get("final_step")
-    if s is None or n is None or step < s:
-        return 1.0
-    return max(LR_FLOOR, (n - step) / max(n - s, 1))
-
-
-#: Held-out evaluations a governed run makes by default: every max_steps // GOVERNED_EVALS
-#: steps (an ungoverned run makes 10), so that the fit has `min_points` evaluations early on.
-GOVERNED_EVALS = 50
-
-
-def default_eval_every(max_steps: int) -> int:
-    """A governed run's default held-out evaluation period: max_steps // GOVERNED_EVALS, >= 1."""
-    return max(1, int(max_steps) // GOVERNED_EVALS)
-
-
-__all__ = ["COOLDOWN_FRACTION", "Decision", "GOVERNED_EVALS", "Governor", "LR_FLOOR", "REASONS",
-           "default_eval_every", "lr_multiplier", "simulated_stop_step"]

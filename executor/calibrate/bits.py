@@ -1,5 +1,5 @@
 """Refit the bits loss penalties (`costmodels.loss.bits.BitsPenalty`) from runs that differ only in
-their bits; part of `trainplan calibrate` (`executor.calibrate.runs`).
+their bits; part of `trainplan calibrate` (`executor.calibrate.calibration`).
 
 Runs are grouped by everything that moves the loss besides bits (model, vocabulary, sequence,
 micro-batch, steps, data fraction and method, seed, learning rate, devices). In a group with a
@@ -44,8 +44,11 @@ def fit_bits_penalty(runs, default: BitsPenalty | None = None) -> tuple[BitsPena
     """
     default = default or DEFAULT_BITS_PENALTY
     groups: dict[tuple, list] = {}
+    final: dict[str, float] = {}
     for run in runs:
-        if _final_loss(run) is not None:
+        loss = _final_loss(run)
+        if loss is not None:
+            final[run.dir] = loss
             groups.setdefault(_group_key(run), []).append(run)
     rows, ys, obs = [], [], []
     for group in groups.values():
@@ -54,11 +57,11 @@ def fit_bits_penalty(runs, default: BitsPenalty | None = None) -> tuple[BitsPena
         base = [r for r in group if not any(comp[r.dir].values())]
         if not base or len(base) == len(group):
             continue
-        base_loss = float(np.mean([_final_loss(r) for r in base]))
+        base_loss = float(np.mean([final[r.dir] for r in base]))
         for r in group:
             if any(comp[r.dir].values()):
                 rows.append([comp[r.dir][c] for c in COMPONENTS])
-                ys.append(_final_loss(r) - base_loss)
+                ys.append(final[r.dir] - base_loss)
                 obs.append({"run": r.dir, "baseline": [b.dir for b in base], "delta_nats": ys[-1],
                             "components": [c for c in COMPONENTS if comp[r.dir][c]]})
     record = {"method": "non-negative least squares of final held-out loss deltas against a "

@@ -1,10 +1,14 @@
-"""Step-time calibration of the local cpu profile (`trainplan calibrate`, `executor.calibrate.runs`).
+"""Step-time calibration of the local cpu profile (`trainplan calibrate`, `executor.calibrate.calibration`).
 
 Fits throughput factors (dimensionless) that scale the cpu `HardwareProfile` so predicted
 step times (seconds per optimizer step, wall or process CPU time) match the measured
 median step times of real runs. Sources: each run folder's `plan.json` / `record.json`
 (`RunRecord.median_step_time_s`, `RunRecord.median_step_cpu_time_s`) and the current cpu
 profile (`hardware_profiles.load("cpu")`); nothing is written here.
+
+The model of a preset is captured by the function the caller passes in (`CaptureModel`: the
+planner's `planner.capture.setup.capture_model`, which the command line hands over), since the
+executor imports no planner code but `planner.plan`.
 
 **Step time** (runs with `record.same_hardware` planned for `cpu` only). Each run's step is
 re-predicted with the *current* cpu profile (the model re-captured from its preset, the plan's
@@ -32,17 +36,19 @@ import dataclasses
 import datetime as _dt
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import numpy as np
+from scipy.optimize import least_squares
 
+from costmodels.step.model import Choice, StepModel
+from executor.calibrate.runs import Run, rms
 from hardware_profiles import HardwareProfile
+from hardware_profiles import load as load_profile
 from trainplan_errors import TrainplanError, UnknownNameError
 
-if TYPE_CHECKING:
-    from executor.calibrate.runs import _Run
-
-__all__ = ["LSQ_MIN_GAIN", "PRIOR_WEIGHT", "StepTimeRow"]
+__all__ = ["LSQ_MIN_GAIN", "PRIOR_WEIGHT", "CaptureModel", "StepTimeFit", "StepTimePredictor", "StepTimeRow",
+           "calibrate_step_time", "scaled_profile"]
 
 LSQ_MIN_GAIN = 0.10
 """The two-factor step-time fit replaces the single ratio only when it lowers the RMS log
@@ -52,8 +58,21 @@ PRIOR_WEIGHT = 0.05
 """Weight of the pull of log(factor) towards the ratio solution in the two-factor fit."""
 
 _CAPTURES: dict = {}
-"""(preset, precision, vocab_size) -> (ModelGraph, parameter sizes) or None (not a preset),
-kept for the process: capturing a model takes about a second."""
+"""(capture function, preset, precision, vocab_size, activation bits) -> (ModelGraph, parameter
+sizes) or None (not a preset), kept for the process: capturing a model takes about a second."""
+
+
+class CaptureModel(Protocol):
+    """How calibration captures a preset's model: `planner.capture.setup.capture_model`'s
+    signature. Returns (graph, model name, parameter tensor sizes); the graph has the `regions`,
+    `blocks`, `n_heads`, `n_kv_heads` and `head_dim` a `StepModel` is built from.
+
+    Raises:
+        UnknownNameError: `model` is not a preset (its step is then not re-predicted).
+    """
+
+    def __call__(self, model: str, precision: str, *, vocab_size: int | None = ...,
+                  activation_bits: tuple[int, ...] = ...) -> tuple[Any, str, tuple[int, ...]]: ...
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -78,12 +97,27 @@ class StepTimeRow:
         return (self.after_s - self.measured_s) / self.measured_s
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepTimeFit:
+    """What `calibrate_step_time` fitted; nothing is written."""
 
-def _rms(x: np.ndarray) -> float:
-    return float(np.sqrt(np.mean(np.square(x)))) if x.size else math.nan
+    rows: tuple[StepTimeRow, ...]
+    """The runs used (same hardware, planned for cpu), measured beside predicted."""
+    method: str
+    """"ratio", "least-squares", or "" when no run qualified (profile untouched)."""
+    ratio: float
+    """Median measured / predicted over the runs (compute part); NaN when none qualified."""
+    compute: float
+    """Factor on compute throughput (dimensionless); 1 when unchanged."""
+    memory: float
+    """Factor on memory throughput (dimensionless); 1 when unchanged."""
+    fields: tuple[str, ...]
+    """Profile fields changed."""
+    profile: HardwareProfile | None
+    """The calibrated cpu profile (None when no run qualified)."""
 
 
-def _scaled(hw: HardwareProfile, compute: float, memory: float, overhead: float = 1.0) -> HardwareProfile:
+def scaled_profile(hw: HardwareProfile, compute: float, memory: float, overhead: float = 1.0) -> HardwareProfile:
     """`hw` with compute throughput x`compute`, memory throughput x`memory` and per-op
     overhead /`overhead` (through the peaks and bandwidth, so no efficiency is clamped); for
     trial predictions only."""
@@ -94,21 +128,18 @@ def _scaled(hw: HardwareProfile, compute: float, memory: float, overhead: float 
         op_overhead_s=hw.op_overhead_s / overhead)
 
 
-class _Predictor:
-    """Step-time predictions of one run under a (scaled) profile: the StepModel when the
-    plan's model is a preset, else the plan's stored breakdown (which assumes the plan was made
-    with the current profile)."""
+class StepTimePredictor:
+    """Step-time predictions (seconds per step) of one run under a (scaled) profile: the
+    StepModel when the plan's model is a preset, else the plan's stored breakdown (which assumes
+    the plan was made with the current profile). `capture_model` captures the preset
+    (`CaptureModel`); `captures` caches its graphs across runs (a dict, e.g. `{}`)."""
 
-    def __init__(self, run: _Run, captures: dict):
-        from costmodels.step.model import Choice
-
+    def __init__(self, run: Run, captures: dict, capture_model: CaptureModel):
         self.run = run
         d = run.plan.decisions
         self.choice = Choice.from_decisions(d)  # solved checkpoint sets (remat:k) included
-        key = (run.plan.model, d.precision, run.plan.vocab_size, d.activation_bits)
+        key = (capture_model, run.plan.model, d.precision, run.plan.vocab_size, d.activation_bits)
         if key not in captures:
-            from planner.api import capture_model
-
             try:
                 graph, _, numels = capture_model(run.plan.model, d.precision, vocab_size=run.plan.vocab_size,
                                                  activation_bits=(d.activation_bits,))
@@ -122,8 +153,6 @@ class _Predictor:
         if self.captured is None:
             b = self.run.plan.predictions.step_time_breakdown_s
             return b.get("compute", 0.0) + b.get("recompute", 0.0), b.get("communication", 0.0)
-        from costmodels.step.model import StepModel
-
         g, numels = self.captured
         cost = StepModel(g.regions, g.blocks, numels, hw, n_heads=g.n_heads, n_kv_heads=g.n_kv_heads,
                          head_dim=g.head_dim).evaluate(self.choice)
@@ -131,22 +160,22 @@ class _Predictor:
 
     def time(self, hw: HardwareProfile, compute: float = 1.0, memory: float = 1.0,
              overhead: float | None = None) -> float:
+        """Seconds per step under `hw` with compute and memory throughput scaled by `compute` and
+        `memory` and the per-op overhead divided by `overhead` (default: `compute`)."""
         overhead = compute if overhead is None else overhead
         if self.captured is None:  # no per-node split: one factor (the ratio method)
             work, comm = self.parts(hw)
             return work / compute + comm
         scaled = (compute, memory, overhead) != (1.0, 1.0, 1.0)
-        work, comm = self.parts(_scaled(hw, compute, memory, overhead) if scaled else hw)
+        work, comm = self.parts(scaled_profile(hw, compute, memory, overhead) if scaled else hw)
         return work + comm
 
 
-def _two_factor_fit(preds: list[_Predictor], measured: np.ndarray, hw: HardwareProfile,
+def _two_factor_fit(preds: list[StepTimePredictor], measured: np.ndarray, hw: HardwareProfile,
                     ratio_scale: float) -> tuple[float, float, float, float]:
     """Least squares over log factors of compute throughput, memory throughput and per-op
     overhead (the third only with 3+ runs); returns (compute, memory, overhead, rms log
     error)."""
-    from scipy.optimize import least_squares
-
     x0 = math.log(ratio_scale)
     k = 3 if len(preds) >= 3 else 2
 
@@ -160,7 +189,7 @@ def _two_factor_fit(preds: list[_Predictor], measured: np.ndarray, hw: HardwareP
                         diff_step=1e-3, x_scale=1.0)
     c, m = math.exp(sol.x[0]), math.exp(sol.x[1])
     o = math.exp(sol.x[2]) if k == 3 else c
-    return c, m, o, _rms(resid(sol.x)[:-k])
+    return c, m, o, rms(resid(sol.x)[:-k])
 
 
 def _source(old: str, text: str) -> str:
@@ -173,7 +202,8 @@ def _apply(hw: HardwareProfile, compute: float, memory: float, overhead: float, 
     """The profile with compute/memory throughput scaled: through the efficiencies when they
     stay <= 1, else through the peaks / bandwidth (same predictions); the measured optimizer
     seconds per parameter scale with memory throughput."""
-    fields, sources = {}, {}
+    fields: dict[str, Any] = {}
+    sources: dict[str, str] = {}
     curve = tuple((f, e * compute) for f, e in hw.matmul_efficiency)
     if max(e for _, e in curve) <= 1.0:
         fields["matmul_efficiency"] = curve
@@ -208,11 +238,16 @@ def _step_s(rec, time_basis: str) -> float:
     return rec.median_step_cpu_time_s if time_basis == "cpu" else rec.median_step_time_s
 
 
-def _calibrate_step_time(runs: list[_Run], notes: list[str], time_basis: str = "wall") -> dict:
+def calibrate_step_time(runs: list[Run], notes: list[str], capture_model: CaptureModel,
+                        time_basis: str = "wall") -> StepTimeFit:
     """Fit the cpu profile to the runs' measured step times (median wall or process CPU
-    seconds, `time_basis`); nothing written."""
-    from hardware_profiles import load as load_profile
+    seconds, `time_basis`: "wall" or "cpu"); nothing written. Runs not planned for cpu or not
+    run on it, and runs without timed steps, are left out with a line in `notes` (appended to);
+    `capture_model` re-captures each preset (`CaptureModel`).
 
+    Raises:
+        TrainplanError: the cpu profile predicts a zero step time for a run's plan.
+    """
     use = []
     for run in runs:
         rec = run.record
@@ -224,11 +259,10 @@ def _calibrate_step_time(runs: list[_Run], notes: list[str], time_basis: str = "
                          + (", or no CPU times: recorded before they were measured)" if time_basis == "cpu" else ")"))
         else:
             use.append(run)
-    empty = dict(rows=(), method="", ratio=math.nan, compute=1.0, memory=1.0, fields=(), profile=None)
     if not use:
-        return empty
+        return StepTimeFit(rows=(), method="", ratio=math.nan, compute=1.0, memory=1.0, fields=(), profile=None)
     hw = load_profile("cpu")
-    preds = [_Predictor(run, _CAPTURES) for run in use]
+    preds = [StepTimePredictor(run, _CAPTURES, capture_model) for run in use]
     for p in preds:
         if p.captured is None:
             notes.append(f"{p.run.dir}: model {p.run.plan.model!r} is not a preset, so its step is "
@@ -246,7 +280,7 @@ def _calibrate_step_time(runs: list[_Run], notes: list[str], time_basis: str = "
     ratio = float(np.median(ks))
     compute = memory = overhead = 1.0 / ratio
     method = "ratio"
-    rms_ratio = _rms(np.log(np.array([p.time(hw, compute, memory) for p in preds]) / measured))
+    rms_ratio = rms(np.log(np.array([p.time(hw, compute, memory) for p in preds]) / measured))
     shapes = {(p.choice, id(p.captured)) for p in preds}
     if len(preds) >= 2 and len(shapes) >= 2 and all(p.captured is not None for p in preds):
         c, m, o, rms_lsq = _two_factor_fit(preds, measured, hw, compute)
@@ -265,5 +299,5 @@ def _calibrate_step_time(runs: list[_Run], notes: list[str], time_basis: str = "
     rows = tuple(StepTimeRow(run_dir=r.dir, measured_s=float(t), planned_s=float(r.plan.predictions.step_time_s),
                              before_s=float(b), after_s=float(a))
                  for r, t, b, a in zip(use, measured, before, after, strict=False))
-    return dict(rows=rows, method=method, ratio=ratio, compute=compute, memory=memory, fields=fields,
-                profile=new)
+    return StepTimeFit(rows=rows, method=method, ratio=ratio, compute=compute, memory=memory, fields=fields,
+                       profile=new)

@@ -27,7 +27,7 @@ from executor.data.corpus import cached_token_ids, load_tokenizer, read_document
 from trainplan_errors import DataError
 
 __all__ = ["TokenCorpus", "load_corpus", "count_corpus_tokens", "TokenBatches",
-           "heldout_batches", "load_tokenizer", "check_corpus_for_plan"]
+           "heldout_batches", "check_corpus_for_plan", "check_window_args", "gather_windows"]
 
 DEFAULT_MIN_HELDOUT_TOKENS = 2 * (1024 + 1)
 """Held-out tokens kept at least (two windows of seq_len 1024) when the corpus has twice that."""
@@ -48,7 +48,7 @@ class TokenCorpus:
     heldout_tokens: torch.Tensor
     """(n_heldout_tokens,) int64: the token stream's tail, after `train_tokens`."""
     tokenizer_path: str
-    """The cached HF `tokenizers` JSON; open it with `load_tokenizer`."""
+    """The cached HF `tokenizers` JSON; open it with `executor.data.corpus.load_tokenizer`."""
 
     def __post_init__(self) -> None:
         for field in ("train_tokens", "heldout_tokens"):
@@ -134,8 +134,14 @@ def check_corpus_for_plan(corpus: TokenCorpus, *, seq_len: int, vocab_size: int)
                         f"{vocab_size} tokens only from a larger corpus: use a larger corpus")
 
 
-def _check_window_args(n_tokens: int, seq_len: int, micro_batch: int) -> int:
-    """Validate and return the number of non-overlapping windows of seq_len + 1 tokens."""
+def check_window_args(n_tokens: int, seq_len: int, micro_batch: int) -> int:
+    """The number of non-overlapping windows of seq_len + 1 tokens in `n_tokens` tokens,
+    `(n_tokens - 1) // seq_len`.
+
+    Raises:
+        DataError: `seq_len` or `micro_batch` is not an integer >= 1, or the tokens are fewer
+            than one window (seq_len + 1).
+    """
     for name, value in (("seq_len", seq_len), ("micro_batch", micro_batch)):
         if not isinstance(value, (int, np.integer)) or value < 1:
             raise DataError(f"{name}={value!r} is invalid; expected an integer >= 1")
@@ -146,9 +152,10 @@ def _check_window_args(n_tokens: int, seq_len: int, micro_batch: int) -> int:
     return (n_tokens - 1) // seq_len
 
 
-def _gather(tokens: torch.Tensor | np.ndarray, starts: np.ndarray,
-            seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input_ids, labels), each (len(starts), seq_len) int64, from windows at `starts`."""
+def gather_windows(tokens: torch.Tensor | np.ndarray, starts: np.ndarray,
+                   seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, labels), each (len(starts), seq_len) int64, from the windows of seq_len + 1
+    tokens at token offsets `starts` ((B,) int): input_ids = window[:-1], labels = window[1:]."""
     index = starts[:, None] + np.arange(seq_len + 1)[None, :]  # (B, seq_len + 1)
     if isinstance(tokens, np.ndarray):
         windows = torch.from_numpy(np.asarray(tokens[index], dtype=np.int64))
@@ -184,7 +191,7 @@ class TokenBatches:
                  keep_indices: Sequence[int] | np.ndarray | None = None) -> None:
         if tokens.ndim != 1:
             raise DataError(f"tokens must be 1-D, got shape {tuple(tokens.shape)}")
-        self.n_windows = _check_window_args(len(tokens), seq_len, micro_batch)
+        self.n_windows = check_window_args(len(tokens), seq_len, micro_batch)
         if not (isinstance(fraction, (int, float)) and 0.0 < fraction <= 1.0):
             raise DataError(f"fraction={fraction!r} is invalid; expected 0 < fraction <= 1")
         if not (isinstance(world_size, int) and world_size >= 1
@@ -256,7 +263,7 @@ class TokenBatches:
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(input_ids, labels), each (micro_batch, seq_len) int64, for this rank at `step`."""
-        return _gather(self.tokens, self.window_indices(step) * self.seq_len, self.seq_len)
+        return gather_windows(self.tokens, self.window_indices(step) * self.seq_len, self.seq_len)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """batch(0), batch(1), ... without end: the caller stops (steps budget, governor)."""
@@ -269,9 +276,9 @@ def heldout_batches(tokens: torch.Tensor | np.ndarray, *, seq_len: int, micro_ba
     as up to `max_batches` full micro-batches of (micro_batch, seq_len) int64 `(input_ids,
     labels)`; if fewer than micro_batch windows exist, one smaller batch of all of them.
     Fixed for given arguments, for a comparable held-out loss across a run."""
-    n_windows = _check_window_args(len(tokens), seq_len, micro_batch)
+    n_windows = check_window_args(len(tokens), seq_len, micro_batch)
     if not isinstance(max_batches, int) or max_batches < 1:
         raise DataError(f"max_batches={max_batches!r} is invalid; expected an integer >= 1")
     sizes = [micro_batch] * min(max_batches, n_windows // micro_batch) or [n_windows]
     starts = np.arange(sum(sizes), dtype=np.int64) * seq_len
-    return [_gather(tokens, s, seq_len) for s in np.split(starts, len(sizes))]
+    return [gather_windows(tokens, s, seq_len) for s in np.split(starts, len(sizes))]

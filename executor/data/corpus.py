@@ -31,11 +31,14 @@ import json
 import os
 import re
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, BinaryIO
 
 import numpy as np
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tqdm import tqdm
 
 from trainplan_errors import DataError
 
@@ -46,7 +49,7 @@ MIN_VOCAB_SIZE = 257  # 256 byte symbols + <|endoftext|>
 MAX_VOCAB_SIZE = 2**31 - 1  # token ids are stored as int32 above 65535
 CACHE_FORMAT = 1  # bump when the cached files' meaning changes
 # Trainer settings that enter the cache key besides the vocab size.
-TRAINER_SETTINGS = {
+TRAINER_SETTINGS: dict[str, Any] = {
     "model": "bpe",
     "pre_tokenizer": "byte_level(add_prefix_space=False,use_regex=True)",
     "decoder": "byte_level",
@@ -188,7 +191,6 @@ def read_documents(paths: Sequence[str | Path] | None = None, *,
                             "directories, or None for the default corpus")
         name, files = ",".join(map(str, paths)), expand_paths(paths)
     if progress:
-        from tqdm import tqdm
         files = tqdm(files, desc=f"reading {name}", unit="file", disable=None)  # None: off unless a TTY
     docs: list[str] = []
     for f in files:
@@ -213,7 +215,11 @@ def cache_key(corpus_sha256: str, vocab_size: int) -> str:
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
 
-def _atomic_write(path: Path, write) -> None:
+def atomic_write(path: Path, write: Callable[[BinaryIO], object]) -> None:
+    """Write `path` through `write(f)` on a temporary file in the same folder, then rename it into
+    place (`os.replace`), so that concurrent ranks or processes never read a half-written file.
+    The folder is created if missing; the file gets mode 0644 (the cache may be shared). On any
+    error the temporary file is removed and the error raised again."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     try:
@@ -228,8 +234,6 @@ def _atomic_write(path: Path, write) -> None:
 
 def train_tokenizer(docs: Sequence[str], vocab_size: int, *, progress: bool = False):
     """A byte-level BPE `tokenizers.Tokenizer` trained on `docs` (deterministic for given docs)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
@@ -243,8 +247,6 @@ def train_tokenizer(docs: Sequence[str], vocab_size: int, *, progress: bool = Fa
 
 def load_tokenizer(path: str | Path):
     """The `tokenizers.Tokenizer` saved at `path` (e.g. `TokenCorpus.tokenizer_path`)."""
-    from tokenizers import Tokenizer
-
     return Tokenizer.from_file(str(path))
 
 
@@ -276,8 +278,8 @@ def cached_token_ids(docs: Documents, vocab_size: int, *, cache_dir: Path | str 
     ids_path = root / "tokens" / f"{key}.npy"
     tok = None
     if not tok_path.is_file():
-        tok = train_tokenizer(docs.docs, vocab_size, progress=progress)
-        _atomic_write(tok_path, lambda f: f.write(tok.to_str().encode("utf-8")))
+        trained = tok = train_tokenizer(docs.docs, vocab_size, progress=progress)
+        atomic_write(tok_path, lambda f: f.write(trained.to_str().encode("utf-8")))
     if ids_path.is_file():
         try:
             return np.load(ids_path, mmap_mode="r"), tok_path
@@ -285,5 +287,5 @@ def cached_token_ids(docs: Documents, vocab_size: int, *, cache_dir: Path | str 
             pass
     tok = tok or load_tokenizer(tok_path)
     ids = encode_documents(tok, docs.docs)
-    _atomic_write(ids_path, lambda f: np.save(f, ids))
+    atomic_write(ids_path, lambda f: np.save(f, ids))
     return ids, tok_path

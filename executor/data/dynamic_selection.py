@@ -1,8 +1,7 @@
 """Data selection during a run: `DynamicSelector` (re-scores the kept windows every K steps with
 the model being trained) and `PlannedBatches` (a plan's data subset for `executor.train.run`),
 with the held-out target slice (`target_slice`) and the dynamic-selection log
-(`SELECTION_FILE`). Scoring, the score cache and `select` are in `executor.data.selection`, which
-re-exports these names.
+(`SELECTION_FILE`). Scoring, the score cache and `select` are in `executor.data.selection`.
 
 In a run (`executor.train.run` -> `PlannedBatches`): the plan's `data_method` scores every training
 window (static: once before training, keeping exactly `data_fraction` of them; dynamic, when
@@ -16,6 +15,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -23,7 +23,8 @@ from torch import nn
 
 from executor.data import scorers
 from executor.data.batches import TokenBatches
-from executor.data.corpus import _atomic_write
+from executor.data.corpus import atomic_write
+from executor.data.dsir import DSIR_BUCKETS, score_dsir
 from executor.data.scorers import as_numpy_tokens, check_tokens
 from executor.data.selection import CRITERIA, DEFAULT_RANK, METHODS, apply_criterion, score_windows, select
 from trainplan_errors import TrainplanError
@@ -115,12 +116,12 @@ class DynamicSelector:
 
     def _score(self, step: int, model: nn.Module) -> tuple[np.ndarray, float]:
         starts = self.windows * self.seq_len
-        common = dict(seq_len=self.seq_len, batch_size=self.batch_size, progress=self.progress)
+        common: dict[str, Any] = dict(seq_len=self.seq_len, batch_size=self.batch_size, progress=self.progress)
         if self.method == "random":
             return scorers.score_random(self.tokens, starts, seed=self.seed + step)
         if self.method == "dsir":
-            return scorers.score_dsir(self.tokens, starts, target_tokens=self.target,
-                                      buckets=scorers.DSIR_BUCKETS, **common)
+            return score_dsir(self.tokens, starts, target_tokens=self.target,
+                              buckets=DSIR_BUCKETS, **common)
         if self.method == "loss":
             raw, flops = scorers.score_loss(self.tokens, starts, model=model, **common)
             if self.criterion == "reducible":
@@ -256,7 +257,7 @@ class PlannedBatches:
                                         seq_len=d.seq_len, target_tokens=target, seed=d.seed,
                                         progress=show)
         if start > 0:
-            self._restore(start)
+            self._restore(self.selector, start)
         self._note(f"data selection: {method} dynamic, re-scored every {every} steps with the "
                    f"model being trained (log in {self.path.name})")
 
@@ -269,8 +270,9 @@ class PlannedBatches:
         self.record.selection_flops = self.static_flops + (
             self.selector.flops_spent if self.selector is not None else 0.0)
 
-    def _restore(self, start: int) -> None:
-        """The selections made before step `start` (and at it, if logged), from the log."""
+    def _restore(self, selector: DynamicSelector, start: int) -> None:
+        """The selections made before step `start` (and at it, if logged), from the log, into
+        `selector`."""
         try:
             log = json.loads(self.path.read_text())
         except (OSError, ValueError) as e:
@@ -281,7 +283,7 @@ class PlannedBatches:
             raise TrainplanError(f"cannot resume dynamic data selection: {self.path} has no "
                                  f"selection at or before step {start}")
         keep = np.asarray(self._entries[-1]["keep"], dtype=np.int64)
-        self.selector.load_state_dict({
+        selector.load_state_dict({
             "keep": keep.tolist(), "flops_spent": sum(e["flops"] for e in self._entries),
             "history": [{k: v for k, v in e.items() if k != "keep"} for e in self._entries]})
         self.batches = TokenBatches(self._tokens, keep_indices=keep, **self._kw)
@@ -298,15 +300,19 @@ class PlannedBatches:
         self._entries.append({**sel.history[-1], "keep": keep.tolist()})
         d = {"method": sel.method, "fraction": sel.fraction, "every": sel.rescore_every,
              "entries": self._entries}
-        _atomic_write(self.path, lambda fh: fh.write(json.dumps(d).encode()))
+        atomic_write(self.path, lambda fh: fh.write(json.dumps(d).encode()))
         self._charge()
 
     @property
     def kept_windows(self) -> np.ndarray:
         """The windows the current batches draw from (sorted)."""
+        assert self.batches is not None, "no batches before the first selection"
         return self.batches.kept_windows
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step `step`'s micro-batch (input_ids, labels), each (micro_batch, seq_len) int64, as
+        `TokenBatches.batch`; a dynamic selection not yet made is made first (`update`)."""
         if self.batches is None:
             self.update(step)
+        assert self.batches is not None  # update made the first selection
         return self.batches.batch(step)

@@ -1,6 +1,6 @@
 """The scoring methods behind `executor.data.selection`: a reference model, per-window loss, LESS-style
 gradient influence, DSIR n-gram importance, random. Each returns one raw number per window and the
-FLOPs it spent (FlopCounterMode on the first batch, scaled by the windows; `costmodels.data.value.
+FLOPs it spent (FlopCounterMode on the first batch, scaled by the windows; `costmodels.data.scoring.
 scoring_flops` is the analytic counterpart).
 
 Windows follow `executor.data.batches.TokenBatches`: window i is tokens[i*seq_len : i*seq_len+seq_len+1],
@@ -14,15 +14,21 @@ import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+from tqdm import tqdm
 
-from executor.data.batches import TokenBatches, _gather
-from executor.data.dsir import DSIR_BUCKETS, score_dsir  # noqa: F401 (re-exported)
+from executor.data.batches import TokenBatches, check_window_args, gather_windows
+from executor.data.dsir import score_dsir
+from modeling.flop_counting import CPU_ATTENTION_FLOP_FORMULAS
 from trainplan_errors import TrainplanError
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -69,7 +75,7 @@ class ReferenceConfig:
 def build_reference(config: ReferenceConfig, vocab_size: int, seq_len: int) -> nn.Module:
     """The reference model (transformers `LlamaForCausalLM`, fp32, SDPA), random init with
     `config.seed`."""
-    import transformers
+    import transformers  # seconds to import: only when a reference model is built
 
     cfg = transformers.LlamaConfig(
         hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
@@ -99,19 +105,16 @@ def matmul_params(model: nn.Module) -> int:
     """Parameters that enter matrix products: all but an untied input embedding (a lookup), the
     N of 2 N FLOPs per token."""
     n = sum(p.numel() for p in model.parameters())
-    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    hf: Any = model  # a transformers model has the embedding getters; nn.Module does not
+    emb = hf.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    out = hf.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if emb is not None and (out is None or out.weight is not emb.weight):
         n -= emb.weight.numel()
     return n
 
 
-def _counted(fn: Callable[[], object]) -> tuple[object, float]:
+def _counted(fn: Callable[[], T]) -> tuple[T, float]:
     """Run `fn` under FlopCounterMode; (its result, FLOPs)."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    from modeling.flop_counting import CPU_ATTENTION_FLOP_FORMULAS
-
     fc = FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOP_FORMULAS)
     with fc:
         out = fn()
@@ -121,8 +124,6 @@ def _counted(fn: Callable[[], object]) -> tuple[object, float]:
 def _batches(starts: np.ndarray, batch_size: int, progress: bool, desc: str):
     chunks = [starts[i:i + batch_size] for i in range(0, len(starts), batch_size)]
     if progress:
-        from tqdm import tqdm
-
         return tqdm(chunks, desc=desc, unit="batch", disable=None)  # None: off unless a TTY
     return chunks
 
@@ -160,8 +161,6 @@ def train_reference(tokens, *, seq_len: int, vocab_size: int, config: ReferenceC
 
     steps = range(config.steps)
     if progress:
-        from tqdm import tqdm
-
         steps = tqdm(steps, desc="reference model", unit="step", disable=None)
     flops = 0.0
     for s in steps:
@@ -192,9 +191,9 @@ def score_loss(tokens, starts: np.ndarray, *, seq_len: int, model: nn.Module, ba
     out, flops = [], 0.0
     try:
         for i, chunk in enumerate(_batches(starts, batch_size, progress, "loss scores")):
-            x, y = _gather(tokens, chunk, seq_len)
+            x, y = gather_windows(tokens, chunk, seq_len)
 
-            def run():
+            def run(x=x, y=y):
                 logits = model(input_ids=x.to(dev)).logits.float()
                 return F.cross_entropy(logits.transpose(1, 2), y.to(dev),
                                        reduction="none").mean(1)
@@ -284,7 +283,7 @@ def projected_gradients(model: nn.Module, tokens, starts: np.ndarray, *, seq_len
                                                                         seed, j, 1))
              for j, m in enumerate(mods)]
     dev = next(model.parameters()).device
-    projs = [tuple(None if p is None else p.to(dev) for p in pair) for pair in projs]
+    projs = [(None if a is None else a.to(dev), None if b is None else b.to(dev)) for a, b in projs]
     was = model.training
     flags = [(m.weight, m.weight.requires_grad) for m in mods]
     model.eval()
@@ -294,9 +293,9 @@ def projected_gradients(model: nn.Module, tokens, starts: np.ndarray, *, seq_len
             m.weight.requires_grad_(True)
         with torch.enable_grad():
             for i, chunk in enumerate(_batches(starts, batch_size, progress, desc)):
-                x, y = (t.to(dev) for t in _gather(tokens, chunk, seq_len))
+                x, y = (t.to(dev) for t in gather_windows(tokens, chunk, seq_len))
 
-                def run():
+                def run(x=x, y=y):
                     return _projected_grads(model, x, y, mods, projs).detach()
 
                 if i == 0:
@@ -326,8 +325,8 @@ def score_influence(tokens, starts: np.ndarray, *, seq_len: int, model: nn.Modul
     if n_target < 1:
         raise TrainplanError(f"influence needs target_tokens with at least seq_len + 1 = "
                              f"{seq_len + 1} tokens, got {len(target)}")
-    kw = dict(seq_len=seq_len, batch_size=batch_size, rank=rank, seed=seed,
-              grad_blocks=grad_blocks, progress=progress)
+    kw: dict[str, Any] = dict(seq_len=seq_len, batch_size=batch_size, rank=rank, seed=seed,
+                              grad_blocks=grad_blocks, progress=progress)
     g_train, f_train = projected_gradients(model, tokens, starts, desc="influence: windows", **kw)
     g_target, f_target = projected_gradients(model, target, np.arange(n_target) * seq_len,
                                              desc="influence: target", **kw)
@@ -345,11 +344,9 @@ call time (tests patch entries to count calls)."""
 
 def check_tokens(tokens, seq_len: int) -> int:
     """Windows in `tokens` (1-D) at `seq_len`; raises DataError/TrainplanError otherwise."""
-    from executor.data.batches import _check_window_args
-
     if getattr(tokens, "ndim", 1) != 1:
         raise TrainplanError(f"tokens must be 1-D, got shape {tuple(tokens.shape)}")
-    return _check_window_args(len(tokens), seq_len, 1)
+    return check_window_args(len(tokens), seq_len, 1)
 
 
 def as_numpy_tokens(tokens: torch.Tensor | np.ndarray | Sequence[int]) -> np.ndarray:

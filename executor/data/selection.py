@@ -38,7 +38,7 @@ training with FlopCounterMode (first batch / step, scaled), and stays the same o
 (`cached` says no compute was spent this time).
 
 A run's selection (`DynamicSelector`, `PlannedBatches`, `target_slice`) is in
-`executor.data.dynamic_selection`; those names are re-exported here.
+`executor.data.dynamic_selection`; the reference model and the scorers are in `executor.data.scorers`.
 """
 
 from __future__ import annotations
@@ -55,20 +55,19 @@ import torch
 from torch import nn
 
 from executor.data import scorers
-from executor.data.corpus import _atomic_write, cache_root
+from executor.data.corpus import atomic_write, cache_root
+from executor.data.dsir import DSIR_BUCKETS
 from executor.data.scorers import (
     ReferenceConfig,
     as_numpy_tokens,
     check_tokens,
-    matmul_params,
     model_fingerprint,
     train_reference,
 )
 from trainplan_errors import TrainplanError
 
-__all__ = ["METHODS", "CRITERIA", "ReferenceConfig", "WindowScores", "score_windows", "select",
-           "apply_criterion", "DynamicSelector", "scores_cache_key", "matmul_params",
-           "TARGET_WINDOWS", "target_slice", "PlannedBatches"]
+__all__ = ["METHODS", "CRITERIA", "DEFAULT_RANK", "WindowScores", "score_windows", "select",
+           "apply_criterion", "scores_cache_key"]
 
 METHODS = ("random", "loss", "influence", "dsir")
 CRITERIA = ("middle", "high", "low")
@@ -215,7 +214,7 @@ def _reference_model(tokens: np.ndarray, reference, fingerprint: str, *, seq_len
             pass
     model, flops = train_reference(tokens, seq_len=seq_len, vocab_size=vocab, config=config,
                                    windows=windows, progress=progress)
-    _atomic_write(path, lambda f: torch.save({"state": model.state_dict(), "flops": flops}, f))
+    atomic_write(path, lambda f: torch.save({"state": model.state_dict(), "flops": flops}, f))
     return model, flops
 
 
@@ -224,7 +223,7 @@ def score_windows(tokens: torch.Tensor | np.ndarray, *, seq_len: int, method: st
                   target_tokens: torch.Tensor | np.ndarray | None = None, seed: int = 0,
                   windows: Sequence[int] | np.ndarray | None = None, batch_size: int = 16,
                   criterion: str = "middle", rank: int = DEFAULT_RANK, grad_blocks: int = 2,
-                  buckets: int = scorers.DSIR_BUCKETS, vocab_size: int | None = None,
+                  buckets: int = DSIR_BUCKETS, vocab_size: int | None = None,
                   cache_dir: str | Path | None = None, use_cache: bool = True,
                   progress: bool = False) -> WindowScores:
     """Score windows of `tokens` with `method` (see the module docstring), cached on disk.
@@ -278,11 +277,13 @@ def score_windows(tokens: torch.Tensor | np.ndarray, *, seq_len: int, method: st
     if method == "random":
         settings = {"seed": int(seed)}
     elif method == "dsir":
+        assert target is not None  # checked above: dsir needs target_tokens
         settings = {"buckets": buckets, "target": _sha(target.tobytes()), "ngrams": [1, 2],
                     "smoothing": "raw add-one, target Dirichlet toward raw (m = N_t)"}
     else:
         settings = {"reference": _reference_fingerprint(reference, vocab)}
         if method == "influence":
+            assert target is not None  # checked above: influence needs target_tokens
             settings.update(target=_sha(target.tobytes()), rank=rank, seed=int(seed),
                             grad_blocks=grad_blocks, loss="mean-ce", projection="rademacher-kron")
     key = scores_cache_key(tokens_sha, seq_len=seq_len, windows_sha=windows_sha, method=method,
@@ -314,8 +315,8 @@ def score_windows(tokens: torch.Tensor | np.ndarray, *, seq_len: int, method: st
             meta = {"method": method, "settings": settings, "seq_len": seq_len,
                     "n_windows": int(win.size), "scoring_flops": float(scoring_flops),
                     "reference_flops": float(ref_flops)}
-            _atomic_write(path, lambda f: np.save(f, raw))
-            _atomic_write(path.with_suffix(".json"),
+            atomic_write(path, lambda f: np.save(f, raw))
+            atomic_write(path.with_suffix(".json"),
                           lambda f: f.write(json.dumps(meta, indent=1).encode()))
     scores = apply_criterion(raw, criterion) if method == "loss" else raw.copy()
     return WindowScores(method=method, scores=scores, raw=raw, windows=win,
@@ -324,15 +325,3 @@ def score_windows(tokens: torch.Tensor | np.ndarray, *, seq_len: int, method: st
                         settings={**settings, **({"criterion": criterion}
                                                  if method == "loss" else {})})
 
-
-_RUN_NAMES = ("DynamicSelector", "PlannedBatches", "SELECTION_FILE", "TARGET_WINDOWS", "target_slice")
-
-
-def __getattr__(name: str):
-    """The run-time names, from `executor.data.dynamic_selection` (imported on first use: it imports this
-    module, so a module-level import here would be circular)."""
-    if name in _RUN_NAMES:
-        from executor.data import dynamic_selection as selection_run
-
-        return getattr(selection_run, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

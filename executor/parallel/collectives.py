@@ -42,7 +42,8 @@ def wait_released(tensors: tuple[torch.Tensor, ...], held: tuple[int, ...]) -> N
     `held` (what the caller counted before issuing the collective), i.e. until no collective
     work object references it any more."""
     deadline = None
-    while any(t._use_count() > n for t, n in zip(tensors, held, strict=False)):
+    # Tensor._use_count exists at run time but not in torch's type stubs
+    while any(t._use_count() > n for t, n in zip(tensors, held, strict=False)):  # type: ignore[attr-defined]
         now = time.monotonic()
         if deadline is None:
             deadline = now + RELEASE_TIMEOUT_S
@@ -54,16 +55,16 @@ def wait_released(tensors: tuple[torch.Tensor, ...], held: tuple[int, ...]) -> N
 
 
 def _synchronous(issue, tensors: tuple[torch.Tensor, ...]) -> None:
-    held = tuple(t._use_count() for t in tensors)
+    held = tuple(t._use_count() for t in tensors)  # type: ignore[attr-defined]  # (not in torch's stubs)
     work = issue()
     work.wait()
     del work
     wait_released(tensors, held)
 
 
-def all_to_all_single(out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup) -> None:
-    """`torch.distributed.all_to_all_single(out, x, group=group)`, returning once the backend has
-    released both tensors (module docstring)."""
+def all_to_all_single(out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    """`torch.distributed.all_to_all_single(out, x, group=group)` (None: the default group),
+    returning once the backend has released both tensors (module docstring)."""
     _synchronous(lambda: dist.all_to_all_single(out, x, group=group, async_op=True), (out, x))
 
 

@@ -6,6 +6,7 @@ failed or hung job as `WorkerFailedError` naming the rank, its exit code and its
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -20,7 +21,7 @@ import torch.distributed as dist
 
 from trainplan_errors import TrainplanError
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 """Prepended to the workers' PYTHONPATH so that ``-m executor...`` / ``-m tests...`` resolve."""
 
 STDERR_TAIL_LINES = 20
@@ -116,10 +117,8 @@ def _children(pid: int) -> list[int]:
 
 
 def _killpg(pgid: int, sig: signal.Signals) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -128,10 +127,8 @@ def _stop(proc: subprocess.Popen) -> None:
     start_new_session, so they are not in torchrun's group)."""
     workers = _children(proc.pid)
     _killpg(proc.pid, signal.SIGTERM)
-    try:
+    with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=KILL_GRACE_S)
-    except subprocess.TimeoutExpired:
-        pass
     for pgid in [proc.pid, *workers]:
         _killpg(pgid, signal.SIGKILL)
     proc.wait()
@@ -168,7 +165,13 @@ _SECONDARY = ("DistBackendError", "Connection closed by peer", "Connection reset
 """Marks of a rank that failed because another one died first (its collective lost a peer)."""
 
 
-def _first_cause(summary: str, run_dirs: list[Path]) -> tuple[int, int, int] | None:
+def _rank_exit(m: re.Match) -> tuple[int, int, int]:
+    """(rank, local rank, exit code) of a failure line matched by `_ROOT_CAUSE` or `_FAILURE`."""
+    rank, local_rank, code = (int(g) for g in m.groups())
+    return rank, local_rank, code
+
+
+def first_cause(summary: str, run_dirs: list[Path]) -> tuple[int, int, int] | None:
     """(rank, local rank, exit code) of the failure that caused the others: torchrun's "Root
     Cause" (the first failure its polling observed), unless that rank's stderr shows only a lost
     peer in a collective while another failed rank's does not (ranks that fail in the same
@@ -176,7 +179,7 @@ def _first_cause(summary: str, run_dirs: list[Path]) -> tuple[int, int, int] | N
     root = _ROOT_CAUSE.search(summary)
     if root is None:
         return None
-    first = tuple(int(g) for g in root.groups())
+    first = _rank_exit(root)
 
     def secondary(local_rank: int) -> bool:
         path = _rank_stderr(run_dirs, local_rank)
@@ -185,7 +188,7 @@ def _first_cause(summary: str, run_dirs: list[Path]) -> tuple[int, int, int] | N
 
     if not secondary(first[1]):
         return first
-    failures = {tuple(int(g) for g in m.groups()) for m in _FAILURE.finditer(summary)}
+    failures = {_rank_exit(m) for m in _FAILURE.finditer(summary)}
     primary = sorted(f for f in failures if f != first and not secondary(f[1]))
     return primary[0] if primary else first
 
@@ -266,7 +269,7 @@ def run_torchrun(
             log_dir=log_dir,
         )
     summary = _tail(torchrun_log, 200)
-    cause = _first_cause(summary, run_dirs)
+    cause = first_cause(summary, run_dirs)
     if cause is None:  # torchrun itself failed (bad arguments, rendezvous, ...)
         raise WorkerFailedError(
             f"torchrun -m {module} exited with code {_describe_exit(code)} before naming a failed "

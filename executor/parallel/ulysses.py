@@ -10,8 +10,7 @@ turns the shard into a head shard (all ``s`` tokens, ``h/P`` heads), attention r
 second all-to-all turns it back. Communication per layer: 4 all-to-alls of ``b*s*h*d/P`` elements
 forward (q, k, v, out), the same backward. The all-to-alls return once the backend has released
 their buffers (`executor.parallel.collectives`); the copies and buffers each one makes, and what autograd
-keeps of them, are modelled in `costmodels.step.ulysses`. ZeRO stages: `executor.parallel.zero` (`apply_zero`,
-re-exported here).
+keeps of them, are modelled in `costmodels.step.ulysses`. ZeRO stages: `executor.parallel.zero.apply_zero`.
 
 How a training loop calls this module (after ``executor.parallel.launch.init_distributed``)::
 
@@ -30,6 +29,7 @@ How a training loop calls this module (after ``executor.parallel.launch.init_dis
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -38,7 +38,6 @@ from torch import nn
 from transformers import AttentionInterface
 
 from executor.parallel import collectives
-from executor.parallel.zero import OptimizerFactory, apply_zero  # noqa: F401 (re-exported)
 from trainplan_errors import TrainplanError
 
 ULYSSES = "ulysses"
@@ -156,7 +155,7 @@ class _AllToAll(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
         ctx.group = group
         x = x.contiguous()
         out = torch.empty_like(x)
@@ -171,7 +170,7 @@ class _AllToAll(torch.autograd.Function):
         return out, None
 
 
-def _seq_to_head(x: torch.Tensor, group: dist.ProcessGroup, p: int) -> torch.Tensor:
+def _seq_to_head(x: torch.Tensor, group: dist.ProcessGroup | None, p: int) -> torch.Tensor:
     """(b, h, s/P, d) sequence shard -> (b, h/P, s, d) head shard (heads [r*h/P, (r+1)*h/P))."""
     b, h, sl, d = x.shape
     x = x.reshape(b, p, h // p, sl, d).permute(1, 0, 2, 3, 4)  # (P, b, h/P, s/P, d): row j->rank j
@@ -179,7 +178,7 @@ def _seq_to_head(x: torch.Tensor, group: dist.ProcessGroup, p: int) -> torch.Ten
     return x.permute(1, 2, 0, 3, 4).reshape(b, h // p, p * sl, d)
 
 
-def _head_to_seq(x: torch.Tensor, group: dist.ProcessGroup, p: int) -> torch.Tensor:
+def _head_to_seq(x: torch.Tensor, group: dist.ProcessGroup | None, p: int) -> torch.Tensor:
     """(b, h/P, s, d) head shard -> (b, s/P, h, d) sequence shard, the layout o_proj expects."""
     b, hp, s, d = x.shape
     sl = s // p
@@ -263,9 +262,10 @@ def enable_ulysses(model: nn.Module, *, seq_len: int | None = None) -> None:
     p = _sp_size(_SP_GROUP)
     if p == 1:
         return
-    config = model.config
+    hf: Any = model  # a transformers model: `config` and `set_attn_implementation` are not nn.Module's
+    config = hf.config
     check_sp_degree(p, seq_len=seq_len, num_heads=config.num_attention_heads)
-    model.set_attn_implementation(ULYSSES)
+    hf.set_attn_implementation(ULYSSES)
     if config._attn_implementation != ULYSSES:  # models without AttentionInterface dispatch
         raise TrainplanError(
             f"{type(model).__name__} does not dispatch attention through transformers' "

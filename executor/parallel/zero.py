@@ -1,8 +1,9 @@
 """ZeRO stages 0-3 for the dp x sp world: DDP, DDP + ZeroRedundancyOptimizer, FSDP2 (`fully_shard`).
 
-Split out of `executor.parallel.ulysses` (which re-exports `apply_zero`). On CPU (gloo) FSDP2's
-all-gathers and reduce-scatters are `executor.parallel.collectives`' releasing variants, so that their
-buffers are freed at the same point on every rank and run (what `costmodels.step.fsdp` models).
+Model states are sharded over the dp x sp world that `executor.parallel.ulysses` lays out (call
+`apply_zero` after `enable_ulysses`). On CPU (gloo) FSDP2's all-gathers and reduce-scatters are
+`executor.parallel.collectives`' releasing variants, so that their buffers are freed at the same point
+on every rank and run (what `costmodels.step.fsdp` models).
 """
 
 from __future__ import annotations
@@ -13,11 +14,17 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from executor.parallel.collectives import ReleasingAllGather, ReleasingReduceScatter
 from trainplan_errors import TrainplanError
 
 OptimizerFactory = Callable[[Iterable], torch.optim.Optimizer]
+"""``optimizer_factory(params)``: the optimizer over an iterable of parameters or param-group dicts
+(e.g. ``functools.partial(executor.optimizers.build_optimizer, bits=..., lr=...)``)."""
 
 
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -28,8 +35,6 @@ def _decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 def _resolve(mesh_or_group, device: torch.device):
     """(process group, 1-D DeviceMesh factory) for the sharding group; None = whole world."""
-    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-
     if isinstance(mesh_or_group, DeviceMesh):
         mesh = mesh_or_group if mesh_or_group.ndim == 1 else mesh_or_group._flatten()
         return mesh.get_group(), lambda: mesh
@@ -103,25 +108,20 @@ def apply_zero(
         return model, optimizer_factory(model.parameters())
 
     if stage in (0, 1):
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
         device_ids = None if device.type == "cpu" else [device]
         ddp = DDP(model, device_ids=device_ids, process_group=group)
         if stage == 0:
             return ddp, optimizer_factory(ddp.parameters())
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
         probe = optimizer_factory([nn.Parameter(torch.zeros(1, device=device))])
         defaults = {k: v for k, v in probe.defaults.items()}
         zero = ZeroRedundancyOptimizer(
             ddp.parameters(),
-            optimizer_class=_FactoryOptimizer(optimizer_factory),
+            # torch types optimizer_class as a class; it only calls optimizer_class(params, **defaults)
+            optimizer_class=_FactoryOptimizer(optimizer_factory),  # type: ignore[arg-type]
             process_group=group,
             **defaults,
         )
         return ddp, zero
-
-    from torch.distributed.fsdp import fully_shard
 
     mesh = make_mesh()
     reshard = stage == 3
@@ -134,8 +134,8 @@ def apply_zero(
         )
     extra = {} if mp_policy is None else {"mp_policy": mp_policy}
     for module in [*layers, model]:
-        fully_shard(module, mesh=mesh, reshard_after_forward=reshard, **extra)
+        sharded = fully_shard(module, mesh=mesh, reshard_after_forward=reshard, **extra)  # module itself
         if device.type == "cpu":  # gloo: buffers freed where FSDP2 drops them (executor.parallel.collectives)
-            module.set_custom_all_gather(ReleasingAllGather())
-            module.set_custom_reduce_scatter(ReleasingReduceScatter())
+            sharded.set_custom_all_gather(ReleasingAllGather())
+            sharded.set_custom_reduce_scatter(ReleasingReduceScatter())
     return model, optimizer_factory(model.parameters())

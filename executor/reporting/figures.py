@@ -3,7 +3,7 @@ frames and the plotted data, not pixels), plus the few readers that find their i
 
 - `rank_memory_frame` / `rank_memory_figure`: peak memory per rank, predicted vs measured.
 - `predicted_loss_frame` (pure) and `plan_loss_curves` (reads the local law file): the predicted
-  loss curve with a band, drawn on the loss panel of `executor.reporting.report`.
+  loss curve with a band, drawn on the loss panel of `executor.reporting.plots`.
 - `read_governor_summary` / `governor_figure`: a governed run's held-out loss with the
   governor's fitted curve and band, the planned budget, the predicted and the actual stop.
 - `frontier_frame` / `frontier_figure`: the Pareto frontier of plans with the chosen one marked,
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import io
+import json
 import math
 import warnings
 from collections.abc import Iterable, Mapping
@@ -33,7 +34,9 @@ from matplotlib.ticker import FuncFormatter
 from costmodels.loss.bits import bits_loss_penalty
 from costmodels.loss.cache import cache_root, law_path, load_local_law, read_local_law_file
 from costmodels.loss.law import LossLaw, learning_curve
+from executor.governor import curve_frame, plot_governor
 from executor.record import RunRecord
+from executor.reporting.frames import MIB
 from planner.plan import Plan
 
 __all__ = ["CALIBRATION_COLUMNS", "CALIBRATION_HISTORY", "LOSS_BAND_REL", "append_calibration_history",
@@ -42,8 +45,8 @@ __all__ = ["CALIBRATION_COLUMNS", "CALIBRATION_HISTORY", "LOSS_BAND_REL", "appen
            "predicted_loss_frame", "rank_memory_figure", "rank_memory_frame",
            "read_calibration_history", "read_governor_summary"]
 
-MIB = 2**20
 GIB = 2**30
+"""Bytes per GiB (the frontier figure's memory unit)."""
 
 LOSS_BAND_REL = 0.02
 """Half-width of the predicted loss band, as a fraction of the loss, when the law carries no
@@ -112,8 +115,8 @@ def predicted_loss_frame(plan: Plan, law: LossLaw, *, label: str, band_nats: flo
     Columns `curve, step, tokens, loss, lower, upper` (loss in nats/token; `curve` is `label` on
     every row). Same formula as the planner: `learning_curve` on tokens = step x tokens per step
     with the run's unique data (data_tokens x data_fraction, Muennighoff et al. 2023 eq. 5), plus
-    `bits_loss_penalty` of its bits (the law's fitted penalties, if any). The band is loss +- `band_nats` when given (e.g. the
-    law fit's RMS residual), else loss x (1 +- `band_rel`).
+    `bits_loss_penalty` of its bits (the law's fitted penalties, if any). The band is loss +-
+    `band_nats` when given (e.g. the law fit's RMS residual), else loss x (1 +- `band_rel`).
     """
     d, p = plan.decisions, plan.predictions
     steps = np.unique(np.linspace(1, max(1, d.max_steps), min(points, max(1, d.max_steps))).round())
@@ -174,8 +177,6 @@ def plan_loss_curves(plan: Plan, cache_dir: str | Path | None = None) -> pd.Data
 def read_governor_summary(run_dir: str | Path) -> dict | None:
     """The run's `governor.json` (`executor.governor.GovernedLoop.write`), or None when the run
     had no governor or the file cannot be read."""
-    import json
-
     try:
         summary = json.loads((Path(run_dir) / "governor.json").read_text())
     except (OSError, ValueError):
@@ -190,16 +191,14 @@ def governor_figure(plan: Plan, record: RunRecord, summary: dict) -> Figure:
     with the predicted and the actual final loss marked at their steps.
 
     `summary`: `read_governor_summary` of the run's folder."""
-    from executor.governor import curve_frame, plot_governor
-
     d, p = plan.decisions, plan.predictions
     planned = getattr(p, "predicted_stop_step", None)
     s = dict(summary) | ({"predicted_stop_step": planned} if planned is not None else {})
-    finals = {}
+    finals: dict[str, tuple[int, float]] = {}
     if math.isfinite(record.final_heldout_loss):
         finals[f"actual end ({record.stop_reason or 'running'})"] = (record.steps,
                                                                      record.final_heldout_loss)
-    if getattr(p, "predicted_end_step", None) is not None:
+    if p.predicted_end_step is not None and p.predicted_end_loss is not None:
         finals["predicted end (plan)"] = (p.predicted_end_step, p.predicted_end_loss)
     fig = Figure(figsize=(8, 6), layout="constrained")
     ax = fig.subplots()
@@ -278,7 +277,7 @@ def append_calibration_history(rows: Iterable[Mapping], cache_dir: str | Path | 
     Each row is a mapping with `term` (e.g. `step_time`, `final_loss`), `rel_err_before` and
     `rel_err_after` (prediction error of that term on the calibration runs with the old and the
     new constants, (predicted - measured) / measured) and optionally `date` (ISO 8601; default
-    now, UTC). For `executor.calibrate.runs` to call after a refit.
+    now, UTC). For `executor.calibrate.calibration` to call after a refit.
 
     Raises:
         ValueError: a row lacks `term`, `rel_err_before` or `rel_err_after`.
@@ -342,7 +341,7 @@ def error_figure(frame: pd.DataFrame) -> Figure:
     """Horizontal bars of rel_err (percent, symmetric-log axis) per term, one bar per run.
 
     `frame` has columns `run, term, label, rel_err, tolerance, verdict`
-    (`executor.reporting.html.verdict_frame`). The green band around 0 is each term's tolerance.
+    (`executor.reporting.verdicts.verdict_frame`). The green band around 0 is each term's tolerance.
     One run: bars green when held, red when not; several runs: one colour per run, not-held bars
     hatched. Each bar is annotated with its value; a term without a finite rel_err reads its
     verdict (`not measured`, or `exact (0)` for a held prediction of 0).

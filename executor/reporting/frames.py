@@ -2,8 +2,7 @@
 (`memory_frame`, `step_time_frame`, `loss_frame`), gathered with the figure's annotations into
 `ReportFrames` by `report_frames`. No I/O and no drawing (`executor.reporting.plots` draws them).
 
-Split out of `executor/reporting/report.py`, which re-exports every name here. Memory in MiB = 2**20 bytes
-per device, time in seconds, loss in nats/token.
+Memory in MiB = 2**20 bytes per device, time in seconds, loss in nats/token.
 """
 
 from __future__ import annotations
@@ -16,8 +15,8 @@ import pandas as pd
 from executor.record import RunRecord
 from planner.plan import Plan
 
-__all__ = ["MEMORY_CATEGORIES", "ReportFrames", "loss_frame", "memory_frame", "report_frames",
-           "step_time_frame"]
+__all__ = ["CURVE_COLUMNS", "MEMORY_CATEGORIES", "MIB", "ReportFrames", "float_or_nan", "loss_frame",
+           "memory_frame", "report_frames", "step_time_frame"]
 
 MEMORY_CATEGORIES = ("params", "grads", "optimizer", "activations", "temporaries")
 """Per-category memory terms (MemTracker's categories; on CUDA only `total` is measured)."""
@@ -29,8 +28,8 @@ CURVE_COLUMNS = ("curve", "step", "tokens", "loss", "lower", "upper")
 """Columns of the predicted loss curves (`executor.reporting.figures.predicted_loss_frame`)."""
 
 
-def _num(x) -> float:
-    """`x` as a float; NaN for None or a non-number."""
+def float_or_nan(x) -> float:
+    """`x` as a float; NaN for None or a non-number (a term the plan or the run does not have)."""
     try:
         return float(x)
     except (TypeError, ValueError):
@@ -47,8 +46,8 @@ def memory_frame(plan: Plan, record: RunRecord) -> pd.DataFrame:
     cats = [*MEMORY_CATEGORIES, "total"]
     return pd.DataFrame({
         "category": cats,
-        "predicted_mib": [_num(plan.predictions.memory_bytes.get(c)) / MIB for c in cats],
-        "measured_mib": [_num(record.peak_memory_bytes.get(c)) / MIB for c in cats],
+        "predicted_mib": [float_or_nan(plan.predictions.memory_bytes.get(c)) / MIB for c in cats],
+        "measured_mib": [float_or_nan(record.peak_memory_bytes.get(c)) / MIB for c in cats],
     })
 
 
@@ -62,12 +61,12 @@ def step_time_frame(plan: Plan, record: RunRecord) -> pd.DataFrame:
     Whether the two are comparable is `RunRecord.same_hardware`, not part of this frame.
     """
     breakdown = dict(plan.predictions.step_time_breakdown_s)
-    order = [k for k in ("compute", "recompute", "communication") if k in breakdown]
+    order: list[str] = [k for k in ("compute", "recompute", "communication") if k in breakdown]
     order += [k for k in breakdown if k not in order]
-    rows = [("predicted", k, _num(breakdown[k])) for k in order]
+    rows: list[tuple[str, str, float]] = [("predicted", k, float_or_nan(breakdown[k])) for k in order]
     if not rows:
-        rows = [("predicted", "total", _num(plan.predictions.step_time_s))]
-    rows.append(("measured", "median", _num(record.median_step_time_s)))
+        rows = [("predicted", "total", float_or_nan(plan.predictions.step_time_s))]
+    rows.append(("measured", "median", float_or_nan(record.median_step_time_s)))
     return pd.DataFrame(rows, columns=["source", "component", "seconds"])
 
 
@@ -78,8 +77,8 @@ def loss_frame(record: RunRecord) -> pd.DataFrame:
     (tokens NaN), `split == "heldout"` rows from `record.heldout_loss` (tokens seen so far).
     Loss in nats/token. Empty (with those columns) when nothing was recorded.
     """
-    rows = [(int(s), "train", _num(loss), math.nan) for s, loss in record.train_loss]
-    rows += [(int(s), "heldout", _num(loss), _num(tok)) for s, tok, loss in record.heldout_loss]
+    rows = [(int(s), "train", float_or_nan(loss), math.nan) for s, loss in record.train_loss]
+    rows += [(int(s), "heldout", float_or_nan(loss), float_or_nan(tok)) for s, tok, loss in record.heldout_loss]
     df = pd.DataFrame(rows, columns=["step", "split", "loss", "tokens"])
     return df.astype({"step": "int64", "split": "object", "loss": "float64", "tokens": "float64"})
 
@@ -125,9 +124,9 @@ def report_frames(plan: Plan, record: RunRecord, *,
              f" (ran on {record.device}, world size {record.world_size})")
     return ReportFrames(
         memory=memory_frame(plan, record), step_time=step_time_frame(plan, record), loss=loss,
-        title=title, memory_limit_mib=_num(plan.predictions.memory_limit_bytes) / MIB,
+        title=title, memory_limit_mib=float_or_nan(plan.predictions.memory_limit_bytes) / MIB,
         same_hardware=bool(record.same_hardware),
-        predicted_final_loss=_num(plan.predictions.final_loss), planned_steps=int(d.max_steps),
+        predicted_final_loss=float_or_nan(plan.predictions.final_loss), planned_steps=int(d.max_steps),
         stop_step=int(stop_step), stop_reason=record.stop_reason or "unknown",
         predicted_loss=(predicted_loss if predicted_loss is not None
                         else pd.DataFrame(columns=list(CURVE_COLUMNS))))

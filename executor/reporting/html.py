@@ -1,12 +1,13 @@
-"""The plan-vs-actual report as one self-contained HTML page per run, and a page comparing runs.
+"""The plan-vs-actual report as one self-contained HTML page per run (`write_run_report`), and a
+page comparing runs (`write_runs_report`).
 
 A page has no external reference: figures are PNGs inlined as `data:image/png;base64,...`, the
 style sheet is inline, there is no script. It opens offline in any browser.
 
-Each term of `executor.reporting.report.compare` gets a verdict: **held** when |rel_err| is within the
-term's tolerance (`TOLERANCES`), **not held** otherwise, **not measured** when the run has no
-measurement. A measurement of 0 holds only a prediction of exactly 0. The page opens with one
-line (`summary_line`), e.g. "7 of 8 predictions held; step time off by +23%".
+Each term of `executor.reporting.compare.compare` gets its verdict (`executor.reporting.verdicts`:
+**held** when |rel_err| is within the term's tolerance, **not held** otherwise, **not measured**
+when the run has no measurement). The page opens with one line (`summary_line`), e.g. "7 of 8
+predictions held; step time off by +23%".
 """
 
 from __future__ import annotations
@@ -24,50 +25,13 @@ from matplotlib.figure import Figure
 
 from executor.record import RunRecord
 from executor.reporting import figures as F
-from executor.reporting.report import (
-    ReportFrames,
-    _plot_loss,
-    _plot_memory,
-    _plot_step_time,
-    compare,
-    format_value,
-    load_run,
-    report,
-)
+from executor.reporting.compare import compare, format_value
+from executor.reporting.frames import ReportFrames
+from executor.reporting.plots import plot_loss, plot_memory, plot_step_time
+from executor.reporting.verdicts import HELD, NOT_HELD, TOLERANCES, summary_line, verdict_frame
 from planner.plan import Plan
 
-__all__ = ["TOLERANCES", "VERDICT_COLUMNS", "compare_runs", "summary_line", "term_label",
-           "tolerance", "verdict_frame", "write_run_report"]
-
-TOLERANCES: dict[str, float] = {
-    "memory": 0.03,
-    "flops_per_step": 0.03,
-    "step_time": 0.10,
-    "tokens": 0.01,
-    "final_loss": 0.05,
-    "end_step": 0.15,
-}
-"""Largest |rel_err| at which a prediction still holds, per term (fractions).
-
-- `memory` (every `memory_<category>` and `peak_memory`) and `flops_per_step`: 3%. Both are
-  counts the cost models derive from the same graph the run executes; a larger gap is a bug.
-- `step_time`: 10%, and only when the run ran on the plan's hardware (DESIGN.md, Measuring).
-- `tokens`: 1%: the run stopped where the plan said (a governor stop or a crash shows here).
-- `end_step` (governed plans: the step the run ended at, after the governor's cooldown if it
-  ran one, against the plan's prediction): 15%, the compute governor's target for its stop
-  step (issue #8), applied to the end.
-- `final_loss`: 5%, the scatter of a scaling-law fit at one model size.
-"""
-
-VERDICT_COLUMNS = ("run", "term", "label", "predicted", "measured", "unit", "rel_err",
-                   "tolerance", "verdict")
-"""Columns of `verdict_frame`."""
-
-HELD, NOT_HELD, NOT_MEASURED, NO_PREDICTION = "held", "not held", "not measured", "no prediction"
-
-_LABELS = {"peak_memory": "peak memory", "flops_per_step": "FLOPs per step",
-           "step_time": "step time", "tokens": "tokens", "final_loss": "final loss",
-           "end_step": "governed end step"}
+__all__ = ["CSS", "write_run_report", "write_runs_report"]
 
 CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:2em auto;
@@ -83,80 +47,7 @@ dl.facts{display:grid;grid-template-columns:max-content auto;gap:.2em 1.2em} dt{
 dd{margin:0} figure{margin:1.2em 0} img{max-width:100%;height:auto;border:1px solid #eee}
 figcaption{color:#555;font-size:.92em;max-width:900px} .note{color:#555;font-size:.92em}
 """
-
-
-# --- verdicts ---------------------------------------------------------------------------------
-
-
-def tolerance(term: str) -> float:
-    """The tolerance of `term` from `TOLERANCES` (`memory_*` and `peak_memory` share `memory`);
-    NaN for a term without one."""
-    key = "memory" if term.startswith("memory_") or term == "peak_memory" else term
-    return TOLERANCES.get(key, math.nan)
-
-
-def term_label(term: str) -> str:
-    """A reader's name for a term: `memory_params` -> `memory: params`."""
-    return f"memory: {term[len('memory_'):]}" if term.startswith("memory_") else _LABELS.get(term, term)
-
-
-def _verdict(predicted: float, measured: float, tol: float) -> str:
-    if not math.isfinite(measured):
-        return NOT_MEASURED
-    if not math.isfinite(predicted):
-        return NO_PREDICTION
-    if measured == 0:
-        return HELD if predicted == 0 else NOT_HELD
-    return HELD if abs(predicted - measured) <= tol * abs(measured) else NOT_HELD
-
-
-def verdict_frame(comparison: pd.DataFrame, run: str = "") -> pd.DataFrame:
-    """`compare`'s table with a verdict per term (pure).
-
-    Adds columns `run` (the given label), `label` (`term_label`), `tolerance` (`tolerance`) and
-    `verdict`: `held`, `not held`, `not measured` or `no prediction`; columns in
-    `VERDICT_COLUMNS` order.
-    """
-    df = comparison.copy()
-    df["run"] = run
-    df["label"] = [term_label(t) for t in df["term"]]
-    df["tolerance"] = [tolerance(t) for t in df["term"]]
-    df["verdict"] = [_verdict(float(p), float(m), float(t))
-                     for p, m, t in zip(df["predicted"], df["measured"], df["tolerance"], strict=False)]
-    return df[list(VERDICT_COLUMNS)].reset_index(drop=True)
-
-
-def _pct(x: float) -> str:
-    return f"{x:+.0%}" if abs(round(x, 4)) >= 0.1 else f"{x:+.1%}"
-
-
-def summary_line(verdicts: pd.DataFrame, same_hardware: bool = True, most: int = 3) -> str:
-    """One line: how many predictions held and the worst misses, e.g.
-    "7 of 8 predictions held; step time off by +23%". Up to `most` misses are named, largest
-    |rel_err| first; terms not measured and a step time not compared are said at the end."""
-    compared = verdicts[verdicts["verdict"].isin([HELD, NOT_HELD])]
-    n_held = int((compared["verdict"] == HELD).sum())
-    parts = [f"all {len(compared)} predictions held" if n_held == len(compared) and len(compared)
-             else f"{n_held} of {len(compared)} predictions held"]
-    misses = compared[compared["verdict"] == NOT_HELD].copy()
-    misses["size"] = misses["rel_err"].abs().fillna(math.inf)
-    misses = misses.sort_values("size", ascending=False, kind="stable")
-    said = []
-    for r in misses.head(most).itertuples(index=False):
-        if math.isfinite(r.rel_err):
-            said.append(f"{r.label} off by {_pct(r.rel_err)}")
-        else:
-            said.append(f"{r.label} predicted {format_value(r.predicted, r.unit)}, measured 0")
-    if len(misses) > most:
-        said.append(f"{len(misses) - most} more")
-    line = parts[0] + ("; " + ", ".join(said) if said else "")
-    line = line[0].upper() + line[1:]
-    n_missing = int((~verdicts["verdict"].isin([HELD, NOT_HELD])).sum())
-    if n_missing:
-        line += f"; {n_missing} not measured"
-    if not same_hardware:
-        line += "; step time not compared (other hardware)"
-    return line
+"""The pages' inline style sheet (no external reference)."""
 
 
 # --- HTML pieces ------------------------------------------------------------------------------
@@ -268,18 +159,18 @@ def _run_figures(plan: Plan, record: RunRecord, frames: ReportFrames, verdicts: 
     blocks.append(_figure(F.error_figure(verdicts), "Prediction error per term",
                           "Each bar is (predicted - measured) / measured. The green band is the "
                           "term's tolerance: a bar inside it is a prediction that held."))
-    blocks.append(_figure(_panel(_plot_memory, frames), "Memory per category",
+    blocks.append(_figure(_panel(plot_memory, frames), "Memory per category",
                           "Tensor bytes per device at the peak, predicted beside measured (on "
                           "CUDA only the total is measured). The dotted line is the usable limit."))
     ranks = F.rank_memory_frame(plan, record)
     if len(ranks) > 1:
         blocks.append(_figure(F.rank_memory_figure(ranks), "Memory per rank",
                               "Each rank's measured peak beside the plan's per-device total."))
-    blocks.append(_figure(_panel(_plot_step_time, frames, (6, 4.2)), "Step time",
+    blocks.append(_figure(_panel(plot_step_time, frames, (6, 4.2)), "Step time",
                           "Predicted compute, recompute and communication, stacked, beside the "
                           "measured median step (after two warm-up steps). Only comparable on the "
                           "plan's hardware."))
-    blocks.append(_figure(_panel(_plot_loss, frames, (9, 4.6)), "Loss",
+    blocks.append(_figure(_panel(plot_loss, frames, (9, 4.6)), "Loss",
                           "Training and held-out loss as measured; the predicted curve with its "
                           "band where the law is known; the star is the predicted final loss at "
                           "the planned budget; the solid line is where the run stopped and why."))
@@ -309,8 +200,9 @@ def write_run_report(plan: Plan, record: RunRecord, out: str | Path, *, frames: 
                      cache_dir: str | Path | None = None) -> dict[str, Path]:
     """Write `report.html` (self-contained) and `summary.json` (verdicts) into `out`.
 
-    `frames`: `executor.reporting.report.report_frames` of this plan and record. Returns the paths under
-    `html` and `summary`. Called by `executor.reporting.report.report`, which writes the other files.
+    `frames`: `executor.reporting.frames.report_frames` of this plan and record. Returns the paths
+    under `html` and `summary`. Called by `executor.reporting.report.report`, which writes the other
+    files.
     """
     out = Path(out)
     verdicts = verdict_frame(compare(plan, record))
@@ -337,60 +229,34 @@ def write_run_report(plan: Plan, record: RunRecord, out: str | Path, *, frames: 
 # --- several runs -----------------------------------------------------------------------------
 
 
-def _run_labels(run_dirs: list[Path]) -> list[str]:
-    names = [p.resolve().name or str(p) for p in run_dirs]
-    return names if len(set(names)) == len(names) else [str(p) for p in run_dirs]
+def write_runs_report(runs: list[tuple[str, Path, Plan, RunRecord, str]], verdicts: pd.DataFrame,
+                      out: Path) -> Path:
+    """Write `out/report.html`, the page comparing runs, and return its path.
 
-
-def compare_runs(run_dirs: list[str | Path], out: str | Path, *, rebuild: bool = True,
-                 cache_dir: str | Path | None = None) -> dict[str, Path]:
-    """A report comparing runs: `report.html`, `comparison.csv` (one row per run and term, with
-    tolerance and verdict) and `summary.json` (each run's verdict line) in `out`.
-
-    With `rebuild`, each run's own report is rewritten first (`executor.reporting.report.report`).
-    Returns the paths under `html`, `comparison`, `summary`.
-
-    Raises:
-        PlanMismatchError: a run folder cannot be read (`load_run`; the message names it).
+    `runs`: per run (label, run folder, plan, record, its `summary_line`); `verdicts`: the runs'
+    `verdict_frame`s concatenated (column `run` is the label). Each run's own `report.html` is
+    linked by its path relative to `out`. Called by `executor.reporting.report.compare_runs`,
+    which writes the other files.
     """
-    dirs = [Path(p) for p in run_dirs]
-    runs = [load_run(p) for p in dirs]  # fail before writing anything
-    labels = _run_labels(dirs)
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    verdicts, overview = [], []
-    for label, run_dir, (plan, record) in zip(labels, dirs, runs, strict=False):
-        if rebuild:
-            report(plan, record, run_dir, cache_dir=cache_dir)
-        v = verdict_frame(compare(plan, record), run=label)
-        verdicts.append(v)
-        overview.append((label, run_dir, plan, record, summary_line(v, record.same_hardware)))
-    allv = pd.concat(verdicts, ignore_index=True)
-    paths = {"html": out / "report.html", "comparison": out / "comparison.csv",
-             "summary": out / "summary.json"}
-    allv.to_csv(paths["comparison"], index=False)
-    paths["summary"].write_text(json.dumps(
-        {"runs": [{"run": label, "dir": str(d.resolve()), "summary": line}
-                  for label, d, _, _, line in overview], "tolerances": TOLERANCES},
-        indent=2, allow_nan=False) + "\n")
     rows = "".join(
         f"<tr><td>{_e(label)}</td><td>{_e(p.model)}</td><td>{_e(p.hw)} x {p.decisions.devices}</td>"
         f"<td>{_e(r.device)}</td><td>{_e(r.stop_reason or 'unknown')} after {r.steps:,} steps</td>"
-        f"<td>{_e(line)}</td></tr>" for label, _, p, r, line in overview)
-    held = int((allv["verdict"] == HELD).sum())
-    n = int(allv["verdict"].isin([HELD, NOT_HELD]).sum())
+        f"<td>{_e(line)}</td></tr>" for label, _, p, r, line in runs)
+    held = int((verdicts["verdict"] == HELD).sum())
+    n = int(verdicts["verdict"].isin([HELD, NOT_HELD]).sum())
     line = f"{len(runs)} runs: {held} of {n} predictions held"
     title = f"trainplan: {len(runs)} runs compared"
-    body = [f"<h1>{_e(title)}</h1>", _verdict_block(line, allv),
+    body = [f"<h1>{_e(title)}</h1>", _verdict_block(line, verdicts),
             "<h2>Runs</h2><table><thead><tr><th>run</th><th>model</th><th>planned for</th>"
             f"<th>ran on</th><th>stop</th><th>verdict</th></tr></thead><tbody>{rows}</tbody></table>",
-            _figure(F.error_figure(allv), "Prediction error per term and run",
+            _figure(F.error_figure(verdicts), "Prediction error per term and run",
                     "One bar per run: (predicted - measured) / measured; the green band is the "
                     "term's tolerance. Hatched bars are predictions that did not hold."),
-            "<h2>Predictions</h2>", _verdict_table(allv, with_run=True), _tolerance_note(),
+            "<h2>Predictions</h2>", _verdict_table(verdicts, with_run=True), _tolerance_note(),
             '<h2>Run reports</h2><ul>' + "".join(
                 f'<li><a href="{_e(Path(os.path.relpath(d / "report.html", out)).as_posix())}">'
                 f"{_e(label)}</a>: {_e(str((d / 'report.html').resolve()))}</li>"
-                for label, d, *_ in overview) + "</ul>"]
-    paths["html"].write_text(_page(title, body), encoding="utf-8")
-    return paths
+                for label, d, *_ in runs) + "</ul>"]
+    path = out / "report.html"
+    path.write_text(_page(title, body), encoding="utf-8")
+    return path

@@ -1,8 +1,7 @@
 """The report figure: `plot_report` draws `ReportFrames` (`executor.reporting.frames`) as three
-panels, memory by category, step time and the loss curve, on an unattached matplotlib Figure.
-
-Split out of `executor/reporting/report.py`, which re-exports every name here. Tests check the frames,
-not pixels.
+panels, memory by category (`plot_memory`), step time (`plot_step_time`) and the loss curve
+(`plot_loss`), on an unattached matplotlib Figure; the HTML report (`executor.reporting.html`) draws
+each panel on its own. Tests check the frames, not pixels.
 """
 
 from __future__ import annotations
@@ -14,15 +13,19 @@ from matplotlib.figure import Figure
 
 from executor.reporting.frames import ReportFrames
 
-__all__ = ["plot_report"]
+__all__ = ["LIMIT_SCALE", "STEP_TIME_NOTE", "plot_loss", "plot_memory", "plot_report", "plot_step_time"]
 
 LIMIT_SCALE = 3.0
 """Draw the usable-memory limit only when it is at most this many times the tallest bar."""
 
 STEP_TIME_NOTE = "different hardware: times not compared"
+"""The step-time panel's note when the run's device is not the plan's (`RunRecord.same_hardware`)."""
 
 
-def _plot_memory(ax, frames: ReportFrames) -> None:
+def plot_memory(ax, frames: ReportFrames) -> None:
+    """Draw the memory panel on the matplotlib Axes `ax`: predicted beside measured MiB per device
+    by category (`ReportFrames.memory`), with the usable limit when it is within `LIMIT_SCALE`
+    times the tallest bar."""
     mem, width = frames.memory, 0.4
     x = list(range(len(mem)))
     ax.bar([i - width / 2 for i in x], mem["predicted_mib"].fillna(0), width, label="predicted")
@@ -39,7 +42,9 @@ def _plot_memory(ax, frames: ReportFrames) -> None:
     ax.legend(fontsize="small")
 
 
-def _plot_step_time(ax, frames: ReportFrames) -> None:
+def plot_step_time(ax, frames: ReportFrames) -> None:
+    """Draw the step-time panel on `ax`: the predicted components stacked (seconds per step)
+    beside the measured median, hatched and noted (`STEP_TIME_NOTE`) on other hardware."""
     st = frames.step_time
     bottom = 0.0
     for _, row in st[st["source"] == "predicted"].iterrows():
@@ -58,7 +63,10 @@ def _plot_step_time(ax, frames: ReportFrames) -> None:
     ax.legend(fontsize="small", loc="upper center", ncol=2)
 
 
-def _plot_loss(ax, frames: ReportFrames) -> None:
+def plot_loss(ax, frames: ReportFrames) -> None:
+    """Draw the loss panel on `ax` (nats/token against steps): train and held-out loss as
+    measured, the predicted curves with their bands, the planned budget with the predicted final
+    loss, and the step the run stopped at with its reason."""
     lf = frames.loss
     train, held = lf[lf["split"] == "train"], lf[lf["split"] == "heldout"]
     if not train.empty:
@@ -110,8 +118,8 @@ def plot_report(frames: ReportFrames) -> Figure:
     (no pyplot state; save it with `fig.savefig`)."""
     fig = Figure(figsize=(16, 5), layout="constrained")
     axes = fig.subplots(1, 3)
-    _plot_memory(axes[0], frames)
-    _plot_step_time(axes[1], frames)
-    _plot_loss(axes[2], frames)
+    plot_memory(axes[0], frames)
+    plot_step_time(axes[1], frames)
+    plot_loss(axes[2], frames)
     fig.suptitle(frames.title)
     return fig

@@ -1,106 +1,35 @@
-"""Prediction beside measurement: one table (`compare`), one figure (`plot_report`), one folder
-(`report`, which also writes the self-contained `report.html` of `executor.reporting.html`).
+"""One run's report folder (`report`), a folder comparing runs (`compare_runs`), and reading a run
+folder back (`load_run`).
+
+`report` writes `compare`'s table (`executor.reporting.compare`), the plan and the record, the
+figure (`executor.reporting.frames` turns a Plan and a RunRecord into DataFrames,
+`executor.reporting.plots` draws them; tests check the frames, not pixels) and the self-contained
+`report.html` of `executor.reporting.html` with the verdicts of `executor.reporting.verdicts`.
 
 Units: memory in bytes (per device, tensor bytes at the peak; the figure shows MiB = 2**20 bytes),
 FLOPs per step per device, time in seconds, tokens over all ranks, loss in nats/token.
-`rel_err = (predicted - measured) / measured`, NaN when the measurement is 0, NaN or missing.
-
-Times are compared only when the run's device is the plan's target (`RunRecord.same_hardware`);
-bytes, FLOPs, tokens and loss are hardware-independent and always compared (DESIGN.md, Measuring).
-
-The figure is built in two steps: pure functions turn a Plan and a RunRecord into DataFrames
-(`memory_frame`, `step_time_frame`, `loss_frame`, gathered by `report_frames`), and
-`plot_report` draws those frames. Tests check the frames, not pixels.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import sys
 from pathlib import Path
 
+import matplotlib
 import pandas as pd
 
 from executor.record import RunRecord
-
-# The figure's frames and drawing live in executor.reporting.frames and executor.reporting.plots;
-# every name stays importable from here.
-from executor.reporting.frames import CURVE_COLUMNS as CURVE_COLUMNS
-from executor.reporting.frames import (
-    MEMORY_CATEGORIES,
-    ReportFrames,
-    _num,
-    loss_frame,
-    memory_frame,
-    report_frames,
-    step_time_frame,
-)
-from executor.reporting.frames import MIB as MIB
-from executor.reporting.plots import LIMIT_SCALE as LIMIT_SCALE
-from executor.reporting.plots import STEP_TIME_NOTE as STEP_TIME_NOTE
-from executor.reporting.plots import _loss_ylim as _loss_ylim
-from executor.reporting.plots import _plot_loss as _plot_loss
-from executor.reporting.plots import _plot_memory as _plot_memory
-from executor.reporting.plots import _plot_step_time as _plot_step_time
+from executor.reporting.compare import compare
+from executor.reporting.figures import plan_loss_curves
+from executor.reporting.frames import report_frames
+from executor.reporting.html import write_run_report, write_runs_report
 from executor.reporting.plots import plot_report
+from executor.reporting.verdicts import TOLERANCES, summary_line, verdict_frame
 from planner.plan import Plan
 from trainplan_errors import PlanMismatchError
 
-__all__ = ["COLUMNS", "MEMORY_CATEGORIES", "ReportFrames", "compare", "format_table",
-           "format_value", "load_run", "loss_frame", "memory_frame", "plot_report", "report",
-           "report_frames", "step_time_frame"]
-
-COLUMNS = ("term", "predicted", "measured", "unit", "rel_err")
-"""Columns of `compare`'s DataFrame, in order."""
-
-
-def _rel_err(predicted: float, measured: float) -> float:
-    """(predicted - measured) / measured; NaN when measured is 0, NaN or infinite."""
-    if not math.isfinite(measured) or measured == 0:
-        return math.nan
-    return (predicted - measured) / measured
-
-
-def compare(plan: Plan, record: RunRecord) -> pd.DataFrame:
-    """Prediction beside measurement, one row per term.
-
-    Columns `term, predicted, measured, unit, rel_err`. Rows, in order:
-    `memory_<category>` (bytes; only categories the record measured: on CUDA only the total),
-    `peak_memory` (bytes, predicted total vs measured total), `flops_per_step` (FLOPs per device),
-    `step_time` (s, predicted vs median measured after warm-up; if `record.same_hardware`),
-    `tokens` (all ranks), for a governed plan `end_step` (the step the run is predicted to end
-    at, its governor's cooldown included, vs the steps it ran; the predicted and decided stop
-    themselves are in the plan and the run's governor.json), `final_loss` (nats/token, the
-    last held-out loss; a governed plan predicts it at its predicted end step).
-    A missing measurement is NaN ("not measured", not a miss); `rel_err` is NaN when the
-    measurement is 0 or NaN. Runs too short for the fixed measured steps (`measure.measured_step`)
-    leave a zero total peak, zero FLOPs or only warm-up step times: those are missing too.
-    """
-    pred, measured_mem = plan.predictions, record.peak_memory_bytes
-    measured_total = _num(measured_mem.get("total")) or math.nan
-    rows: list[tuple[str, float, float, str]] = [
-        (f"memory_{cat}", _num(pred.memory_bytes.get(cat)), _num(measured_mem[cat]), "bytes")
-        for cat in MEMORY_CATEGORIES if cat in measured_mem and measured_total > 0]
-    rows.append(("peak_memory", _num(pred.memory_bytes.get("total")), measured_total, "bytes"))
-    rows.append(("flops_per_step", _num(pred.flops_per_step), _num(record.flops_per_step) or math.nan,
-                 "FLOPs"))
-    if record.same_hardware:
-        timed = _num(record.median_step_time_s) if len(record.step_times_s) > 2 else math.nan
-        rows.append(("step_time", _num(pred.step_time_s), timed, "s"))
-    end = getattr(pred, "predicted_end_step", None)  # a governed plan: where it ends, its loss there
-    tokens = pred.total_tokens if end is None else end * pred.tokens_per_step
-    rows.append(("tokens", _num(tokens), _num(record.tokens), "tokens"))
-    if end is not None:
-        rows.append(("end_step", float(end), float(record.steps), "steps"))
-    rows.append(("final_loss", _num(pred.final_loss if end is None else pred.predicted_end_loss),
-                 _num(record.final_heldout_loss), "nats"))
-    df = pd.DataFrame(rows, columns=list(COLUMNS[:4]))
-    df["rel_err"] = [_rel_err(p, m) for p, m in zip(df["predicted"], df["measured"], strict=False)]
-    return df
-
-
-# --- files ------------------------------------------------------------------------------------
+__all__ = ["compare_runs", "load_run", "report"]
 
 
 def report(plan: Plan, record: RunRecord, out: str | Path, *,
@@ -116,11 +45,6 @@ def report(plan: Plan, record: RunRecord, out: str | Path, *,
     `frontier.csv` in `out` adds the Pareto frontier figure.
     Raises OSError when `out` cannot be written.
     """
-    import matplotlib
-
-    from executor.reporting.figures import plan_loss_curves
-    from executor.reporting.html import write_run_report
-
     if "matplotlib.pyplot" not in sys.modules:  # switching under a live pyplot closes its figures
         matplotlib.use("Agg")
     out = Path(out)
@@ -170,54 +94,42 @@ def load_run(run_dir: str | Path) -> tuple[Plan, RunRecord]:
     return plan, record
 
 
-# --- text table -------------------------------------------------------------------------------
+def _run_labels(run_dirs: list[Path]) -> list[str]:
+    names = [p.resolve().name or str(p) for p in run_dirs]
+    return names if len(set(names)) == len(names) else [str(p) for p in run_dirs]
 
 
-def _fmt_bytes(x: float) -> str:
-    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(x) >= scale:
-            return f"{x / scale:.2f} {unit}"
-    return f"{x:.0f} B"
+def compare_runs(run_dirs: list[str | Path], out: str | Path, *, rebuild: bool = True,
+                 cache_dir: str | Path | None = None) -> dict[str, Path]:
+    """A report comparing runs: `report.html` (`executor.reporting.html.write_runs_report`),
+    `comparison.csv` (one row per run and term, with tolerance and verdict) and `summary.json`
+    (each run's verdict line) in `out`.
 
-
-def format_value(x, unit: str) -> str:
-    x = _num(x)
-    if math.isnan(x):
-        return "-"
-    if unit == "bytes":
-        return _fmt_bytes(x)
-    if unit == "FLOPs":
-        return f"{x:.3e} FLOPs"
-    if unit == "s":
-        return f"{x * 1e3:.2f} ms" if abs(x) < 1 else f"{x:.3f} s"
-    if unit == "tokens":
-        return f"{x:,.0f} tokens"
-    if unit == "nats":
-        return f"{x:.4f} nats"
-    return f"{x:.4g} {unit}".rstrip()
-
-
-def format_table(df: pd.DataFrame) -> str:
-    """`compare`'s DataFrame as an aligned text table for the terminal.
-
-    Bytes in binary units (B, KiB, MiB, GiB, TiB), FLOPs in scientific notation, seconds as s
-    or ms, tokens with thousands separators, loss in nats, rel_err as a signed percent;
-    a missing value prints as `-`.
+    With `rebuild`, each run's own report is rewritten first (`report`).
+    Returns the paths under `html`, `comparison`, `summary`.
 
     Raises:
-        ValueError: `df` lacks one of `compare`'s columns (named in the message).
+        PlanMismatchError: a run folder cannot be read (`load_run`; the message names it).
     """
-    missing = [c for c in COLUMNS if c not in df.columns]
-    if missing:
-        raise ValueError(f"format_table needs columns {list(COLUMNS)}; missing {missing}")
-    header = ("term", "predicted", "measured", "rel_err")
-    body = [(str(r.term), format_value(r.predicted, r.unit), format_value(r.measured, r.unit),
-             "-" if math.isnan(_num(r.rel_err)) else f"{_num(r.rel_err):+.1%}")
-            for r in df.itertuples(index=False)]
-    widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
-
-    def line(cells) -> str:
-        return "  ".join([cells[0].ljust(widths[0])]
-                         + [c.rjust(w) for c, w in zip(cells[1:], widths[1:], strict=False)])
-
-    return "\n".join([line(header), "  ".join("-" * w for w in widths), *map(line, body)])
+    dirs = [Path(p) for p in run_dirs]
+    runs = [load_run(p) for p in dirs]  # fail before writing anything
+    labels = _run_labels(dirs)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    verdicts, overview = [], []
+    for label, run_dir, (plan, record) in zip(labels, dirs, runs, strict=False):
+        if rebuild:
+            report(plan, record, run_dir, cache_dir=cache_dir)
+        v = verdict_frame(compare(plan, record), run=label)
+        verdicts.append(v)
+        overview.append((label, run_dir, plan, record, summary_line(v, record.same_hardware)))
+    allv = pd.concat(verdicts, ignore_index=True)
+    paths = {"html": out / "report.html", "comparison": out / "comparison.csv",
+             "summary": out / "summary.json"}
+    allv.to_csv(paths["comparison"], index=False)
+    paths["summary"].write_text(json.dumps(
+        {"runs": [{"run": label, "dir": str(d.resolve()), "summary": line}
+                  for label, d, _, _, line in overview], "tolerances": TOLERANCES},
+        indent=2, allow_nan=False) + "\n")
+    paths["html"] = write_runs_report(overview, allv, out)
+    return paths

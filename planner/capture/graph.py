@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -125,7 +126,8 @@ def capture(model: nn.Module, *, dtype: torch.dtype | None = None, name: str | N
             f"cannot capture {type(model).__name__}: trainplan plans causal LMs laid out like "
             "HF transformers (model.embed_tokens, model.layers, model.norm, model.rotary_emb, "
             "lm_head); use a preset or a transformers *ForCausalLM model")
-    cfg = model.config
+    cfg: Any = model.config  # a transformers config: its fields differ by model family
+    lm_head = model.get_submodule("lm_head")
     dtype = dtype or next(model.parameters()).dtype
     b0, s0 = _pick_sentinels(model)
     n_heads, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -193,7 +195,7 @@ def capture(model: nn.Module, *, dtype: torch.dtype | None = None, name: str | N
                            **{p: "param" for p in pnames}},
                     b0=b0, s0=s0, block=i, autocast_dtype=autocast_dtype, activation_bits=bits)
 
-    tail_mods = {"norm": core.norm, "lm_head": model.lm_head}
+    tail_mods = {"norm": core.norm, "lm_head": lm_head}
     held: list = []
     tp = {f"{m}.{k}": v for m, mod in tail_mods.items()
           for k, v in _fake_params(mod, mode, dtype).items()}
@@ -202,7 +204,7 @@ def capture(model: nn.Module, *, dtype: torch.dtype | None = None, name: str | N
     def tail_fn(x, labels, **params):
         h = torch.func.functional_call(core.norm, {k[5:]: v for k, v in params.items()
                                                    if k.startswith("norm.")}, (x,))
-        logits = torch.func.functional_call(model.lm_head, {k[8:]: v for k, v in params.items()
+        logits = torch.func.functional_call(lm_head, {k[8:]: v for k, v in params.items()
                                                             if k.startswith("lm_head.")}, (h,))
         held.append(logits)  # the executor's lm_loss(logits, ...) holds them until it returns
         loss = lm_loss(logits, labels)
@@ -223,7 +225,7 @@ def capture(model: nn.Module, *, dtype: torch.dtype | None = None, name: str | N
                       stacklevel=2)
     n_params = sum(p.numel() for p in model.parameters())
     param_bytes = n_params * torch.empty((), dtype=dtype).element_size()
-    return ModelGraph(name=name or getattr(model, "trainplan_preset", type(model).__name__),
+    return ModelGraph(name=name or str(getattr(model, "trainplan_preset", type(model).__name__)),
                       n_params=n_params, param_bytes=param_bytes, regions=regions,
                       blocks=tuple(block_names), n_heads=n_heads, n_kv_heads=n_kv,
                       head_dim=head_dim, hidden_size=hidden, vocab_size=vocab)

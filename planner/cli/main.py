@@ -10,28 +10,10 @@ import argparse
 import re
 import sys
 
-# checks and commands live in planner.cli.checks / planner.cli.commands; re-exported here
-from planner.cli.checks import (  # noqa: F401
-    _whole,
-    check_device,
-    check_json_path,
-    check_out_dir,
-    check_plan,
-    check_plan_model,
-    valid_devices,
-)
-from planner.cli.commands import (  # noqa: F401
+from planner.cli.commands import (
     DATA_METHODS_HELP,
     DEFAULT_DATA_METHODS,
     DEMO_BUDGET_FLOPS,
-    DEMO_SEQ_LEN,
-    _budget,
-    _copy_frontier,
-    _corpus_for,
-    _frontier_files,
-    _print_plan,
-    _run_and_report,
-    _sp_note,
     cmd_calibrate,
     cmd_demo,
     cmd_profiles,
@@ -74,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--budget-flops", type=float)
     s.add_argument("--data-tokens", type=int, help="unique tokens in the corpus (default: unconstrained)")
     s.add_argument("--json", help="write the plan to this file")
-    s.add_argument("--time-limit", type=float, default=10.0, help="solver time limit in CP-SAT deterministic seconds (reproducible: same inputs and "
+    s.add_argument("--time-limit", type=float, default=10.0,
+                   help="solver time limit in CP-SAT deterministic seconds (reproducible: same inputs and "
                         "seed, same plan); default 10")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--frontier", action="store_true",

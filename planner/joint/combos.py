@@ -1,10 +1,10 @@
-"""Per-combo helpers of the joint CP-SAT model (`planner.joint.solver`): the model's units, the
-compute constraint's terms, dominated combos, a feasible start, and spending the budget.
+"""The combos of the joint CP-SAT model (`planner.joint.solver`) and their memory accounting.
 
-A combo is one assignment of the shape knobs (SP degree, ZeRO stage, micro-batch, optimizer
-bits) as `planner.joint.solver.solve_joint` builds it: a dict of memory terms (`combo_memory`: bytes
-per device), seconds (`fixed_s`), per checkpoint entry retained / forward / backward peak
-bytes (`R`, `F`, `T`), seconds (`block_s`) and the step's FLOPs (`flops`), and its menu `sets`.
+A combo (`Combo`) is one assignment of the shape knobs (SP degree, ZeRO stage, micro-batch,
+optimizer and saved-activation widths) as `planner.joint.solver.solve_joint` builds it: its
+memory terms (`ComboMemory`, bytes per device), the seconds per step outside the blocks
+(`Combo.fixed_s`) and, per checkpoint entry of its menu, one block's retained / forward / backward
+peak bytes, seconds per step and the step's FLOPs (`EntryCost`).
 
 Memory is the one accounting `StepModel.evaluate` predicts (`costmodels.step.memory.step_phases` over
 `model_state_bytes(as_executed=True)`, FSDP2's `FsdpLayout` for ZeRO 2/3 on more than one
@@ -19,40 +19,113 @@ step). With exact bytes (`q=float`) the largest row or fixed phase is `evaluate`
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
+from costmodels.checkpoint_sets import CheckpointSet
 from costmodels.step.model import Choice, StepModel
-from hardware_profiles import HardwareProfile
-from planner.budget import Budget
-from trainplan_errors import InfeasibleError
 
 BYTES_PER_UNIT = 2**16          # memory in 64 KiB units
-MICROS_PER_UNIT = 1e-6          # time in microseconds
 
 
 def units(value: float, per_unit: float) -> int:
+    """`value` in whole units of `per_unit`, rounded up (the solver's integer coefficients)."""
     return int(math.ceil(value / per_unit))
 
 
-def combo_memory(sm: StepModel, base: Choice) -> dict:
-    """Memory terms of the combo whose knobs `base` fixes (its policies are ignored), bytes per
-    device, as `StepModel.evaluate` composes them (`costmodels.step.memory.step_phases`):
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ComboMemory:
+    """The memory terms of one combo that do not depend on its checkpoint entries, bytes per
+    device, as `StepModel.evaluate` composes them (`costmodels.step.memory.step_phases`; built
+    by `combo_memory`). Block i's backward holds `bwd_fixed_bytes` + `per_later_block_bytes` x
+    (blocks after i) + `per_earlier_block_bytes` x (blocks before i) beyond `base_bytes`, the
+    blocks' activations and its own backward peak."""
 
-    - `base`: parameters and optimizer states at rest (`model_state_bytes(as_executed=True)`)
-      and the head's retained activations: held in every block and tail phase;
-    - `unsharded`: FSDP2's all-gathered parameters during a block's forward (ZeRO-3: the root
-      group and the block's parameters and all-gather buffer; ZeRO-2: every group, whole);
-    - `tail`: the tail's forward or backward peak (ZeRO-3: FSDP2's root group inside it,
-      `StepModel.tail_memory`) plus the groups held whole then (ZeRO-2: all);
-    - `bwd_fixed`, `G`, `Gb`: block i's backward holds `bwd_fixed` + `G` x (blocks after i) +
-      `Gb` x (blocks before i) beyond `base`, its activations and its own backward peak:
-      the tail's gradients (whole under FSDP2: the root group reduce-scatters last), the
-      later blocks' gradients (sharded by `grad_scale` once reduce-scattered), DDP's buckets
-      (filled in proportion to the gradients made) and FSDP2's whole groups (ZeRO-2: the
-      root and blocks 0..i; ZeRO-3: the root, block i and the prefetched one);
-    - `rs`: a block's gradient reduce-scatter buffers (`FsdpLayout.reduce_bytes`) less its own
-      parameters, resharded before it (`FsdpLayout.at_reduce`), a phase beside its backward peak;
-    - `fixed`: the highest bytes of each phase that does not depend on the checkpoint entries
-      (`fwd:head`, `bwd:head`, `bwd:root`, `optimizer`)."""
+    base_bytes: float
+    """Parameters and optimizer states at rest (`model_state_bytes(as_executed=True)`) and the
+    head's retained activations: held in every block and tail phase."""
+    fwd_unsharded_bytes: float
+    """FSDP2's all-gathered parameters during a block's forward (ZeRO-3: the root group and the
+    block's parameters and all-gather buffer; ZeRO-2: every group, whole); 0 without FSDP2."""
+    tail_bytes: float
+    """The tail's forward or backward peak (ZeRO-3: FSDP2's root group inside it,
+    `StepModel.tail_memory`) plus the groups held whole then (ZeRO-2: all)."""
+    bwd_fixed_bytes: float
+    """Held in every block's backward: the tail's gradients (whole under FSDP2: the root group
+    reduce-scatters last), FSDP2's whole groups at the first block and DDP's buckets filled by
+    the tail's and the block's own gradients."""
+    per_later_block_bytes: float
+    """Held in a block's backward per block after it: that block's gradients (sharded by
+    `grad_scale` once reduce-scattered) and DDP's bucket share of them."""
+    per_earlier_block_bytes: float
+    """Held in a block's backward per block before it: FSDP2's whole groups (ZeRO-2: the root
+    and blocks 0..i; ZeRO-3: the root, block i and the prefetched one)."""
+    reduce_scatter_bytes: float
+    """A block's gradient reduce-scatter buffers (`FsdpLayout.reduce_bytes`) less its own
+    parameters, resharded before it (`FsdpLayout.at_reduce`): a phase beside its backward peak."""
+    fixed_phase_bytes: dict[str, float]
+    """The highest bytes of each phase that does not depend on the checkpoint entries, by phase
+    kind (`fwd:head`, `bwd:head`, `bwd:root` under FSDP2, `optimizer`)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EntryCost:
+    """One checkpoint entry on one block of a combo (the blocks are identical), per device, as
+    `StepModel.block_memory`, `block_time` and `block_cost` predict it at the combo's knobs."""
+
+    entry: CheckpointSet
+    """The checkpoint set blocks on this entry run."""
+    retained_bytes: float
+    """What one block holds from its forward to its backward (`RegionMemory.retained`)."""
+    fwd_peak_bytes: float
+    """One block's own forward peak (`RegionMemory.fwd_peak`)."""
+    bwd_peak_bytes: float
+    """One block's own backward peak, its recompute included (`RegionMemory.bwd_peak`)."""
+    block_s: float
+    """Seconds of one block per step: forward, backward, recompute and per-op overhead
+    (`StepModel.block_time`)."""
+    step_flops: float
+    """FLOPs of the whole step with every block on this entry: the unchecked step's plus every
+    block's recompute FLOPs."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Combo:
+    """One assignment of the shape knobs with what the joint model needs of it (module
+    docstring): memory terms, fixed seconds and the cost of each entry of its checkpoint menu."""
+
+    choice: Choice
+    """The knobs, every block on `none`: SP degree, ZeRO stage, micro-batch, sequence, optimizer
+    and saved-activation widths, devices."""
+    memory: ComboMemory
+    fixed_s: float
+    """Seconds of one step outside the blocks: the unchecked step's less its blocks'."""
+    menu: dict[str, EntryCost]
+    """The checkpoint entries this combo may take, by name: the search space's named entries and,
+    where its block shape's menu was added (`planner.joint.remat_menu.add_menus`), solved
+    `remat:k` entries."""
+
+    @property
+    def bits(self) -> tuple[int, int]:
+        """(optimizer, saved-activation) widths, bits."""
+        return self.choice.optimizer_bits, self.choice.activation_bits
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens of one step over all data-parallel ranks."""
+        c = self.choice
+        return c.micro_batch * c.seq_len * (c.devices // c.sp_degree)
+
+    def cost_of(self, e: str) -> EntryCost:
+        """Entry `e`'s cost; an entry off this combo's menu reads as `full` (the solver holds its
+        blocks at 0 under this combo; `full` is on every menu that has solved entries)."""
+        return self.menu[e] if e in self.menu else self.menu["full"]
+
+
+def combo_memory(sm: StepModel, base: Choice) -> ComboMemory:
+    """Memory terms of the combo whose knobs `base` fixes (its policies are ignored), bytes per
+    device, as `StepModel.evaluate` composes them (`ComboMemory`'s fields)."""
     states = sm.model_states(base)
     L = len(sm.blocks)
     fsdp = sm.fsdp_layout(base)
@@ -80,178 +153,88 @@ def combo_memory(sm: StepModel, base: Choice) -> dict:
     if fsdp is not None:  # the root group's reduce-scatter, the head's gradients still whole
         fixed["bwd:root"] = (po + L * G + head.grad_bytes
                              + fsdp.reduce_bytes(tail.grad_bytes + head.grad_bytes))
-    return dict(base=po + head.retained, unsharded=u_fwd,
-                tail=max(tail.fwd_peak.total, tail.bwd_peak.total) + u_tail,
-                bwd_fixed=tail_grads + u_b0 + bucket * (tail.grad_bytes + g),
-                G=G + bucket * g, Gb=u_b1, rs=rs, fixed=fixed)
+    return ComboMemory(base_bytes=po + head.retained, fwd_unsharded_bytes=u_fwd,
+                       tail_bytes=max(tail.fwd_peak.total, tail.bwd_peak.total) + u_tail,
+                       bwd_fixed_bytes=tail_grads + u_b0 + bucket * (tail.grad_bytes + g),
+                       per_later_block_bytes=G + bucket * g, per_earlier_block_bytes=u_b1,
+                       reduce_scatter_bytes=rs, fixed_phase_bytes=fixed)
 
 
-def memory_rows(c: dict, order: list[str], n: dict, q=float):
+def entry_costs(sm: StepModel, base: Choice, sets: Mapping[str, CheckpointSet]) -> dict[str, EntryCost]:
+    """The cost of each checkpoint entry of `sets` (name -> set) on one block at `base`'s knobs."""
+    return _entry_costs(sm, base, sets, sm.runtime(base).flops)
+
+
+def _entry_costs(sm: StepModel, base: Choice, sets: Mapping[str, CheckpointSet],
+                 unchecked_flops: float) -> dict[str, EntryCost]:
+    L = len(sm.blocks)
+    out = {}
+    for e, entry in sets.items():
+        mem = sm.block_memory(base, 0, entry)
+        out[e] = EntryCost(entry=entry, retained_bytes=mem.retained, fwd_peak_bytes=mem.fwd_peak.total,
+                           bwd_peak_bytes=mem.bwd_peak.total, block_s=sm.block_time(base, 0, entry),
+                           step_flops=unchecked_flops + L * sm.block_cost(base, 0, entry).recompute_flops)
+    return out
+
+
+def make_combo(sm: StepModel, base: Choice, sets: Mapping[str, CheckpointSet],
+               memory: ComboMemory | None = None) -> Combo:
+    """The combo of `base`'s knobs with the checkpoint menu `sets` (name -> set); `memory`:
+    its `combo_memory`, when already computed."""
+    unchecked = sm.runtime(base)
+    menu = _entry_costs(sm, base, sets, unchecked.flops)
+    fixed_s = unchecked.time_s - len(sm.blocks) * sm.block_time(base, 0, "none")
+    return Combo(choice=base, memory=combo_memory(sm, base) if memory is None else memory,
+                 fixed_s=fixed_s, menu=menu)
+
+
+Rounding = Callable[[float], Any]
+"""A memory term's rounding: `float` (exact bytes) or up to the solver's integer units."""
+
+
+def memory_rows(c: Combo, order: Sequence[str], n: Mapping[str, Any],
+                q: Rounding = float) -> Iterator[tuple[str, str | None, Any]]:
     """The per-device memory of combo c's phases that depend on the checkpoint counts, as
     (phase, entry, value): the tail (entry None, always in force), and per entry e the forward
     of its last block and the backward of its first and last (in force when `n[e]` >= 1).
     Blocks run in `order` (entries by retained bytes, smallest first: the early blocks hold
     theirs longest). `n`: blocks per entry, ints (value: bytes) or CP-SAT variables (a linear
     expression); `q`: each term's rounding, e.g. up to the solver's units."""
-    R = {e: q(c["R"][e]) for e in order}
-    base, G, Gb = q(c["base"]), q(c["G"]), q(c["Gb"])
-    yield "tail", None, base + sum(n[e] * R[e] for e in order) + q(c["tail"])
+    m = c.memory
+    R = {e: q(c.cost_of(e).retained_bytes) for e in order}
+    base, G, Gb = q(m.base_bytes), q(m.per_later_block_bytes), q(m.per_earlier_block_bytes)
+    yield "tail", None, base + sum(n[e] * R[e] for e in order) + q(m.tail_bytes)
     for k, e in enumerate(order):
         before = sum(n[x] * R[x] for x in order[:k])  # retained by the blocks before e's first
         nb = sum(n[x] for x in order[:k])
         na = sum(n[x] for x in order[k + 1:])  # blocks after e's last
         mine = before + (n[e] - 1) * R[e]  # retained before e's last block
-        yield "fwd:block", e, base + q(c["unsharded"]) + mine + q(c["F"][e])
-        bwd = base + q(c["bwd_fixed"]) + q(max(c["T"][e], c["rs"]))
+        yield "fwd:block", e, base + q(m.fwd_unsharded_bytes) + mine + q(c.cost_of(e).fwd_peak_bytes)
+        bwd = base + q(m.bwd_fixed_bytes) + q(max(c.cost_of(e).bwd_peak_bytes, m.reduce_scatter_bytes))
         yield "bwd:block", e, bwd + mine + (nb + n[e] - 1) * Gb + na * G
         yield "bwd:block", e, bwd + before + nb * Gb + (na + n[e] - 1) * G
 
 
-def phase_peaks(c: dict, counts: dict, order: list[str]) -> dict[str, float]:
+def phase_peaks(c: Combo, counts: Mapping[str, int], order: Sequence[str]) -> dict[str, float]:
     """The highest bytes per device of each phase kind (`fwd:head`, `fwd:block`, `tail`,
     `bwd:block`, `bwd:head`, `bwd:root`, `optimizer`) of combo c with `counts` blocks per entry,
     exact: for the plan the solver returns, what `StepModel.evaluate` predicts, phase by phase."""
-    out = dict(c["fixed"])
+    out = dict(c.memory.fixed_phase_bytes)
     for phase, e, value in memory_rows(c, order, counts):
         if e is None or counts[e] > 0:
             out[phase] = max(out.get(phase, 0.0), value)
     return out
 
 
-def fits_uniform(c: dict, e: str, L: int, cap: float, q=float) -> bool:
+def fits_uniform(c: Combo, e: str, L: int, cap: float, q: Rounding = float) -> bool:
     """Whether every block on entry e fits `cap` (the checkpoint-dependent phases; the fixed
     ones fit every kept combo), in bytes, or in the solver's units with `q`."""
     return max(v for _, _, v in memory_rows(c, [e], {e: L}, q)) <= cap
 
 
-def menu_targets(c: dict, L: int, limit: float) -> tuple[float, float]:
-    """(stacked peak, retained) caps for one block with every block alike under `limit`:
+def menu_targets(c: Combo, L: int, limit: float) -> tuple[float, float]:
+    """(stacked peak, retained) caps, bytes, for one block with every block alike under `limit`:
     (L - 1) x retained + its own forward/backward peak, and retained bytes, that fit."""
-    held = max(c["unsharded"], c["bwd_fixed"] + (L - 1) * c["Gb"])
-    return limit - c["base"] - held, (limit - c["base"] - c["tail"]) / L
-
-
-_SHAPE = ("base", "tail", "unsharded", "bwd_fixed", "G", "Gb", "rs", "fixed_s")
-_PER_ENTRY = ("R", "F", "T", "block_s", "flops")
-
-
-def undominated(combos: list[dict]) -> list[dict]:
-    """Drop each combo another beats or ties everywhere: the same tokens per step and optimizer
-    width, every checkpoint entry of its menu on the other's too, and no more bytes, seconds or
-    FLOPs in any term of the model (e.g. ZeRO-1 against ZeRO-2, whose communication the model
-    prices alike). Exact: the solver's optimum is unchanged. Of equal combos the first stays."""
-    def le(a: dict, b: dict) -> bool:
-        return (a["tokens_per_step"] == b["tokens_per_step"] and a["bits"] == b["bits"]
-                and all(e in a["sets"] for e in b["sets"])
-                and all(a[k] <= b[k] for k in _SHAPE)
-                and all(a[k][e] <= b[k][e] for k in _PER_ENTRY for e in b["sets"]))
-
-    keep = []
-    for i, c in enumerate(combos):
-        if not any(le(o, c) and (j < i or not le(c, o)) for j, o in enumerate(combos) if j != i):
-            keep.append(c)
-    return keep
-
-
-def prune_narrower(combos: list[dict], L: int, mem_cap: int, bits_pen: dict, wall) -> list[dict]:
-    """Drop each combo that another of the same SP degree, ZeRO stage and micro-batch beats at
-    its fastest: a width of no more loss penalty (`bits_pen`) whose plan with every block
-    unchecked (`none`, no recompute) fits memory (`mem_cap`, in the solver's rounded units) at no
-    more cost per step (seconds, or FLOPs under a FLOP budget) than this combo's own all-`none`
-    plan, which is the cheapest it can run. Exact: lower bits only pay where memory binds."""
-    if any("none" not in c["sets"] for c in combos):
-        return combos
-
-    def cost(c: dict) -> float:
-        return c["fixed_s"] + L * c["block_s"]["none"] if wall is not None else c["flops"]["none"]
-
-    def fits_unchecked(c: dict) -> bool:
-        return all(v <= mem_cap for _, _, v in memory_rows(c, ["none"], {"none": L},
-                                                           lambda v: units(v, BYTES_PER_UNIT)))
-    shape = lambda c: (c["sp"], c["zero"], c["mb"])  # noqa: E731
-    free = [c for c in combos if fits_unchecked(c)]
-    keep = []
-    for c in combos:
-        beaten = any(shape(o) == shape(c) and o is not c and bits_pen[o["bits"]] <= bits_pen[c["bits"]]
-                     and cost(o) <= cost(c) and (bits_pen[o["bits"]] < bits_pen[c["bits"]] or cost(o) < cost(c)
-                                                 or o["bits"] > c["bits"])
-                     for o in free)
-        if not beaten:
-            keep.append(c)
-    return keep
-
-
-def step_cost(c: dict, counts: dict, L: int, wall, devices: int) -> float:
-    """One step's cost: seconds under a time budget, FLOPs over all devices under a FLOP one."""
-    if wall is not None:
-        return c["fixed_s"] + sum(counts[e] * c["block_s"][e] for e in counts)
-    return sum(counts[e] * c["flops"][e] for e in counts) / L * devices
-
-
-def spent(c, counts, L, wall, budget, devices, law, n_params, f, data_tokens, level, bits_pen):
-    """(predicted loss, steps) when the whole budget is spent at these knobs (the levels are a
-    grid; loss falls with tokens), at least the level's steps."""
-    cap = wall if wall is not None else budget.flops
-    steps = max(math.ceil(level / c["tokens_per_step"]), int(cap // step_cost(c, counts, L, wall, devices)), 1)
-    return (law.predict(n_params, steps * c["tokens_per_step"], unique_tokens=max(1.0, f * data_tokens))
-            + bits_pen[c["bits"]], steps)
-
-
-def budget_terms(c: dict, entries, L: int, wall, budget: Budget, devices: int):
-    """The compute constraint's terms for combo c: (cost per step of one block on each entry,
-    fixed cost per step, the cap, the integer unit): seconds under a time budget, FLOPs over
-    all devices under a FLOP budget."""
-    if wall is not None:
-        return {e: c["block_s"][e] for e in entries}, c["fixed_s"], wall, MICROS_PER_UNIT
-    return {e: c["flops"][e] / L * devices for e in entries}, 0.0, budget.flops, budget.flops / 1e9
-
-
-def uniform_start(combos, entries, L, mem_cap, levels, fractions, terms, loss):
-    """A feasible start for the solver: the (combo index, entry, level, fraction) of the lowest
-    predicted loss with every block on one entry that fits memory (`fits_uniform` in the
-    solver's units: `mem_cap`) and the budget at that level, or None."""
-    q = lambda v: units(v, BYTES_PER_UNIT)  # noqa: E731
-    best = None
-    for i, c in enumerate(combos):
-        per_step, fixed_cost, cap, scale = terms(c)
-        for e in entries:
-            if e not in c["sets"] or not fits_uniform(c, e, L, mem_cap, q):
-                continue
-            fits = [k for k, t in enumerate(levels)
-                    if L * units(math.ceil(t / c["tokens_per_step"]) * per_step[e], scale)
-                    + units(math.ceil(t / c["tokens_per_step"]) * fixed_cost, scale) <= int(cap / scale)]
-            if not fits:
-                continue
-            for fr in fractions:
-                key = (loss(fits[-1], fr, c["bits"]), -fr)
-                if best is None or key < best[0]:
-                    best = (key, (i, e, fits[-1], fr))
-    return None if best is None else best[1]
-
-
-def lightest_uniform(sm: StepModel, combos: list[Choice], named: list[str]) -> tuple:
-    """(bytes, sp, zero, micro-batch, bits) of the lightest uniform plan over `combos`."""
-    best = None
-    for base in combos:
-        for e in named:
-            c = Choice(**{**_fields(base), "policies": (e,) * len(sm.blocks)})
-            need = sm.evaluate(c).memory.total
-            if best is None or need < best[0]:
-                best = (need, base.sp_degree, base.zero_stage, base.micro_batch,
-                        f"{base.optimizer_bits}-bit optimizer, {base.activation_bits}-bit saved activations")
-    return best
-
-
-def _fields(c: Choice) -> dict:
-    return {f: getattr(c, f) for f in c.__slots__}
-
-
-def memory_infeasible(smallest, limit: float, hw: HardwareProfile, seq_len: int,
-                       capped: bool) -> InfeasibleError:
-    need, sp, zero, mb, bits = smallest
-    where = "the memory cap allows" if capped else f"{hw.name} has"
-    return InfeasibleError(
-        f"per-device memory binds: the smallest plan (sp_degree={sp}, zero_stage={zero}, "
-        f"micro_batch={mb}, {bits}, lightest checkpointing) needs "
-        f"{need / 2**30:.3g} GiB but {where} {limit / 2**30:.3g} GiB usable; "
-        f"use more devices, a sequence shorter than {seq_len}, or a device with more memory")
+    m = c.memory
+    held = max(m.fwd_unsharded_bytes, m.bwd_fixed_bytes + (L - 1) * m.per_earlier_block_bytes)
+    return limit - m.base_bytes - held, (limit - m.base_bytes - m.tail_bytes) / L

@@ -27,8 +27,9 @@ loses no feasibility: `full` is on every menu):
 - when no single change fits and memory binds: more devices and a shorter sequence together.
 
 The smallest change is the one with the smallest factor (new / old, or old / new for the
-sequence), more memory than any known device has ranked last. The message is one line (the CLI prints it); the error carries `explanation`
-(`Explanation`) and `suggestions` (tuple of `Suggestion`).
+sequence), more memory than any known device has ranked last. The message is one line (the CLI
+prints it); the error carries `explanation` (`Explanation`) and `suggestions` (tuple of
+`Suggestion`).
 """
 
 from __future__ import annotations
@@ -38,10 +39,14 @@ import itertools
 import math
 import time
 from dataclasses import dataclass
+from types import EllipsisType
 
-from costmodels.step.model import StepModel
+from costmodels.step.model import Choice, StepModel
+from hardware_profiles import known_names, load
 from planner.budget import Budget
-from planner.joint.remat_menu import named_entries
+from planner.joint.problem import Problem, solve_problem
+from planner.joint.remat_menu import BlockMenus, named_entries
+from planner.plan import Plan
 from trainplan_errors import InfeasibleError, TrainplanError
 
 MAX_DEVICES = 1024
@@ -98,19 +103,19 @@ def _with(budget: Budget, *, devices: int | None = None, value: float | None = N
                   **{budget.kind: _budget_value(budget) if value is None else value})
 
 
-def survey(pr, budget: Budget, *, seq_len: int, memory_limit_bytes: float | None):
+def survey(pr: Problem, budget: Budget, *, seq_len: int, memory_limit_bytes: float | None
+           ) -> tuple[float, tuple[float, str], tuple[float, str] | None]:
     """Over the search space with every block on one named checkpoint entry: the lightest plan
     (peak bytes per device, its description) and the cheapest step (in the budget's unit) of the
     plans that fit the limit, or None when none fits.
 
     Returns (limit_bytes, (need_bytes, text), (step_cost, text) | None)."""
-    from costmodels.step.model import Choice
-
     sm, hw, L = pr.step_model, pr.profile, len(pr.step_model.blocks)
     limit = hw.usable_bytes if memory_limit_bytes is None else min(memory_limit_bytes, hw.usable_bytes)
     space = pr.space(budget.devices, seq_len)
     entries = named_entries(space.policies)
-    lightest, cheapest = None, None
+    lightest: tuple[float, str] | None = None
+    cheapest: tuple[float, str] | None = None
     for sp, zero, mb, bits, ab in itertools.product(space.sp_degrees, space.zero_stages, space.micro_batches,
                                                     space.optimizer_bits, space.activation_bits):
         for e in entries:
@@ -127,29 +132,29 @@ def survey(pr, budget: Budget, *, seq_len: int, memory_limit_bytes: float | None
                         "wall_clock_s": cost.time_s, "flops": cost.flops * budget.devices}[budget.kind]
                 if cheapest is None or step < cheapest[0]:
                     cheapest = (step, desc)
+    assert lightest is not None, "a search space has at least one plan"
     return limit, lightest, cheapest
 
 
 class _Search:
     """Re-solves with one change, within a deadline."""
 
-    def __init__(self, pr, budget: Budget, seq_len: int, memory_limit_bytes, deadline_s: float):
-        from planner.api import solve_problem
-
+    def __init__(self, pr: Problem, budget: Budget, seq_len: int, memory_limit_bytes: float | None,
+                 deadline_s: float):
         self.pr, self.budget, self.seq_len, self.cap = pr, budget, seq_len, memory_limit_bytes
         self.named = tuple(named_entries(pr.options["policies"]))
         self.t_end = time.perf_counter() + deadline_s
-        self.solve_problem = solve_problem
         self.timed_out = False
 
-    def feasible(self, *, budget=None, seq_len=None, cap=..., pr=None):
+    def feasible(self, *, budget: Budget | None = None, seq_len: int | None = None,
+                 cap: float | None | EllipsisType = ..., pr: Problem | None = None) -> Plan | None:
         """The re-solved plan, or None (infeasible, or past the deadline). `cap`: a memory cap
         in bytes, None for none; default the caller's."""
         if time.perf_counter() > self.t_end:
             self.timed_out = True
             return None
         try:
-            return self.solve_problem(pr or self.pr, budget or self.budget,
+            return solve_problem(pr or self.pr, budget or self.budget,
                                       seq_len=seq_len or self.seq_len,
                                       memory_limit_bytes=self.cap if cap is ... else cap,
                                       time_limit_s=CONFIRM_TIME_S, policies=self.named,
@@ -209,12 +214,10 @@ def _devices_and_seq(s: _Search) -> Suggestion | None:
 
 def _memory_change(s: _Search, need: float, limit: float) -> Suggestion | None:
     """More usable bytes per device: a raised cap while the device has them, else the same
-    device with more memory (a re-built step model on a copy of the profile)."""
-    from hardware_profiles import known_names, load
-
+    device with more memory (a re-built step model on a copy of the profile, with its own menus)."""
     hw, sm = s.pr.profile, s.pr.step_model
     for f in MEMORY_STEPS:
-        value, have = need * f, ()
+        value, have = need * f, []
         if s.cap is not None and value <= hw.usable_bytes:
             plan = s.feasible(cap=value)
             how = f"a memory cap of {value / GIB:.3g} GiB per device (now {limit / GIB:.3g})"
@@ -222,9 +225,9 @@ def _memory_change(s: _Search, need: float, limit: float) -> Suggestion | None:
             bigger = dataclasses.replace(hw, hbm_bytes=int(math.ceil(value)) + hw.memory_reserve_bytes)
             sm2 = StepModel(sm.regions, sm.blocks, sm.param_numels, bigger, n_heads=sm.n_heads,
                             n_kv_heads=sm.n_kv_heads, head_dim=sm.head_dim)
-            plan = s.feasible(pr=dataclasses.replace(s.pr, profile=bigger, step_model=sm2), cap=None)
-            have = [n for n in known_names() if n != "cpu" and load(n).usable_bytes >= value]
-            have = sorted({load(n).name for n in have})
+            plan = s.feasible(pr=dataclasses.replace(s.pr, profile=bigger, step_model=sm2, menus=BlockMenus(sm2)),
+                              cap=None)
+            have = sorted({load(n).name for n in known_names() if n != "cpu" and load(n).usable_bytes >= value})
             how = (f"{value / GIB:.3g} GiB usable per device (now {limit / GIB:.3g}; "
                    + (f"{', '.join(have)} {'has' if len(have) == 1 else 'have'} it)" if have
                       else "no known device has it)"))
@@ -247,11 +250,11 @@ def _budget_change(s: _Search, need: float) -> Suggestion | None:
     return None
 
 
-def explain(pr, budget: Budget, *, seq_len: int | None = None, memory_limit_bytes: float | None = None,
+def explain(pr: Problem, budget: Budget, *, seq_len: int | None = None, memory_limit_bytes: float | None = None,
             deadline_s: float = DEADLINE_S) -> Explanation:
     """Diagnose an infeasible (problem, budget) and find the smallest changes that fit.
 
-    `pr` is a `planner.api.Problem`. Each suggestion is confirmed by re-solving the joint model.
+    `pr` is a `planner.joint.problem.Problem`. Each suggestion is confirmed by re-solving the joint model.
     Raises:
         TrainplanError: the problem's search space is invalid at these sizes.
     """
@@ -277,12 +280,13 @@ def explain(pr, budget: Budget, *, seq_len: int | None = None, memory_limit_byte
                 f"of {limit / GIB:.3g} GiB) and so does one step ({cheapest[0]:.3g} of {have:g} "
                 f"{UNITS[kind]}), but the solver finds no plan within both")
     s = _Search(pr, budget, seq_len, memory_limit_bytes, deadline_s)
-    found = [_devices_change(s), _seq_change(s)]
+    tried = [_devices_change(s), _seq_change(s)]
     if binding != "budget":
-        found.append(_memory_change(s, need, limit))
+        tried.append(_memory_change(s, need, limit))
     if binding != "memory":
-        found.append(_budget_change(s, cheapest[0]))
-    found = [x for x in found if x is not None]
+        assert cheapest is not None  # the budget binds only where some plan fits memory
+        tried.append(_budget_change(s, cheapest[0]))
+    found = [x for x in tried if x is not None]
     if binding == "memory" and not any(x.change in ("devices", "seq_len") for x in found):
         both = _devices_and_seq(s)
         found += [both] if both else []
@@ -300,7 +304,7 @@ def explain(pr, budget: Budget, *, seq_len: int | None = None, memory_limit_byte
                        text=text, suggestions=tuple(found))
 
 
-def explain_infeasible(pr, budget: Budget, err: InfeasibleError, *,
+def explain_infeasible(pr: Problem, budget: Budget, err: InfeasibleError, *,
                        memory_limit_bytes: float | None = None, seq_len: int | None = None,
                        deadline_s: float = DEADLINE_S) -> InfeasibleError:
     """`err` explained: a new InfeasibleError whose message is `explain`'s line, with

@@ -11,21 +11,28 @@ its cheap, small end to the chosen plan. The re-solves share one step model and 
 shape's checkpoint menu (solved once, at the first cap that needs it), with a shorter time
 limit per solve.
 
-`write_frontier` writes `frontier.csv` (read by `executor.reporting.figures.frontier_frame` and the run
-report) and `frontier.png`.
+The command line writes the table as `frontier.csv` (read by `executor.reporting.figures.frontier_frame`
+and the run report) and draws `frontier.png` (`planner.cli.frontier_files.write_frontier`).
 """
 
 from __future__ import annotations
 
 import math
-import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
+from typing import Any
 
 import pandas as pd
+from torch import nn
 
+from costmodels.loss.law import LossLaw
+from costmodels.step.model import Choice
+from hardware_profiles import HardwareProfile
 from planner.budget import Budget
+from planner.joint.explain import explain_infeasible
+from planner.joint.problem import Problem, prepare, solve_problem
+from planner.joint.remat_menu import BlockMenus, Targets
+from planner.joint.remat_solver import Menu
 from planner.plan import Plan
 from trainplan_errors import InfeasibleError, TrainplanError
 
@@ -53,23 +60,22 @@ class Frontier:
 
 
 class _SharedMenus:
-    """A step model whose checkpoint menus are solved once per block shape: the first request
-    (with that solve's per-budget targets) is kept for every later cap."""
+    """A problem's block menus solved once per block shape: the first request (with that
+    solve's per-budget targets) is kept for every later cap."""
 
-    def __init__(self, step_model):
-        self._sm, self._menus = step_model, {}
+    def __init__(self, menus: BlockMenus) -> None:
+        self._inner = menus
+        self._menus: dict[tuple, Menu] = {}
 
-    def __getattr__(self, name):
-        return getattr(self._sm, name)
-
-    def menu(self, c, i: int = 0, targets=()):
-        key = (self._sm.blocks[i], c.micro_batch, c.seq_len // c.sp_degree, c.sp_degree, c.precision)
+    def menu(self, c: Choice, i: int = 0, targets: Targets = ()) -> Menu:
+        sm = self._inner.step_model
+        key = (sm.blocks[i], c.micro_batch, c.seq_len // c.sp_degree, c.sp_degree, c.precision)
         if key not in self._menus:
-            self._menus[key] = self._sm.menu(c, i, targets)
+            self._menus[key] = self._inner.menu(c, i, targets)
         return self._menus[key]
 
 
-def non_dominated(frame: pd.DataFrame, columns=OBJECTIVES) -> pd.Series:
+def non_dominated(frame: pd.DataFrame, columns: tuple[str, ...] = OBJECTIVES) -> pd.Series:
     """True for each row no other row dominates (no worse in every column of `columns`, all to
     be minimised, and better in one, beyond a relative `REL_TOL`). Of rows equal in every column
     only the first is kept."""
@@ -91,7 +97,7 @@ def non_dominated(frame: pd.DataFrame, columns=OBJECTIVES) -> pd.Series:
     return pd.Series(keep, index=frame.index)
 
 
-def _row(plan: Plan, *, fraction: float, cap: float | None, chosen: bool) -> dict:
+def _row(plan: Plan, *, fraction: float, cap: float | None, chosen: bool) -> dict[str, Any]:
     d, p = plan.decisions, plan.predictions
     ck = ", ".join(f"{d.checkpoint.count(e)} x {e}" for e in dict.fromkeys(d.checkpoint))
     return dict(memory_bytes=p.memory_bytes["total"], cost_device_hours=p.device_hours,
@@ -104,11 +110,9 @@ def _row(plan: Plan, *, fraction: float, cap: float | None, chosen: bool) -> dic
                 total_tokens=p.total_tokens, step_time_s=p.step_time_s)
 
 
-def _lightest_bytes(pr, budget: Budget) -> float:
+def _lightest_bytes(pr: Problem, budget: Budget) -> float:
     """Peak bytes per device of a light plan: full checkpointing, the smallest micro-batch and
     optimizer width, the highest ZeRO stage, the lightest SP degree (a floor for the caps)."""
-    from costmodels.step.model import Choice
-
     space = pr.space(budget.devices)
     L = len(pr.step_model.blocks)
     return min(pr.step_model.evaluate(Choice(
@@ -119,35 +123,34 @@ def _lightest_bytes(pr, budget: Budget) -> float:
         for sp in space.sp_degrees)
 
 
-def frontier_for(pr, budget: Budget, *, memory_limit_bytes: float | None = None,
-                 budget_fractions=BUDGET_FRACTIONS, memory_steps: int = MEMORY_STEPS,
+def frontier_for(pr: Problem, budget: Budget, *, memory_limit_bytes: float | None = None,
+                 budget_fractions: tuple[float, ...] = BUDGET_FRACTIONS, memory_steps: int = MEMORY_STEPS,
                  time_limit_s: float = 10.0, ladder_time_limit_s: float = LADDER_TIME_S,
                  seed: int = 0, lr: float = 3e-3) -> Frontier:
-    """The frontier of a prepared problem (`planner.api.prepare`) at `budget`.
+    """The frontier of a prepared problem (`planner.joint.problem.prepare`) at `budget`.
 
     Raises:
         InfeasibleError: the chosen (full-budget) plan is infeasible (unexplained: see `frontier`).
     """
-    from planner.api import solve_problem
-
     t0 = time.perf_counter()
-    sm = _SharedMenus(pr.step_model)
-    opts = dict(time_limit_s=time_limit_s, seed=seed, lr=lr, step_model=sm)
-    chosen = solve_problem(pr, budget, memory_limit_bytes=memory_limit_bytes, diagnose=False, **opts)
+    menus = _SharedMenus(pr.menus)
+    chosen = solve_problem(pr, budget, memory_limit_bytes=memory_limit_bytes, diagnose=False,
+                           time_limit_s=time_limit_s, seed=seed, lr=lr, menus=menus)
     rows = [_row(chosen, fraction=1.0, cap=memory_limit_bytes, chosen=True)]
     top = min(pr.profile.usable_bytes, memory_limit_bytes or math.inf)
     lo = min(1.05 * _lightest_bytes(pr, budget), top)
     caps = [lo * (top / lo) ** (i / memory_steps) for i in range(memory_steps)] if memory_steps else []
     caps = [c for c in caps if c < top] + [memory_limit_bytes]
     value = float(getattr(budget, budget.kind))
-    opts["time_limit_s"] = min(time_limit_s, ladder_time_limit_s)
+    ladder_s = min(time_limit_s, ladder_time_limit_s)
     for fraction in sorted(budget_fractions):
         b = Budget(devices=budget.devices, **{budget.kind: value * fraction})
         for cap in caps:
             if fraction == 1.0 and cap == memory_limit_bytes:
                 continue  # the chosen plan
             try:
-                plan = solve_problem(pr, b, memory_limit_bytes=cap, diagnose=False, **opts)
+                plan = solve_problem(pr, b, memory_limit_bytes=cap, diagnose=False,
+                                     time_limit_s=ladder_s, seed=seed, lr=lr, menus=menus)
             except (InfeasibleError, TrainplanError):
                 continue
             rows.append(_row(plan, fraction=fraction, cap=cap, chosen=False))
@@ -159,12 +162,12 @@ def frontier_for(pr, budget: Budget, *, memory_limit_bytes: float | None = None,
     return Frontier(plan=chosen, table=table, solved=len(rows), wall_s=time.perf_counter() - t0)
 
 
-def frontier(model, hw, budget: Budget, *, seq_len: int = 2048, data_tokens: int | None = None,
-             vocab_size: int | None = None, precision: str | None = None, law=None,
-             memory_limit_bytes: float | None = None, budget_fractions=BUDGET_FRACTIONS,
-             memory_steps: int = MEMORY_STEPS, time_limit_s: float = 10.0,
-             ladder_time_limit_s: float = LADDER_TIME_S, seed: int = 0, lr: float = 3e-3,
-             **space_options) -> Frontier:
+def frontier(model: nn.Module | str, hw: str | HardwareProfile, budget: Budget, *, seq_len: int = 2048,
+             data_tokens: int | None = None, vocab_size: int | None = None, precision: str | None = None,
+             law: LossLaw | None = None, memory_limit_bytes: float | None = None,
+             budget_fractions: tuple[float, ...] = BUDGET_FRACTIONS, memory_steps: int = MEMORY_STEPS,
+             time_limit_s: float = 10.0, ladder_time_limit_s: float = LADDER_TIME_S, seed: int = 0,
+             lr: float = 3e-3, **space_options: Any) -> Frontier:
     """The Pareto frontier over (peak memory per device, device-hours, predicted loss) of the
     plans for `model` on `hw` at up to `budget` (arguments as `planner.solve`'s; `space_options`:
     micro_batches, optimizer_bits, activation_bits, policies, data_fractions).
@@ -174,8 +177,6 @@ def frontier(model, hw, budget: Budget, *, seq_len: int = 2048, data_tokens: int
         TrainplanError: bad sequence length or option.
         InfeasibleError: no plan fits the full budget (explained as by `planner.solve`).
     """
-    from planner.api import prepare
-
     pr = prepare(model, hw, seq_len=seq_len, data_tokens=data_tokens, vocab_size=vocab_size,
                  precision=precision, law=law, **space_options)
     try:
@@ -184,8 +185,6 @@ def frontier(model, hw, budget: Budget, *, seq_len: int = 2048, data_tokens: int
                             time_limit_s=time_limit_s, ladder_time_limit_s=ladder_time_limit_s,
                             seed=seed, lr=lr)
     except InfeasibleError as e:
-        from planner.joint.explain import explain_infeasible
-
         raise explain_infeasible(pr, budget, e, memory_limit_bytes=memory_limit_bytes) from e
 
 
@@ -201,24 +200,3 @@ def format_frontier(table: pd.DataFrame) -> str:
         "tokens": table["total_tokens"], "checkpoint": table["checkpoint"],
     })
     return t.to_string(index=False, float_format=lambda v: f"{v:.4g}")
-
-
-def write_frontier(fr: Frontier | pd.DataFrame, out: str | Path) -> dict[str, Path]:
-    """Write `frontier.csv` and `frontier.png` (`executor.reporting.figures.frontier_figure`) into the
-    folder `out` (created). Returns their paths under `csv` and `png`.
-
-    Raises:
-        OSError: `out` cannot be written."""
-    import matplotlib
-
-    if "matplotlib.pyplot" not in sys.modules:  # switching under a live pyplot closes its figures
-        matplotlib.use("Agg")
-    from executor.reporting.figures import frontier_figure
-
-    table = fr.table if isinstance(fr, Frontier) else fr
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {"csv": out / "frontier.csv", "png": out / "frontier.png"}
-    table.to_csv(paths["csv"], index=False)
-    frontier_figure(table).savefig(paths["png"], dpi=110, metadata={"Software": None})
-    return paths

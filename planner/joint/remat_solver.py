@@ -21,7 +21,7 @@ The model, per block shape (micro-batch b, per-rank sequence s):
 - [Constraint] optionally retained <= a second cap (a caller's budget for what each block
   holds while the others run: the step peak at the LM head is the sum of the blocks' retained);
 - objective: minimise recompute seconds, the roofline time of every forward op replayed
-  (`costmodels.step.model.region_cost`'s node times plus the profile's per-op overhead).
+  (`costmodels.step.roofline.region_cost`'s node times plus the profile's per-op overhead).
 
 Bytes are exact integers; time is in picoseconds. Each solve starts from a complete greedy hint
 (most recompute time saved per retained byte first) and has a time limit; identical rows are
@@ -43,7 +43,7 @@ from ortools.sat.python import cp_model
 
 from costmodels.checkpoint_sets import BUILTIN, CheckpointSet, keys_of, node_keys
 from costmodels.graph import poly_at
-from costmodels.step.remat_cost import BlockCase, SetCost, _times, evaluate
+from costmodels.step.remat_cost import BlockCase, SetCost, evaluate, forward_node_times
 
 BYTES_PER_UNIT = 1              # memory rows are exact bytes
 SECONDS_PER_UNIT = 1e-12        # recompute time in picoseconds
@@ -118,23 +118,23 @@ def linear_memory(case: BlockCase) -> LinearMemory:
             j = idx.get(r.creator, -1)
             if j >= 0:
                 iv.append((r.created, last if r.last_use > bnd else t_re(r.created), nb, j, 1))
-            recomputed = [(r.created, r.last_fwd_use)]
+            recomputed: list[tuple[float, float]] = [(r.created, r.last_fwd_use)]
             if r.created <= horizon:
                 recomputed.append((t_re(r.created), last if r.last_use > bnd
                                    else t_re(min(r.last_fwd_use, horizon))))
             iv += [(t0, t1, nb, j, 0 if j >= 0 else -1) for t0, t1 in recomputed]
-    t0, t1, nb, who, when = (np.array(c, dtype=float) for c in zip(*iv, strict=False))
-    who, when = who.astype(int), when.astype(int)
-    moments = np.unique(t0)
-    alive = ((t0[None, :] <= moments[:, None]) & (moments[:, None] <= t1[None, :])) * nb[None, :]
-    held = ((t0 <= bnd) & (t1 > bnd)) * nb
+    starts, ends, sizes, who_f, when_f = (np.array(c, dtype=float) for c in zip(*iv, strict=False))
+    who, when = who_f.astype(int), when_f.astype(int)
+    moments = np.unique(starts)
+    alive = ((starts[None, :] <= moments[:, None]) & (moments[:, None] <= ends[None, :])) * sizes[None, :]
+    held = ((starts <= bnd) & (ends > bnd)) * sizes
     k = len(cands)
     # a candidate's interval counts x_v (saved) or 1 - x_v (recomputed): constant + coefficient
     onehot = np.zeros((len(iv), k))
     sign = np.where(when == 1, 1.0, np.where(when == 0, -1.0, 0.0))
     onehot[who >= 0, who[who >= 0]] = sign[who >= 0]
     base = (when != 1).astype(float)  # fixed and recomputed intervals count at x = 0
-    times = _times(case)
+    times = forward_node_times(case)
     g = region.graph
     time_ps = np.array([round((times[v][1] + case.hw.op_overhead_s) / SECONDS_PER_UNIT) for v in cands], dtype=float)
     fixed = sum(t + case.hw.op_overhead_s for v, (_, t) in times.items()

@@ -11,6 +11,7 @@ data fraction a one-hot, and the objective a table lookup of the scaling law.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import time
@@ -24,22 +25,19 @@ from costmodels.loss.law import LossLaw
 from costmodels.step.model import Choice, StepModel
 from hardware_profiles import HardwareProfile
 from planner.budget import Budget
-from planner.joint.combos import (
-    BYTES_PER_UNIT,
-    combo_memory,
+from planner.joint.combos import BYTES_PER_UNIT, Combo, combo_memory, make_combo, memory_rows, phase_peaks, units
+from planner.joint.remat_menu import BlockMenus, MenuSource, add_menus, by_recompute, menu_index, named_entries
+from planner.joint.search import (
+    budget_cap,
+    budget_terms,
     lightest_uniform,
     memory_infeasible,
-    memory_rows,
-    phase_peaks,
+    prune_narrower,
+    spent,
+    undominated,
+    uniform_start,
 )
-from planner.joint.combos import budget_terms as _budget_terms
-from planner.joint.combos import prune_narrower as _prune_narrower
-from planner.joint.combos import spent as _spent
-from planner.joint.combos import undominated as _undominated
-from planner.joint.combos import uniform_start as _uniform_start
-from planner.joint.combos import units as _units
-from planner.joint.remat_menu import add_menus, by_recompute, entry_numbers, menu_index, named_entries
-from planner.joint.space import DEFAULT_POLICIES, SearchSpace, default_space  # noqa: F401 (re-exported)
+from planner.joint.space import SearchSpace
 from trainplan_errors import InfeasibleError
 
 LOSS_PER_UNIT = 1e-5            # objective resolution, nats
@@ -69,7 +67,7 @@ class Solution:
     wall_s: float
     n_variables: int
     n_constraints: int
-    memory_phases: dict = field(default_factory=dict)
+    memory_phases: dict[str, float] = field(default_factory=dict)
     """The joint model's bytes per device at each phase kind for the plan (`planner.joint.combos.
     phase_peaks`): exactly what `StepModel.evaluate(choice).memory` predicts there."""
 
@@ -82,8 +80,8 @@ class Solution:
 def solve_joint(step_model: StepModel, hw: HardwareProfile, budget: Budget, *, seq_len: int,
                 space: SearchSpace, n_params: int, data_tokens: int, law: LossLaw,
                 memory_limit_bytes: float | None = None, time_limit_s: float = 10.0, seed: int = 0,
-                workers: int = 1,
-                export_path: str | None = None, diagnose: bool = True) -> Solution:
+                workers: int = 1, export_path: str | None = None, diagnose: bool = True,
+                menus: MenuSource | None = None) -> Solution:
     """Choose all knobs jointly to minimise predicted final loss, ties broken by cost.
 
     time_limit_s: the search's limit in deterministic seconds (`_deterministic`: the same plan
@@ -91,6 +89,8 @@ def solve_joint(step_model: StepModel, hw: HardwareProfile, budget: Budget, *, s
         interleave, still deterministic).
     diagnose: when nothing fits memory, find the lightest plan for the message (an exact
         replay of every dropped combo; `planner.joint.explain` passes False and surveys itself).
+    menus: where each block shape's solved menu comes from when the space has `remat` (default:
+        menus solved for this call alone; a `Problem`'s own `BlockMenus` keep them across solves).
 
     Raises:
         InfeasibleError: nothing fits memory, or the budget buys no step; the message names the
@@ -104,20 +104,19 @@ def solve_joint(step_model: StepModel, hw: HardwareProfile, budget: Budget, *, s
     L = len(step_model.blocks)
     limit = hw.usable_bytes if memory_limit_bytes is None else min(memory_limit_bytes, hw.usable_bytes)
     named = named_entries(space.policies)
-    combos, dropped = [], []
+    combos: list[Combo] = []
+    dropped: list[Choice] = []
     for sp, zero, mb, ob, ab in itertools.product(space.sp_degrees, space.zero_stages, space.micro_batches,
                                                   space.optimizer_bits, space.activation_bits):
-        bits = (ob, ab)  # (optimizer, saved-activation) widths
         base = Choice(sp_degree=sp, zero_stage=zero, micro_batch=mb, seq_len=seq_len,
                       policies=("none",) * L, precision=space.precision, optimizer_bits=ob,
                       devices=devices, activation_bits=ab)
-        c = combo_memory(step_model, base)  # bytes per device, as StepModel.evaluate composes them
-        if max(c["fixed"].values()) > limit:  # head forward / backward, root reduce-scatter, optimizer
+        memory = combo_memory(step_model, base)  # bytes per device, as StepModel.evaluate composes them
+        # head forward / backward, root reduce-scatter, optimizer
+        if max(memory.fixed_phase_bytes.values()) > limit:
             dropped.append(base)
             continue
-        c.update(sp=sp, zero=zero, mb=mb, bits=bits, tokens_per_step=mb * seq_len * (devices // sp))
-        c.update(entry_numbers(step_model, base, {e: resolve(e) for e in named}), choice=base)
-        combos.append(c)
+        combos.append(make_combo(step_model, base, {e: resolve(e) for e in named}, memory))
     if not combos and not diagnose:
         raise InfeasibleError(f"per-device memory binds: no plan fits {limit / 2**30:.3g} GiB")
     if not combos:
@@ -126,25 +125,22 @@ def solve_joint(step_model: StepModel, hw: HardwareProfile, budget: Budget, *, s
     bits_pen = {(ob, ab): bits_loss_penalty(ob, ab, precision=space.precision, penalty=law.bits)
                 for ob in space.optimizer_bits for ab in space.activation_bits}
     wall = budget.wall_s_for(devices)
-    combos = _prune_narrower(combos, L, int(limit // BYTES_PER_UNIT), bits_pen, wall)
+    combos = prune_narrower(combos, L, int(limit // BYTES_PER_UNIT), bits_pen, wall)
     if MENU in space.policies:
-        add_menus(step_model, combos, named, limit)
-    combos = _undominated(combos)
-    # checkpoint entries: the named ones, then solved `remat:k` (absent from a combo's menu: 0 blocks)
-    entries = named + sorted({e for c in combos for e in c["sets"]} - set(named), key=menu_index)
-    for c in combos:
-        for e in entries:
-            if e not in c["sets"]:
-                for key in ("R", "F", "T", "block_s", "flops"):
-                    c[key][e] = c[key]["full"]
+        combos = add_menus(step_model, combos, limit, BlockMenus(step_model) if menus is None else menus)
+    combos = undominated(combos)
+    # checkpoint entries: the named ones, then solved `remat:k` (absent from a combo's menu: 0 blocks,
+    # its costs read as `full`'s, `Combo.cost_of`)
+    entries = named + sorted({e for c in combos for e in c.menu} - set(named), key=menu_index)
     # token levels: from one step of the smallest batch to the most the budget could buy
-    best_rate = max(c["tokens_per_step"] / (c["fixed_s"] + L * min(c["block_s"].values()))
+    best_rate = max(c.tokens_per_step / (c.fixed_s + L * min(x.block_s for x in c.menu.values()))
                     for c in combos)
     if wall is not None:
         max_tokens = best_rate * wall
     else:
-        max_tokens = max(c["tokens_per_step"] / (min(c["flops"].values()) * devices) for c in combos) * budget.flops
-    min_tokens = min(c["tokens_per_step"] for c in combos)
+        max_tokens = max(c.tokens_per_step / (min(x.step_flops for x in c.menu.values()) * devices)
+                         for c in combos) * budget_cap(budget, wall)
+    min_tokens = min(c.tokens_per_step for c in combos)
     if max_tokens < min_tokens:
         raise InfeasibleError(
             f"budget {budget.kind}={getattr(budget, budget.kind):g} buys less than one step: the "
@@ -161,8 +157,8 @@ def solve_joint(step_model: StepModel, hw: HardwareProfile, budget: Budget, *, s
 
     # ---- variables --------------------------------------------------------------------
     m = cp_model.CpModel()
-    z = [m.new_bool_var(f"combo_sp{c['sp']}_z{c['zero']}_mb{c['mb']}_b{c['bits'][0]}_a{c['bits'][1]}")
-         for c in combos]  # shape knobs
+    z = [m.new_bool_var(f"combo_sp{c.choice.sp_degree}_z{c.choice.zero_stage}_mb{c.choice.micro_batch}"
+                        f"_b{c.bits[0]}_a{c.bits[1]}") for c in combos]  # shape knobs
     n = {e: m.new_int_var(0, L, f"blocks_{e}") for e in entries}  # blocks per checkpoint entry
     y = [m.new_bool_var(f"tokens_{t}") for t in levels]  # stopping budget level
     x = {f: m.new_bool_var(f"fraction_{f}") for f in fractions}  # data fraction
@@ -184,23 +180,23 @@ def solve_joint(step_model: StepModel, hw: HardwareProfile, budget: Budget, *, s
     mem_cap = int(limit // BYTES_PER_UNIT)
     for zc, c in zip(z, combos, strict=False):
         for e in entries:  # [Constraint] only entries on this combo's menu
-            if e not in c["sets"]:
+            if e not in c.menu:
                 m.add(n[e] == 0).only_enforce_if(zc)
         # [Constraint] per-device memory <= HBM - reserve, at every phase of the step
         # (`memory_rows`: blocks in order of retained bytes, each term rounded up to a unit)
-        order = sorted(entries, key=lambda e: c["R"][e])
-        for _, e, row in memory_rows(c, order, n, lambda v: _units(v, BYTES_PER_UNIT)):
-            m.add(row <= mem_cap).only_enforce_if([zc] if e is None else [zc, u[e]])
+        order = sorted(entries, key=lambda e: c.cost_of(e).retained_bytes)
+        for _, row_entry, row in memory_rows(c, order, n, lambda v: units(v, BYTES_PER_UNIT)):
+            m.add(row <= mem_cap).only_enforce_if([zc] if row_entry is None else [zc, u[row_entry]])
         # [Constraint] compute <= budget, at each token level
-        per_step, fixed_cost, cap, scale = _budget_terms(c, entries, L, wall, budget, devices)
+        per_step, fixed_cost, cap, scale = budget_terms(c, entries, L, wall, budget, devices)
         for k, tokens in enumerate(levels):
-            steps = math.ceil(tokens / c["tokens_per_step"])
-            m.add(sum(n[e] * _units(steps * per_step[e], scale) for e in n)
-                  + _units(steps * fixed_cost, scale) <= int(cap / scale)).only_enforce_if([zc, y[k]])
+            steps = math.ceil(tokens / c.tokens_per_step)
+            m.add(sum(n[e] * units(steps * per_step[e], scale) for e in n)
+                  + units(steps * fixed_cost, scale) <= int(cap / scale)).only_enforce_if([zc, y[k]])
 
     # ---- objective: lowest predicted loss, then fewest device-seconds ------------------
     loss_terms = [v * int(round((loss[kf]) / LOSS_PER_UNIT)) for kf, v in w.items()]
-    pen_terms = [zc * int(round(bits_pen[c["bits"]] / LOSS_PER_UNIT)) for zc, c in zip(z, combos, strict=False)]
+    pen_terms = [zc * int(round(bits_pen[c.bits] / LOSS_PER_UNIT)) for zc, c in zip(z, combos, strict=False)]
     # ties, in order: fewer tokens (cost), more of the corpus (a random subset never helps),
     # less recompute (entries ranked from least to most recomputing; the polish below then
     # takes the cheapest blocks at the chosen knobs)
@@ -209,7 +205,7 @@ def solve_joint(step_model: StepModel, hw: HardwareProfile, budget: Budget, *, s
     # last: of equal loss, the widest bits (no compression work; at equal penalty 32/16-bit
     # saved activations cost quantize passes)
     bits_order = sorted(bits_pen, key=lambda b: (bits_pen[b], -b[0], -b[1]))
-    bits_rank = [zc * bits_order.index(c["bits"]) for zc, c in zip(z, combos, strict=False)]
+    bits_rank = [zc * bits_order.index(c.bits) for zc, c in zip(z, combos, strict=False)]
     w_remat = (len(entries) - 1) * L + len(bits_order)
     tie_terms = [y[k] * k * len(fr_rank) for k in range(len(levels))] + [v * fr_rank[f] for f, v in x.items()]
     w_ties = (len(levels) + 1) * len(fr_rank) * w_remat
@@ -217,9 +213,9 @@ def solve_joint(step_model: StepModel, hw: HardwareProfile, budget: Budget, *, s
                + sum(bits_rank))
     # hint: the best plan with every block on one entry that fits (a feasible start), else
     # the plain plan (no checkpointing)
-    start = _uniform_start(combos, entries, L, mem_cap, levels, fractions,
-                           lambda c: _budget_terms(c, entries, L, wall, budget, devices),
-                           loss=lambda k, f, b: loss[(k, f)] + bits_pen[b])
+    start = uniform_start(combos, entries, L, mem_cap, levels, fractions,
+                          lambda c: budget_terms(c, entries, L, wall, budget, devices),
+                          loss=lambda k, f, b: loss[(k, f)] + bits_pen[b])
     if start is None:
         m.add_hint(n[entries[0]], L)
     else:
@@ -269,10 +265,10 @@ def solve_joint(step_model: StepModel, hw: HardwareProfile, budget: Budget, *, s
     # ---- polish: the token levels are a grid, so at the chosen token level and data fraction
     # (and optimizer bits: the same loss) take the combo and entries with the least cost per
     # token (seconds under a time budget, FLOPs under a FLOP budget)
-    def per_token(c2: dict) -> tuple[float, dict]:
+    def per_token(c2: Combo) -> tuple[float, dict[str, float]]:
         if wall is not None:
-            return c2["fixed_s"] / c2["tokens_per_step"], {e: c2["block_s"][e] / c2["tokens_per_step"] for e in entries}
-        return 0.0, {e: c2["flops"][e] / L / c2["tokens_per_step"] for e in entries}
+            return c2.fixed_s / c2.tokens_per_step, {e: c2.cost_of(e).block_s / c2.tokens_per_step for e in entries}
+        return 0.0, {e: c2.cost_of(e).step_flops / L / c2.tokens_per_step for e in entries}
 
     costs = [per_token(c2) for c2 in combos]
     unit = max(fx + L * max(bl.values()) for fx, bl in costs) / POLISH_LEVELS
@@ -282,16 +278,16 @@ def solve_joint(step_model: StepModel, hw: HardwareProfile, budget: Budget, *, s
     width = {b: m.new_bool_var(f"polish_bits_{b[0]}_{b[1]}") for b in bits_pen}
     m.add_exactly_one(width.values())
     for zc, c2, (fx, bl) in zip(z, combos, costs, strict=False):
-        m.add_implication(zc, width[c2["bits"]])
-        m.add(token_cost >= _units(fx, unit) + sum(n[e] * _units(bl[e], unit) for e in entries)
+        m.add_implication(zc, width[c2.bits])
+        m.add(token_cost >= units(fx, unit) + sum(n[e] * units(bl[e], unit) for e in entries)
               ).only_enforce_if(zc)
     if wall is None:  # a FLOP budget: of equal FLOPs per token, the faster tokens
-        tunit = max((c2["fixed_s"] + L * max(c2["block_s"].values())) / c2["tokens_per_step"]
+        tunit = max((c2.fixed_s + L * max(x.block_s for x in c2.menu.values())) / c2.tokens_per_step
                     for c2 in combos) / POLISH_LEVELS
         time_cost = m.new_int_var(0, POLISH_LEVELS + L + 1, "seconds_per_token")
         for zc, c2 in zip(z, combos, strict=False):
-            m.add(time_cost >= _units(c2["fixed_s"] / c2["tokens_per_step"], tunit) + sum(
-                n[e] * _units(c2["block_s"][e] / c2["tokens_per_step"], tunit) for e in entries)
+            m.add(time_cost >= units(c2.fixed_s / c2.tokens_per_step, tunit) + sum(
+                n[e] * units(c2.cost_of(e).block_s / c2.tokens_per_step, tunit) for e in entries)
                   ).only_enforce_if(zc)
         m.minimize(token_cost * (POLISH_LEVELS + L + 2) + time_cost)
     else:
@@ -305,17 +301,17 @@ def solve_joint(step_model: StepModel, hw: HardwareProfile, budget: Budget, *, s
     # per optimizer width (the loss differs by its penalty, the grid hides the token
     # difference): the cheapest tokens of each width at the chosen level, then the lowest
     # predicted loss once the budget is spent
-    best = (_spent(c, counts, L, wall, budget, devices, law, n_params, f, data_tokens, levels[k],
-                   bits_pen), c, counts)
+    best = (spent(c, counts, L, wall, budget, devices, law, n_params, f, data_tokens, levels[k],
+                  bits_pen), c, counts)
     # widths of equal penalty are polished together (the cheapest tokens among them); a group
     # whose penalty alone, over the loss at the most tokens the budget could buy, is no better
     # than the incumbent cannot win: not solved
     floor = law.predict(n_params, max_tokens, unique_tokens=max(1.0, f * data_tokens))
     groups: dict[float, list] = {}
-    for b in sorted(width, key=lambda b: (bits_pen[b] != bits_pen[c["bits"]], bits_pen[b])):
+    for b in sorted(width, key=lambda b: (bits_pen[b] != bits_pen[c.bits], bits_pen[b])):
         groups.setdefault(bits_pen[b], []).append(b)
     for pen, group in groups.items():
-        mine = c["bits"] in group
+        mine = c.bits in group
         if not mine and floor + pen >= best[0][0]:
             continue
         for b2, v in width.items():  # these widths only, by their domains (CP-SAT 9.15 aborted
@@ -324,22 +320,20 @@ def solve_joint(step_model: StepModel, hw: HardwareProfile, budget: Budget, *, s
         if solver.solve(m) in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             c2 = combos[next(i for i, v in enumerate(z) if solver.value(v))]
             counts2 = {e: solver.value(n[e]) for e in n}
-            got = _spent(c2, counts2, L, wall, budget, devices, law, n_params, f, data_tokens,
-                         levels[k], bits_pen)
+            got = spent(c2, counts2, L, wall, budget, devices, law, n_params, f, data_tokens,
+                        levels[k], bits_pen)
             if got[0] < best[0][0] or (mine and got[0] <= best[0][0]):
                 best = (got, c2, counts2)  # the polished plan of the solved widths, unless worse
     (_, steps), c, counts = best
     # most-saving entries on the earliest blocks: their activations live the longest
-    order = sorted(entries, key=lambda e: c["R"][e])
+    order = sorted(entries, key=lambda e: c.cost_of(e).retained_bytes)
     policies = tuple(e for e in order for _ in range(counts[e]))
-    choice = Choice(sp_degree=c["sp"], zero_stage=c["zero"], micro_batch=c["mb"], seq_len=seq_len,
-                    policies=policies, precision=space.precision, optimizer_bits=c["bits"][0],
-                    devices=devices, activation_bits=c["bits"][1],
-                    sets=tuple(c["sets"][e] for e in entries if counts[e] and e not in BUILTIN))
-    return Solution(choice=choice, data_fraction=f, total_tokens=steps * c["tokens_per_step"],
-                    max_steps=steps, tokens_per_step=c["tokens_per_step"],
-                    predicted_loss=law.predict(n_params, steps * c["tokens_per_step"],
-                                               unique_tokens=max(1.0, f * data_tokens)) + bits_pen[c["bits"]],
+    choice = dataclasses.replace(c.choice, policies=policies,
+                                 sets=tuple(c.menu[e].entry for e in entries if counts[e] and e not in BUILTIN))
+    return Solution(choice=choice, data_fraction=f, total_tokens=steps * c.tokens_per_step,
+                    max_steps=steps, tokens_per_step=c.tokens_per_step,
+                    predicted_loss=law.predict(n_params, steps * c.tokens_per_step,
+                                               unique_tokens=max(1.0, f * data_tokens)) + bits_pen[c.bits],
                     status=status_name, objective=objective,
                     bound=bound, wall_s=time.perf_counter() - t0,
                     n_variables=n_variables, n_constraints=n_constraints,

@@ -9,7 +9,6 @@ from costmodels.checkpoint_sets import MENU
 from costmodels.step import comm
 from costmodels.step.precision import check_optimizer_bits, optimizer_bits_for
 from modeling.activation_compression import check_activation_bits
-from trainplan_errors import TrainplanError
 
 DEFAULT_POLICIES = ("none", "save_matmuls", "save_attention", "full", MENU)
 """Checkpoint menu: the built-in entries plus each block shape's solved Pareto menu."""
@@ -40,7 +39,7 @@ def default_space(*, devices: int, seq_len: int, n_heads: int, n_kv_heads: int,
     inside one node when the run spans nodes (`comm.sp_degrees_within_node`: SP inside a node,
     data parallelism across nodes); ZeRO stages 0-3 when there is more than one device;
     `optimizer_bits` None: the two widest the executor runs at `precision`
-    (`costmodels.step.model.optimizer_bits_for`: 32 and 8, or 16 and 8 for pure bf16).
+    (`costmodels.step.precision.optimizer_bits_for`: 32 and 8, or 16 and 8 for pure bf16).
 
     Raises:
         TrainplanError: an optimizer width that cannot run at `precision`, or an unknown
@@ -48,11 +47,10 @@ def default_space(*, devices: int, seq_len: int, n_heads: int, n_kv_heads: int,
     sps = [p for p in comm.valid_sp_degrees(seq_len, n_heads, n_kv_heads) if devices % p == 0]
     if devices_per_node is not None:
         sps = comm.sp_degrees_within_node(sps, devices=devices, devices_per_node=devices_per_node)
-    sps = tuple(sps)
     optimizer_bits = optimizer_bits_for(precision)[:2] if optimizer_bits is None else tuple(optimizer_bits)
     check_optimizer_bits(optimizer_bits, precision)
     activation_bits = tuple(check_activation_bits(b) for b in activation_bits)
-    return SearchSpace(sp_degrees=sps, zero_stages=(0, 1, 2, 3) if devices > 1 else (0,),
+    return SearchSpace(sp_degrees=tuple(sps), zero_stages=(0, 1, 2, 3) if devices > 1 else (0,),
                        micro_batches=tuple(micro_batches), policies=tuple(policies),
                        optimizer_bits=tuple(optimizer_bits), data_fractions=tuple(data_fractions),
                        precision=precision, activation_bits=activation_bits)

@@ -7,7 +7,7 @@ Modes:
 - ``zero OUT STAGE...``: pure data parallel, 2 optimizer steps per stage; rank 0 saves the 3 losses.
 - ``mem OUT SP:STAGE...``: per case the executor's own step (``executor.train``'s loss,
   optimizer and held-out evaluation after each step) on a larger Llama (`mem_config`); the third
-  step under MemTracker (``executor.measure._measure_memory``); rank 0 saves every rank's peak.
+  step under MemTracker (``executor.measure.measure_memory``); rank 0 saves every rank's peak.
 - ``fail OUT``: rank 1 raises, rank 0 waits in a barrier (torchrun must stop it).
 - ``hang OUT``: every rank ignores SIGTERM, writes its pid and sleeps (run_torchrun must kill it).
 
@@ -128,12 +128,12 @@ def run_sp(out: Path, cases: list[tuple[int, int]]) -> None:
 
     from executor.parallel.launch import init_distributed
     from executor.parallel.ulysses import (
-        apply_zero,
         enable_ulysses,
         new_sequence_parallel_group,
         shard_sequence,
         sp_loss,
     )  # fmt: skip
+    from executor.parallel.zero import apply_zero
 
     device = torch.device("cpu")
     rank, world = init_distributed(device, timeout_s=60)
@@ -186,7 +186,8 @@ def run_zero(out: Path, stages: list[int], steps: int = 2) -> None:
     import torch.distributed as dist
 
     from executor.parallel.launch import init_distributed
-    from executor.parallel.ulysses import apply_zero, shard_sequence, sp_loss
+    from executor.parallel.ulysses import shard_sequence, sp_loss
+    from executor.parallel.zero import apply_zero
 
     device = torch.device("cpu")
     rank, world = init_distributed(device, timeout_s=60)
@@ -222,10 +223,12 @@ def run_mem(out: Path, cases: list[tuple[int, int]]) -> None:
     import torch
     import torch.distributed as dist
 
-    from executor.measure import _measure_memory, gather_floats, heldout_loss
+    from executor.measure import gather_floats, heldout_loss, measure_memory
+    from executor.optimizers import build_optimizer
     from executor.parallel.launch import init_distributed
-    from executor.parallel.ulysses import apply_zero, enable_ulysses, new_sequence_parallel_group
-    from executor.train import _forward_loss, build_optimizer
+    from executor.parallel.ulysses import enable_ulysses, new_sequence_parallel_group
+    from executor.parallel.zero import apply_zero
+    from executor.train import micro_batch_loss
 
     torch.set_num_threads(1)
     device = torch.device("cpu")
@@ -237,7 +240,7 @@ def run_mem(out: Path, cases: list[tuple[int, int]]) -> None:
         enable_ulysses(model, seq_len=MEM_SEQ_LEN)
         model, opt = apply_zero(model, partial(build_optimizer, bits=32, lr=1e-3), stage=stage,
                                 device=device)
-        forward_loss = partial(_forward_loss, model, device, sp, rank % sp, world)
+        forward_loss = partial(micro_batch_loss, model, device, sp, rank % sp, world)
 
         def batch(i: int):
             g = torch.Generator().manual_seed(1000 * i + rank // sp)
@@ -253,7 +256,7 @@ def run_mem(out: Path, cases: list[tuple[int, int]]) -> None:
         for i in range(2):
             step(i)
             heldout_loss(model, [batch(99)], forward_loss)
-        peak = _measure_memory(lambda: step(2), model, opt)
+        peak = measure_memory(lambda: step(2), model, opt)
         totals = gather_floats(peak["total"], world)
         if rank == 0:
             torch.save({"per_rank": totals, "rank0": peak}, out / f"mem_sp{sp}_stage{stage}.pt")

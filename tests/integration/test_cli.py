@@ -116,15 +116,15 @@ def test_an_interrupted_run_or_demo_says_how_to_continue(tmp_path, capsys):
     """`run` and `demo` share the early-stop message: one line, the out folder shell-quoted."""
     import types
 
-    from planner.cli.commands import _stopped_early
+    from planner.cli.commands import stopped_early
 
     plan = types.SimpleNamespace(decisions=types.SimpleNamespace(max_steps=290))
     out = tmp_path / "a run"
     done = types.SimpleNamespace(stop_reason="budget", steps=290, checkpoint="")
-    assert not _stopped_early(plan, done, out)
-    assert not _stopped_early(plan, types.SimpleNamespace(stop_reason="marginal_gain", steps=9, checkpoint=""), out)
+    assert not stopped_early(plan, done, out)
+    assert not stopped_early(plan, types.SimpleNamespace(stop_reason="marginal_gain", steps=9, checkpoint=""), out)
     stopped = types.SimpleNamespace(stop_reason="interrupted", steps=30, checkpoint=str(out / "checkpoint"))
-    assert _stopped_early(plan, stopped, out)
+    assert stopped_early(plan, stopped, out)
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "interrupted after 30 of 290 steps" in err[0]
     assert f"trainplan run --out '{out}' --resume" in err[0]

@@ -18,8 +18,9 @@ import torch
 
 from executor.checkpoint import OutOfMemoryRunError, is_out_of_memory, latest_checkpoint, load_checkpoint
 from executor.data.batches import load_corpus
+from executor.optimizers import build_optimizer
 from executor.record import RunRecord
-from executor.train import build_optimizer, run
+from executor.train import run
 from modeling.presets import build_model
 from planner.api import plan_for_choice
 from planner.cli.main import main

@@ -18,7 +18,6 @@ import executor.parallel.launch as launch
 from executor.parallel.launch import WorkerFailedError, run_torchrun
 from executor.parallel.ulysses import (
     ULYSSES,
-    apply_zero,
     check_sp_degree,
     enable_ulysses,
     new_sequence_parallel_group,
@@ -26,6 +25,7 @@ from executor.parallel.ulysses import (
     sp_loss,
     valid_sp_degrees,
 )  # fmt: skip
+from executor.parallel.zero import apply_zero
 from trainplan_errors import TrainplanError
 
 _spec = importlib.util.spec_from_file_location(
@@ -294,7 +294,7 @@ def test_apply_zero_world_one_returns_model_unchanged():
 def test_first_cause_skips_a_rank_that_only_lost_its_peer(tmp_path):
     """Ranks failing in the same second are listed by torchrun in polling order: the rank whose
     collective only lost its peer is not the cause when another failed rank is not like that."""
-    from executor.parallel.launch import _first_cause
+    from executor.parallel.launch import first_cause
 
     run = tmp_path / "run"
     for r, text in ((0, "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer"),
@@ -304,7 +304,7 @@ def test_first_cause_skips_a_rank_that_only_lost_its_peer(tmp_path):
     failure = "  rank      : {r} (local_rank: {r})\n  exitcode  : 1 (pid: 1)\n"
     summary = ("Failures:\n[1]:\n" + failure.format(r=1)
                + "Root Cause (first observed failure):\n[0]:\n" + failure.format(r=0))
-    assert _first_cause(summary, [run]) == (1, 1, 1)
+    assert first_cause(summary, [run]) == (1, 1, 1)
     (run / "attempt_0" / "1" / "stderr.log").write_text("Connection closed by peer\n")
-    assert _first_cause(summary, [run]) == (0, 0, 1)  # both lost a peer: torchrun's root cause
-    assert _first_cause("no summary", [run]) is None
+    assert first_cause(summary, [run]) == (0, 0, 1)  # both lost a peer: torchrun's root cause
+    assert first_cause("no summary", [run]) is None

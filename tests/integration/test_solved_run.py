@@ -40,9 +40,11 @@ def test_solved_checkpoint_sets_run_and_match(tmp_path, cpu_profile):
     assert plan.predictions.flops_per_step == rec.flops_per_step, (
         f"predicted {plan.predictions.flops_per_step:.0f} FLOPs, measured {rec.flops_per_step:.0f}")
     # calibration re-predicts a run's step time from its plan, solved sets included
-    from executor.calibrate.runs import _load, _Predictor
+    from executor.calibrate.runs import load_run_folder
+    from executor.calibrate.step_time import StepTimePredictor
+    from planner.capture.setup import capture_model
 
     if not (tmp_path / "run" / "plan.json").exists():
         plan.to_json(tmp_path / "run" / "plan.json")
-    again = _Predictor(_load(tmp_path / "run"), {}).time(cpu_profile)
+    again = StepTimePredictor(load_run_folder(tmp_path / "run"), {}, capture_model).time(cpu_profile)
     assert math.isclose(again, plan.predictions.step_time_s, rel_tol=1e-6), (again, plan.predictions.step_time_s)

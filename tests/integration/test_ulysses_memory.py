@@ -70,7 +70,7 @@ def graph():
 def _run_block(model, monkeypatch, sp: int, b: int, policy: str, mode) -> None:
     """Forward and backward of layer 0 at SP degree `sp` (simulated exchange) under `mode`."""
     import executor.parallel.ulysses as par
-    from executor.train import _sac_forward
+    from executor.train import sac_forward
 
     layer = model.model.layers[0]
     layer.zero_grad(set_to_none=True)
@@ -80,7 +80,7 @@ def _run_block(model, monkeypatch, sp: int, b: int, policy: str, mode) -> None:
     monkeypatch.setattr(model.config, "_attn_implementation", par.ULYSSES if sp > 1 else "sdpa")
     entry = resolve(policy)
     if entry.checkpointed:
-        monkeypatch.setattr(layer, "forward", partial(_sac_forward, layer.forward, entry))
+        monkeypatch.setattr(layer, "forward", partial(sac_forward, layer.forward, entry))
     pos = torch.arange(SEQ)[None].expand(b, -1)
     cos, sin = model.model.rotary_emb(torch.empty(b, SEQ, 1), pos)
     with mode(cos, sin):

@@ -208,7 +208,7 @@ def test_memory_per_category_matches_memtracker(step_models, tiny_llama, measure
 
 @pytest.fixture(scope="module")
 def bits_problem():
-    from planner.api import prepare
+    from planner.joint.problem import prepare
 
     return prepare("tiny-llama", "cpu", seq_len=256, data_tokens=10**6, micro_batches=(4,),
                    policies=("none",), data_fractions=(1.0,), activation_bits=(32, 16, 8),
@@ -220,8 +220,8 @@ def test_solver_picks_lower_bits_exactly_when_memory_binds(bits_problem):
     above the full-width plan's peak the solver keeps 32/32 (no loss penalty); below it, it
     picks the lowest-penalty setting that fits, which never needs more than the cap."""
     from costmodels.loss.bits import bits_loss_penalty
-    from planner.api import solve_problem
     from planner.budget import Budget
+    from planner.joint.problem import solve_problem
 
     pr = bits_problem
     sm, L = pr.step_model, len(pr.step_model.blocks)

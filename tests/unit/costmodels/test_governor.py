@@ -20,8 +20,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from costmodels.stopping.curve import fit_curve, marginal_gain, predict_stop_step, predict_stop_step_from_curve
-from executor.governor import Governor, lr_multiplier
+from costmodels.stopping.curve import fit_curve, marginal_gain
+from costmodels.stopping.prediction import predict_stop_step, predict_stop_step_from_curve
+from costmodels.stopping.rule import Governor
+from costmodels.stopping.schedule import lr_multiplier
 from trainplan_errors import TrainplanError
 
 EVERY = 5  # held-out evaluation every this many steps
@@ -289,7 +291,8 @@ def small_plan():
 
 # -- the loop helper ----------------------------------------------------------------------------
 def test_the_loop_is_inert_without_a_governor(small_plan):
-    from executor.governor import GOVERNED_EVALS, GovernedLoop
+    from costmodels.stopping.schedule import GOVERNED_EVALS
+    from executor.governor import GovernedLoop
 
     loop = GovernedLoop.for_run(small_plan)
     assert not loop.on and loop.lr(399) == 1.0 and not loop.eval_due(400)
@@ -338,8 +341,9 @@ def test_a_governed_run_ends_with_a_complete_record_and_checkpoint(tmp_path, tin
     import torch
 
     from executor.checkpoint import CHECKPOINT_DIR, LATEST, latest_checkpoint, load_checkpoint
+    from executor.optimizers import build_optimizer
     from executor.record import RunRecord
-    from executor.train import build_optimizer, lr_at
+    from executor.train import lr_at
     from modeling.presets import build_model
 
     gov = Governor(threshold_nats_per_step=1.0, max_steps=40, warmup_steps=4, refit_every=2, min_points=4)
@@ -365,8 +369,8 @@ def test_a_governed_run_ends_with_a_complete_record_and_checkpoint(tmp_path, tin
     assert meta["steps"] == rec.steps and meta["record"].stop_reason == "marginal_gain"
     assert len(opt.state) == len(list(fresh.parameters())), "optimizer state missing"
     # the report: predicted beside actual stop and final loss, and the governor's figure
+    from executor.reporting.compare import compare
     from executor.reporting.figures import governor_figure, read_governor_summary
-    from executor.reporting.report import compare
 
     table = compare(plan, rec).set_index("term")
     assert table.loc["end_step", "measured"] == rec.steps

@@ -20,7 +20,8 @@ from costmodels.step.memory import (
     zero1_partition,
 )
 from costmodels.step.model import Choice, StepModel
-from executor.train import apply_checkpointing, build_optimizer
+from executor.optimizers import build_optimizer
+from executor.train import apply_checkpointing
 from hardware_profiles import load
 from planner.capture.graph import capture
 from trainplan_errors import TrainplanError

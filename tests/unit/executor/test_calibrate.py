@@ -1,4 +1,4 @@
-"""executor.calibrate.runs: loss-law refit, cpu step-time refit, errors, and solve() using the law.
+"""executor.calibrate: loss-law refit, cpu step-time refit, errors, and solve() using the law.
 
 No training: plans and records are built by hand; the cpu profile is a synthetic one saved into
 a temporary cache (so nothing is measured and the user's cache is untouched)."""
@@ -12,12 +12,16 @@ import hardware_profiles
 from costmodels.loss.cache import law_path, load_local_law, read_local_law_file, save_local_law
 from costmodels.loss.law import LossLaw
 from costmodels.step.model import Choice, StepModel
-from executor.calibrate.runs import SKIP_FRACTION, _scaled, calibrate
+from executor.calibrate.calibration import calibrate
+from executor.calibrate.law import SKIP_FRACTION
+from executor.calibrate.step_time import scaled_profile
 from executor.record import RunRecord
-from hardware_profiles import HardwareProfile, TrainplanError
-from planner.api import capture_model, solve
+from hardware_profiles import HardwareProfile
+from planner.api import solve
 from planner.budget import Budget
+from planner.capture.setup import capture_model
 from planner.plan import Decisions, Plan, Predictions, SolverFacts
+from trainplan_errors import TrainplanError
 
 GIB = 2**30
 MODEL, VOCAB, LAYERS = "tiny-llama", 8192, 4
@@ -42,7 +46,7 @@ def cache(tmp_path, monkeypatch):
     """Temporary cache with the synthetic cpu profile; the in-process cpu memo is isolated."""
     monkeypatch.setenv("TRAINPLAN_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(hardware_profiles.cpu, "_MEMO", {})
-    hardware_profiles.save_profile(fake_cpu())
+    hardware_profiles.cpu.save_profile(fake_cpu())
     return tmp_path / "cache"
 
 
@@ -111,7 +115,7 @@ def predict(profile: HardwareProfile, g, numels, plan: Plan) -> float:
 
 def test_law_recovered_from_synthetic_curve_and_cached(cache, tmp_path, capsys):
     run = write_run(tmp_path / "run", make_plan(), make_record(same_hardware=False))
-    res = calibrate([run])
+    res = calibrate([run], capture_model=capture_model)
     (fit,) = res.laws
     law = fit.law
     for k, v in TRUE.items():
@@ -138,7 +142,7 @@ def test_law_fit_with_noise_and_two_runs(cache, tmp_path):
                                                            same_hardware=False))
     b = write_run(tmp_path / "b", make_plan(), make_record(heldout=synthetic_curve(noise=0.002, seed=2),
                                                            same_hardware=False))
-    (fit,) = calibrate([a, b], verbose=False).laws
+    (fit,) = calibrate([a, b], capture_model=capture_model, verbose=False).laws
     assert fit.n_points == 32 and fit.run_dirs == (str(a), str(b))
     assert fit.law.predict(1.0, 2e6) == pytest.approx(TRUE["E"] + TRUE["B"] / 2e6 ** TRUE["beta"], rel=0.01)
     assert fit.rms_rel_err_after < fit.rms_rel_err_before
@@ -147,7 +151,7 @@ def test_law_fit_with_noise_and_two_runs(cache, tmp_path):
 def test_cache_dir_argument(tmp_path, monkeypatch):
     monkeypatch.setenv("TRAINPLAN_CACHE_DIR", str(tmp_path / "elsewhere"))
     run = write_run(tmp_path / "run", make_plan(), make_record(same_hardware=False))
-    (fit,) = calibrate([run], cache_dir=tmp_path / "mine", verbose=False).laws
+    (fit,) = calibrate([run], capture_model=capture_model, cache_dir=tmp_path / "mine", verbose=False).laws
     assert fit.path == tmp_path / "mine" / "laws" / f"{MODEL}-v{VOCAB}.json"
     assert load_local_law(MODEL, VOCAB) is None
     assert load_local_law(MODEL, VOCAB, cache_dir=tmp_path / "mine") == fit.law
@@ -171,7 +175,7 @@ def test_step_time_refit_matches_measured(cache, tmp_path, graph, r):
     before = fake_cpu()
     measured = r * predict(before, g, numels, plan)
     run = write_run(tmp_path / "run", plan, make_record(step_s=measured))
-    res = calibrate([run], verbose=False)
+    res = calibrate([run], capture_model=capture_model, verbose=False)
     assert res.step_time_method == "ratio" and res.ratio == pytest.approx(r, rel=1e-6)
     after = hardware_profiles.load("cpu")
     assert after == res.profile
@@ -193,17 +197,17 @@ def test_step_time_refit_matches_measured(cache, tmp_path, graph, r):
         assert after.hbm_bandwidth_bytes_per_s == pytest.approx(before.hbm_bandwidth_bytes_per_s / r)
         assert set(res.scaled_fields) == {"peak_flops_per_s", "hbm_bandwidth_bytes_per_s", "op_overhead_s"}
     # calibrating again on the same run does not compound
-    again = calibrate([run], verbose=False)
+    again = calibrate([run], capture_model=capture_model, verbose=False)
     assert again.ratio == pytest.approx(1.0, rel=1e-6)
 
 
 def test_two_shapes_fit_compute_and_memory_separately(cache, tmp_path, graph):
     g, numels = graph
-    truth = _scaled(fake_cpu(), 0.4, 3.0)  # compute 2.5x slower, memory 3x faster than profiled
+    truth = scaled_profile(fake_cpu(), 0.4, 3.0)  # compute 2.5x slower, memory 3x faster than profiled
     plans = [make_plan(micro_batch=1, seq_len=64), make_plan(micro_batch=16, seq_len=512)]
     runs = [write_run(tmp_path / f"run{i}", p, make_record(step_s=predict(truth, g, numels, p)))
             for i, p in enumerate(plans)]
-    res = calibrate(runs, verbose=False)
+    res = calibrate(runs, capture_model=capture_model, verbose=False)
     after = hardware_profiles.load("cpu")
     for row in res.step_time:
         assert abs(row.rel_err_after) < 0.05, (res.step_time_method, res.step_time)
@@ -214,7 +218,7 @@ def test_two_shapes_fit_compute_and_memory_separately(cache, tmp_path, graph):
 
 def test_other_hardware_runs_leave_profile_alone(cache, tmp_path):
     run = write_run(tmp_path / "run", make_plan(hw="h100"), make_record(same_hardware=False))
-    res = calibrate([run], verbose=False)
+    res = calibrate([run], capture_model=capture_model, verbose=False)
     assert res.profile is None and res.profile_path is None and res.step_time_method == ""
     assert hardware_profiles.load("cpu") == fake_cpu()
     assert any("h100" in n for n in res.notes)
@@ -225,7 +229,7 @@ def test_other_hardware_runs_leave_profile_alone(cache, tmp_path):
 
 def test_missing_run_dir_is_named(cache, tmp_path):
     with pytest.raises(TrainplanError, match="nope.*does not exist"):
-        calibrate([tmp_path / "nope"])
+        calibrate([tmp_path / "nope"], capture_model=capture_model)
 
 
 def test_run_dir_without_record_is_named(cache, tmp_path):
@@ -233,13 +237,13 @@ def test_run_dir_without_record_is_named(cache, tmp_path):
     d.mkdir()
     make_plan().to_json(d / "plan.json")
     with pytest.raises(TrainplanError, match=r"half.*no record\.json"):
-        calibrate([d])
+        calibrate([d], capture_model=capture_model)
 
 
 def test_too_few_heldout_points(cache, tmp_path):
     run = write_run(tmp_path / "short", make_plan(), make_record(heldout=synthetic_curve()[:3]))
     with pytest.raises(TrainplanError) as e:
-        calibrate([run])
+        calibrate([run], capture_model=capture_model)
     msg = str(e.value)
     assert "short" in msg and "3 held-out points found" in msg and "at least 4" in msg
     # nothing written: neither a law nor a changed profile

@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import executor.data.corpus as corpus_mod
-from executor.data.batches import TokenBatches, count_corpus_tokens, heldout_batches, load_corpus, load_tokenizer
-from executor.data.corpus import EOT, read_documents, strip_markdown
+from executor.data.batches import TokenBatches, count_corpus_tokens, heldout_batches, load_corpus
+from executor.data.corpus import EOT, load_tokenizer, read_documents, strip_markdown
 from trainplan_errors import DataError, TrainplanError
 
 VOCAB = 300  # 256 bytes + EOT + a few merges: trains in milliseconds

@@ -20,6 +20,7 @@ from PIL import Image
 from costmodels.loss.bits import bits_loss_penalty
 from costmodels.loss.cache import save_local_law
 from costmodels.loss.law import LossLaw
+from executor.reporting.compare import compare
 from executor.reporting.figures import (
     CALIBRATION_COLUMNS,
     append_calibration_history,
@@ -34,15 +35,10 @@ from executor.reporting.figures import (
     rank_memory_frame,
     read_calibration_history,
 )
-from executor.reporting.html import (
-    TOLERANCES,
-    compare_runs,
-    summary_line,
-    term_label,
-    tolerance,
-    verdict_frame,
-)
-from executor.reporting.report import compare, plot_report, report, report_frames
+from executor.reporting.frames import report_frames
+from executor.reporting.plots import plot_report
+from executor.reporting.report import compare_runs, report
+from executor.reporting.verdicts import TOLERANCES, summary_line, term_label, tolerance, verdict_frame
 from planner.cli.main import main
 from tests.support import MIB, make_plan, make_record
 

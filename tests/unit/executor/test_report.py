@@ -1,4 +1,4 @@
-"""executor.reporting.report: compare table, frames, report folder, load_run, text table."""
+"""executor.reporting: compare table, frames, report folder, load_run, text table."""
 
 from __future__ import annotations
 
@@ -8,19 +8,10 @@ import pandas as pd
 import pytest
 
 from executor.record import RunRecord
-from executor.reporting.report import (
-    COLUMNS,
-    STEP_TIME_NOTE,
-    compare,
-    format_table,
-    load_run,
-    loss_frame,
-    memory_frame,
-    plot_report,
-    report,
-    report_frames,
-    step_time_frame,
-)
+from executor.reporting.compare import COLUMNS, compare, format_table
+from executor.reporting.frames import loss_frame, memory_frame, report_frames, step_time_frame
+from executor.reporting.plots import STEP_TIME_NOTE, plot_report
+from executor.reporting.report import load_run, report
 from tests.support import MIB, make_plan, make_record
 from trainplan_errors import PlanMismatchError
 
@@ -83,7 +74,7 @@ def test_short_run_reports_unmeasured_terms_as_not_measured():
     """A 2-step run never reaches the memory (step 2) or FLOPs (step 3) measurement, nor a
     timed step after the two warm-up steps: those terms are "not measured", not misses (the
     record's defaults are {} and 0 FLOPs; its step times only the warm-up steps')."""
-    from executor.reporting.html import NOT_MEASURED, summary_line, verdict_frame
+    from executor.reporting.verdicts import NOT_MEASURED, summary_line, verdict_frame
 
     rec = make_record(steps=2, step_times_s=[0.4, 0.5], peak_memory_bytes={}, flops_per_step=0.0)
     v = verdict_frame(compare(make_plan(), rec)).set_index("term")

@@ -11,23 +11,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from costmodels.data.value import (
-    DEFAULT_QUALITY,
-    QualityFit,
-    ScoringFlops,
-    fit_local_law,
-    fit_quality,
-    predicted_loss,
-    scoring_flops,
-    selection_menu,
-    selection_quality,
-    subset_loss,
-)
+from costmodels.data.fit import fit_local_law, fit_quality
+from costmodels.data.quality import DEFAULT_QUALITY, QualityFit, selection_quality
+from costmodels.data.scoring import ScoringFlops, scoring_flops, selection_menu
+from costmodels.data.value import predicted_loss, subset_loss
 from costmodels.loss.law import LossLaw, effective_tokens
 from executor.data import scorers as selection_scorers
 from executor.data import selection
 from executor.data.batches import TokenBatches
-from executor.data.selection import DynamicSelector, ReferenceConfig, apply_criterion, score_windows, select
+from executor.data.dynamic_selection import DynamicSelector
+from executor.data.scorers import ReferenceConfig
+from executor.data.selection import apply_criterion, score_windows, select
 from trainplan_errors import TrainplanError
 
 VOCAB, SEQ = 64, 16
@@ -294,7 +288,7 @@ def test_counted_flops_match_analytic(ref):
     t = _tokens(64 * SEQ + 1)
     s = score_windows(t, seq_len=SEQ, method="loss", reference=ref, batch_size=16,
                       use_cache=False)
-    n = selection.matmul_params(ref)
+    n = selection_scorers.matmul_params(ref)
     pred = scoring_flops("loss", 64, SEQ, n, n_layers=1, hidden=32)
     assert s.scoring_flops == pytest.approx(pred.total, rel=0.05)
     toks, _, target = _two_kinds(16)
@@ -434,7 +428,7 @@ def test_scoring_flops_parts_and_menu():
 def test_default_reference_flops_predicted_before_scoring(tmp_path):
     """The planner's pre-scoring charge (`reference_scoring_flops`, defaults mirroring
     ReferenceConfig) agrees with what scoring with the default reference counts."""
-    from costmodels.data.value import reference_scoring_flops
+    from costmodels.data.scoring import reference_scoring_flops
 
     toks, _, target = _two_kinds(16)
     cfg = ReferenceConfig(steps=2)

@@ -15,8 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hardware_profiles
-from hardware_profiles import HardwareProfile, TrainplanError, UnknownNameError, cpu, load
+from hardware_profiles import HardwareProfile, cpu, load
 from hardware_profiles.profile import NUMERIC_FIELDS
+from trainplan_errors import TrainplanError, UnknownNameError
 
 GIB = 2**30
 DATASHEET = ["a100", "h100", "h200", "mi300a", "mi300x"]
@@ -331,12 +332,12 @@ def test_cache_from_another_host_is_remeasured(counted, monkeypatch):
 
 def test_save_profile_is_what_load_returns(counted, quick_cpu):
     refit = quick_cpu.with_calibration(memory_efficiency=0.5)
-    path = hardware_profiles.save_profile(refit)
+    path = cpu.save_profile(refit)
     assert path == cpu.cache_path()
     cpu._MEMO.clear()
     assert load("cpu") == refit and counted == []
     with pytest.raises(TrainplanError, match="only the measured 'cpu' profile"):
-        hardware_profiles.save_profile(load("h100"))
+        cpu.save_profile(load("h100"))
 
 
 def test_list_and_describe_profiles(counted):

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from costmodels.data.value import DEFAULT_QUALITY, QualityFit, load_quality_fits, quality_path, save_quality_fits
+from costmodels.data.quality import DEFAULT_QUALITY, QualityFit
+from costmodels.data.quality_cache import load_quality_fits, quality_path, save_quality_fits
 from costmodels.loss.bits import bits_loss_penalty
 from costmodels.loss.law import LossLaw
 from planner import data_choice
@@ -124,7 +125,7 @@ def test_random_at_fraction_one_and_random_only():
     # ("random",) keeps today's behaviour
     assert choose_data_method(plan, LAW, methods=("random",), fits=fit) is plan
     # no corpus size: nothing to score
-    from planner.api import UNLIMITED_DATA_TOKENS
+    from planner.budget import UNLIMITED_DATA_TOKENS
 
     unlimited = dataclasses.replace(plan, data_tokens=UNLIMITED_DATA_TOKENS)
     assert choose_data_method(unlimited, LAW, fits=fit) is unlimited
@@ -172,7 +173,7 @@ def test_check_data_methods():
 
 
 def test_target_windows_mirror_the_executor():
-    from executor.data.selection import TARGET_WINDOWS
+    from executor.data.dynamic_selection import TARGET_WINDOWS
 
     assert data_choice.TARGET_WINDOWS == TARGET_WINDOWS
 
@@ -278,7 +279,8 @@ def _close(a, b):
 def test_static_dsir_run_trains_on_exactly_the_selected_windows_and_resumes(
         cpu_profile, corpus, spy, tmp_path, one_thread):
     from executor.data.batches import heldout_batches
-    from executor.data.selection import score_windows, select, target_slice
+    from executor.data.dynamic_selection import target_slice
+    from executor.data.selection import score_windows, select
     from executor.train import EVAL_BATCHES
 
     plan = _fixed(cpu_profile, corpus, data_fraction=0.5, data_method="dsir")

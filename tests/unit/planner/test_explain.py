@@ -130,7 +130,7 @@ def test_time_limit_before_any_plan_asks_for_a_longer_limit(monkeypatch, capsys)
     bind: the message says so and asks for a longer limit, without an explanation's re-solves."""
     import planner.joint.solver
 
-    monkeypatch.setattr(planner.joint.solver, "_uniform_start", lambda *a, **k: None)
+    monkeypatch.setattr(planner.joint.solver, "uniform_start", lambda *a, **k: None)
     args = ["solve", "--model", "llama3-8b", "--hw", "h100", "--devices", "3", "--seq-len", "2048",
             "--budget-device-hours", "100"]
     rc = main(args + ["--time-limit", "0.001"])

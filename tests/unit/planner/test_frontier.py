@@ -8,7 +8,8 @@ import pytest
 
 from planner.api import solve
 from planner.budget import Budget
-from planner.joint.frontier import OBJECTIVES, format_frontier, frontier, non_dominated, write_frontier
+from planner.cli.frontier_files import copy_frontier, write_frontier
+from planner.joint.frontier import OBJECTIVES, format_frontier, frontier, non_dominated
 
 BUDGET = Budget(flops=4e12)
 TINY = dict(seq_len=256, data_tokens=10**6)
@@ -73,7 +74,7 @@ def test_write_frontier_is_read_by_the_report_figure(tiny_frontier, tmp_path):
 
 
 def test_cli_solve_frontier_writes_beside_the_plan_and_run_copies_it(tmp_path, capsys):
-    from planner.cli.main import _copy_frontier, main
+    from planner.cli.main import main
 
     plan = tmp_path / "p" / "plan.json"
     plan.parent.mkdir()
@@ -85,7 +86,7 @@ def test_cli_solve_frontier_writes_beside_the_plan_and_run_copies_it(tmp_path, c
     assert (plan.parent / "frontier.png").is_file()
     run = tmp_path / "run"
     run.mkdir()
-    _copy_frontier(plan, run)
+    copy_frontier(plan, run)
     assert (run / "frontier.csv").read_bytes() == (plan.parent / "frontier.csv").read_bytes()
 
 

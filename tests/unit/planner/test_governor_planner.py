@@ -19,10 +19,10 @@ import math
 import numpy as np
 import pytest
 
-from costmodels.stopping.curve import predict_stop_step_from_curve, threshold_from_value
 from costmodels.stopping.heldout_curve import HeldoutCurve, PilotCurve
 from costmodels.stopping.heldout_fit import fit_heldout_curve
-from executor.governor import Governor
+from costmodels.stopping.prediction import predict_stop_step_from_curve, threshold_from_value
+from costmodels.stopping.rule import Governor
 from tests.support import TPS, TRUE, U
 from trainplan_errors import TrainplanError
 
@@ -70,7 +70,8 @@ def test_threshold_from_value_is_cost_over_value():
 # -- the planner: threshold from economics, stop predicted from the loss law ---------------------
 def test_predicted_stop_from_the_law_matches_the_closed_form_and_repetition_brings_it_forward():
     from costmodels.loss.law import LossLaw
-    from costmodels.stopping.curve import cooldown_steps, governed_stop_step, predict_stop_from_law
+    from costmodels.stopping.prediction import predict_stop_from_law
+    from costmodels.stopping.schedule import cooldown_steps, governed_stop_step
 
     law, n, tps, thr = LossLaw.besiroglu2024(), 7.1e6, 1024.0, 1e-4
     # no repetition: -dL/ds = beta B tps^-beta s^-(beta+1) = thr
@@ -94,7 +95,7 @@ def test_simulated_stop_is_the_governor_on_the_predicted_curve():
     """The planner's model of the governor: its own rule replayed over a predicted curve with
     evaluation noise. It decides at or after the curve's crossing (it waits for an upper bound),
     later with more noise, and a curve that stays steep runs the budget out."""
-    from costmodels.stopping.rule import simulated_stop_step
+    from costmodels.stopping.simulation import simulated_stop_step
 
     exact = analytic_stop(1e-3, **LAW)
     loss_at = lambda s: float(law_loss(s, **LAW))  # noqa: E731
@@ -121,7 +122,7 @@ def small_plan():
 
 def test_with_governor_prices_a_step_and_predicts_the_stop(small_plan):
     from costmodels.loss.law import LossLaw
-    from costmodels.stopping.curve import predict_stop_from_law
+    from costmodels.stopping.prediction import predict_stop_from_law
     from planner.governor import governed_plan, plan_law, with_governor
     from planner.plan import Plan
 
@@ -282,7 +283,7 @@ def test_the_plan_picks_its_budget_from_the_curve_with_room_for_the_stop(overfit
     where it does under the full one (the budget does not bind first); tokens, device-hours and
     the final loss follow the budget; without a curve (the law's crossing, a lower bound) the
     budget is kept."""
-    from costmodels.stopping.prediction import cooldown_steps
+    from costmodels.stopping.schedule import cooldown_steps
     from planner.governor import BUDGET_MARGIN, picked_budget, with_governor
 
     settings = dict(refit_every=10, min_points=8, confidence=0.9)

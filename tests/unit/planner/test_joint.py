@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "joint.py"
+BENCH = Path(__file__).resolve().parents[3] / "benchmarks" / "joint.py"
 GIB = 2**30
 
 
@@ -61,8 +61,8 @@ def test_8b_under_a_40gib_cap_joint_beats_every_order(bj):
 
 
 def test_greedy_never_raises_the_loss(bj):
-    from planner.api import prepare
     from planner.budget import Budget
+    from planner.joint.problem import prepare
 
     pr = prepare("tiny-llama", "cpu", seq_len=256)
     kn = bj.Knobs(pr, Budget(flops=2e12), memory_limit_bytes=300 * 2**20)

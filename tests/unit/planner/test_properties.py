@@ -20,8 +20,8 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from planner.api import prepare, solve_problem
 from planner.budget import Budget
+from planner.joint.problem import prepare, solve_problem
 from planner.plan import relative_gap
 from trainplan_errors import InfeasibleError
 
@@ -84,14 +84,14 @@ BUDGET_3DEV = Budget(devices=3, device_hours=100.0)
 
 
 def test_time_limit_gives_the_best_feasible_plan_with_its_gap(llama8b_3dev, capsys):
-    from planner.cli.main import _print_plan
+    from planner.cli.commands import print_plan
 
     plan = solve_problem(llama8b_3dev, BUDGET_3DEV, time_limit_s=2.0)
     s = plan.solver
     assert s.status == "FEASIBLE", s
     assert s.gap > 0 and math.isclose(s.gap, relative_gap(s.status, s.objective, s.bound)), s
     assert s.gap == abs(s.objective - s.bound) / abs(s.objective)
-    _print_plan(plan)
+    print_plan(plan)
     line = [ln for ln in capsys.readouterr().out.splitlines() if "solver:" in ln][0]
     assert f"FEASIBLE (not optimal, gap {s.gap:.3%}; time limit 2 s)" in line, line
     again = json.loads(plan.to_json())["solver"]

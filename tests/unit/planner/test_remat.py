@@ -28,13 +28,15 @@ from costmodels.checkpoint_sets import (
     sets_from_mapping,
 )
 from costmodels.step.memory import simulate_region
-from costmodels.step.model import Choice, region_cost
-from executor.train import _sac_forward, apply_checkpointing
+from costmodels.step.model import Choice
+from costmodels.step.remat_cost import BlockCase, evaluate
+from costmodels.step.roofline import region_cost
+from executor.train import sac_forward, apply_checkpointing
 from hardware_profiles import load
 from modeling.flop_counting import CPU_ATTENTION_FLOP_FORMULAS
 from planner.capture.graph import capture
-from planner.joint.remat_menu import BASELINES, STRATEGIES, optimal
-from planner.joint.remat_solver import BlockCase, BlockModel, evaluate, linear_memory, pareto_menu, solve_block
+from planner.joint.remat_solver import BlockModel, linear_memory, pareto_menu, solve_block
+from planner.joint.remat_strategies import BASELINES, STRATEGIES, optimal
 from trainplan_errors import PlanMismatchError, TrainplanError
 
 SHAPES = [(1, 16), (2, 64), (1, 1024), (4, 4096)]
@@ -152,7 +154,7 @@ def test_below_full_checkpointing_is_infeasible(region, cap_of_full):
 
 @pytest.fixture(scope="module")
 def cases(region):
-    from planner.api import capture_model
+    from planner.capture.setup import capture_model
 
     big = capture_model("llama3-8b", "bf16-mixed")[0].regions["block0"]
     out = [_case(region, b, s, "h100") for b, s in SHAPES if s != 1024] + [_case(region, 1, 1024, "cpu")]
@@ -208,7 +210,7 @@ def test_menu_is_a_pareto_front_with_none_and_full(region, b, s):
 def test_sequence_decides_what_is_kept():
     """At AutoSP's memory, a Llama-3-8B block keeps attention at long sequence and projections
     at short sequence: from the cost model, not from a rule."""
-    from planner.api import capture_model
+    from planner.capture.setup import capture_model
 
     r = capture_model("llama3-8b", "bf16-mixed")[0].regions["block0"]
     kept = {}
@@ -221,7 +223,7 @@ def test_sequence_decides_what_is_kept():
 
 
 def test_block_solve_is_fast(region):
-    from planner.api import capture_model
+    from planner.capture.setup import capture_model
 
     r = capture_model("llama3-70b", "bf16-mixed")[0].regions["block0"]
     case = BlockCase(region=r, b=1, s=16384, sp=8, hw=load("mi300"), dtype="bf16", stack=80)
@@ -259,7 +261,7 @@ def _measured_retained(layer, entry, x, kw) -> int:
             return out
 
     with Track():
-        out = _sac_forward(layer.forward, entry, x, **kw)
+        out = sac_forward(layer.forward, entry, x, **kw)
     out = out[0] if isinstance(out, tuple) else out
     alive = {ptr: n for ref, ptr, n in made if not ref.expired()}
     alive.pop(out.untyped_storage().data_ptr(), None)
@@ -298,7 +300,7 @@ def test_measured_recompute_flops_equal_predicted(tiny_llama, solved_sets, cpu_p
         x, kw = _block_inputs(model, case.b, case.s)
         fc = FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOP_FORMULAS)
         with fc:
-            out = _sac_forward(layer.forward, entry, x, **kw) if entry.checkpointed else layer(x, **kw)
+            out = sac_forward(layer.forward, entry, x, **kw) if entry.checkpointed else layer(x, **kw)
             out = out[0] if isinstance(out, tuple) else out
             out.backward(torch.ones_like(out))
         cost = region_cost(case.region, case.b, case.s, 1, entry, cpu_profile, "fp32")

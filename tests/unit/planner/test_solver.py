@@ -15,8 +15,9 @@ import pytest
 
 from costmodels.step.model import Choice, StepModel
 from hardware_profiles import load
-from planner.api import capture_model, solve
+from planner.api import solve
 from planner.budget import Budget
+from planner.capture.setup import capture_model
 from planner.plan import Plan
 from trainplan_errors import InfeasibleError, PlanMismatchError, TrainplanError
 
@@ -252,7 +253,7 @@ def test_budget_kind_and_wall_time(budget, kind, wall_for_4):
 
 def test_sp_degrees_stay_inside_a_node():
     from costmodels.step.comm import nodes_for, sp_degrees_within_node
-    from planner.joint.solver import default_space
+    from planner.joint.space import default_space
 
     assert sp_degrees_within_node([1, 2, 4, 8, 16, 32], devices=8, devices_per_node=8) == [1, 2, 4, 8, 16, 32]
     assert sp_degrees_within_node([1, 2, 4, 8, 16, 32], devices=16, devices_per_node=8) == [1, 2, 4, 8]
@@ -294,7 +295,7 @@ def test_plans_from_one_to_1024_devices(devices):
 @pytest.fixture(scope="module")
 def problems():
     """tiny-llama (4 layers), llama3-8b (32) and llama3-70b (80) on H100s, captured once."""
-    from planner.api import prepare
+    from planner.joint.problem import prepare
 
     return {m: prepare(m, "h100", seq_len=s, micro_batches=(1, 2, 4))
             for m, s in (("tiny-llama", 2048), ("llama3-8b", 8192), ("llama3-70b", 8192))}
@@ -326,8 +327,7 @@ def test_joint_memory_is_evaluates_phase_by_phase(problems, model):
     4, both optimizer widths and uniform and mixed checkpoint plans: the joint model's bytes at
     each phase kind (`planner.joint.combos.phase_peaks`) are `evaluate`'s, and so is their peak."""
     from costmodels.checkpoint_sets import resolve
-    from planner.joint.combos import combo_memory, phase_peaks
-    from planner.joint.remat_menu import entry_numbers
+    from planner.joint.combos import make_combo, phase_peaks
 
     pr = problems[model]
     sm, L, seq = pr.step_model, len(pr.step_model.blocks), pr.seq_len
@@ -341,9 +341,8 @@ def test_joint_memory_is_evaluates_phase_by_phase(problems, model):
             base = Choice(sp_degree=sp, zero_stage=zero, micro_batch=mb, seq_len=seq,
                           policies=("none",) * L, precision=pr.precision, optimizer_bits=bits,
                           devices=devices)
-            c = combo_memory(sm, base)
-            c.update(entry_numbers(sm, base, {e: resolve(e) for e in entries}))
-            order = sorted(entries, key=lambda e: c["R"][e])
+            c = make_combo(sm, base, {e: resolve(e) for e in entries})
+            order = sorted(entries, key=lambda e: c.menu[e].retained_bytes)
             for mix in mixes:
                 counts = {e: mix.get(e, 0) for e in entries}
                 choice = Choice(**{**{f: getattr(base, f) for f in base.__slots__},
@@ -381,7 +380,8 @@ def test_solved_plans_fit_by_their_own_prediction(problems):
         cap = None if share is None else share * usable
         sol = solve_joint(pr.step_model, pr.profile, Budget(devices=devices, device_hours=100.0 * devices),
                           seq_len=pr.seq_len, space=space, n_params=pr.graph.n_params,
-                          data_tokens=pr.unique, law=pr.law, memory_limit_bytes=cap, time_limit_s=0.5)
+                          data_tokens=pr.unique, law=pr.law, memory_limit_bytes=cap, time_limit_s=0.5,
+                          menus=pr.menus)
         peak = pr.step_model.evaluate(sol.choice).memory.total
         limit = usable if cap is None else cap
         assert peak <= limit, f"{model} on {devices}: {peak / GIB:.3f} GiB over {limit / GIB:.3f} GiB"

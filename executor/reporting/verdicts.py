@@ -1,0 +1,121 @@
+"""Whether each prediction held: a verdict per term of `executor.reporting.compare.compare`, and the
+one line that sums them up (`summary_line`, e.g. "7 of 8 predictions held; step time off by +23%").
+
+A term is **held** when |rel_err| is within the term's tolerance (`TOLERANCES`), **not held**
+otherwise, **not measured** when the run has no measurement, **no prediction** when the plan has
+none. A measurement of 0 holds only a prediction of exactly 0. Pure: no I/O, no drawing (the HTML
+report, `executor.reporting.html`, and the command line print them).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+
+from executor.reporting.compare import format_value
+
+__all__ = ["HELD", "NOT_HELD", "NOT_MEASURED", "NO_PREDICTION", "TOLERANCES", "VERDICT_COLUMNS",
+           "summary_line", "term_label", "tolerance", "verdict_frame"]
+
+TOLERANCES: dict[str, float] = {
+    "memory": 0.03,
+    "flops_per_step": 0.03,
+    "step_time": 0.10,
+    "tokens": 0.01,
+    "final_loss": 0.05,
+    "end_step": 0.15,
+}
+"""Largest |rel_err| at which a prediction still holds, per term (fractions).
+
+- `memory` (every `memory_<category>` and `peak_memory`) and `flops_per_step`: 3%. Both are
+  counts the cost models derive from the same graph the run executes; a larger gap is a bug.
+- `step_time`: 10%, and only when the run ran on the plan's hardware (DESIGN.md, Measuring).
+- `tokens`: 1%: the run stopped where the plan said (a governor stop or a crash shows here).
+- `end_step` (governed plans: the step the run ended at, after the governor's cooldown if it
+  ran one, against the plan's prediction): 15%, the compute governor's target for its stop
+  step (issue #8), applied to the end.
+- `final_loss`: 5%, the scatter of a scaling-law fit at one model size.
+"""
+
+VERDICT_COLUMNS = ("run", "term", "label", "predicted", "measured", "unit", "rel_err",
+                   "tolerance", "verdict")
+"""Columns of `verdict_frame`."""
+
+HELD, NOT_HELD, NOT_MEASURED, NO_PREDICTION = "held", "not held", "not measured", "no prediction"
+"""The verdicts of `verdict_frame` (module docstring)."""
+
+_LABELS = {"peak_memory": "peak memory", "flops_per_step": "FLOPs per step",
+           "step_time": "step time", "tokens": "tokens", "final_loss": "final loss",
+           "end_step": "governed end step"}
+
+
+def tolerance(term: str) -> float:
+    """The tolerance of `term` from `TOLERANCES` (`memory_*` and `peak_memory` share `memory`);
+    NaN for a term without one."""
+    key = "memory" if term.startswith("memory_") or term == "peak_memory" else term
+    return TOLERANCES.get(key, math.nan)
+
+
+def term_label(term: str) -> str:
+    """A reader's name for a term: `memory_params` -> `memory: params`."""
+    return f"memory: {term[len('memory_'):]}" if term.startswith("memory_") else _LABELS.get(term, term)
+
+
+def _verdict(predicted: float, measured: float, tol: float) -> str:
+    if not math.isfinite(measured):
+        return NOT_MEASURED
+    if not math.isfinite(predicted):
+        return NO_PREDICTION
+    if measured == 0:
+        return HELD if predicted == 0 else NOT_HELD
+    return HELD if abs(predicted - measured) <= tol * abs(measured) else NOT_HELD
+
+
+def verdict_frame(comparison: pd.DataFrame, run: str = "") -> pd.DataFrame:
+    """`compare`'s table with a verdict per term (pure).
+
+    Adds columns `run` (the given label), `label` (`term_label`), `tolerance` (`tolerance`) and
+    `verdict`: `held`, `not held`, `not measured` or `no prediction`; columns in
+    `VERDICT_COLUMNS` order.
+    """
+    df = comparison.copy()
+    df["run"] = run
+    df["label"] = [term_label(t) for t in df["term"]]
+    df["tolerance"] = [tolerance(t) for t in df["term"]]
+    df["verdict"] = [_verdict(float(p), float(m), float(t))
+                     for p, m, t in zip(df["predicted"], df["measured"], df["tolerance"], strict=False)]
+    return df[list(VERDICT_COLUMNS)].reset_index(drop=True)
+
+
+def _pct(x: float) -> str:
+    return f"{x:+.0%}" if abs(round(x, 4)) >= 0.1 else f"{x:+.1%}"
+
+
+def summary_line(verdicts: pd.DataFrame, same_hardware: bool = True, most: int = 3) -> str:
+    """One line: how many predictions held and the worst misses, e.g.
+    "7 of 8 predictions held; step time off by +23%". Up to `most` misses are named, largest
+    |rel_err| first; terms not measured and a step time not compared are said at the end."""
+    compared = verdicts[verdicts["verdict"].isin([HELD, NOT_HELD])]
+    n_held = int((compared["verdict"] == HELD).sum())
+    parts = [f"all {len(compared)} predictions held" if n_held == len(compared) and len(compared)
+             else f"{n_held} of {len(compared)} predictions held"]
+    misses = compared[compared["verdict"] == NOT_HELD].copy()
+    misses["size"] = misses["rel_err"].abs().fillna(math.inf)
+    misses = misses.sort_values("size", ascending=False, kind="stable")
+    said = []
+    for r in misses.head(most).itertuples(index=False):
+        if math.isfinite(r.rel_err):
+            said.append(f"{r.label} off by {_pct(r.rel_err)}")
+        else:
+            said.append(f"{r.label} predicted {format_value(r.predicted, r.unit)}, measured 0")
+    if len(misses) > most:
+        said.append(f"{len(misses) - most} more")
+    line = parts[0] + ("; " + ", ".join(said) if said else "")
+    line = line[0].upper() + line[1:]
+    n_missing = int((~verdicts["verdict"].isin([HELD, NOT_HELD])).sum())
+    if n_missing:
+        line += f"; {n_missing} not measured"
+    if not same_hardware:
+        line += "; step time not compared (other hardware)"
+    return line

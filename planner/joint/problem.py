@@ -1,0 +1,222 @@
+"""A planning problem: a model captured once on a hardware profile with its search-space options
+and loss law (`Problem`, `prepare`), solved by the joint CP-SAT model for a budget
+(`solve_problem`) into a `Plan` (`make_plan`). `planner.api.solve` prepares and solves one;
+`planner.joint.frontier` and `planner.joint.explain` re-solve one under other budgets, memory
+caps, device counts and sequence lengths.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from costmodels.loss.law import LossLaw
+from costmodels.step.model import Choice, StepModel
+from costmodels.step.precision import check_optimizer_bits
+from hardware_profiles import HardwareProfile
+from hardware_profiles import load as load_profile
+from planner.budget import (
+    UNLIMITED_DATA_TOKENS,
+    Budget,
+    check_data_tokens,
+    check_devices_usable,
+    check_seed,
+    check_time_limit,
+)
+from planner.capture.graph import ModelGraph
+from planner.capture.setup import (
+    PRECISION_DTYPE,
+    check_activation_bits_options,
+    default_precision,
+    loss_law_for,
+    setup_model,
+)
+from planner.joint.remat_menu import BlockMenus, MenuSource
+from planner.joint.solver import solve_joint
+from planner.joint.space import DEFAULT_POLICIES, SearchSpace, default_space
+from planner.plan import Decisions, Plan, Predictions, SolverFacts, layout_fields, relative_gap
+from trainplan_errors import TrainplanError
+
+DEFAULT_ACTIVATION_BITS = (32,)
+"""Saved-activation widths `solve` chooses from by default: as computed. Each width is one more
+capture of every region and multiplies the joint model's shape combos (llama3-8b at 8192 tokens
+on 8 x h100: 4 s and OPTIMAL with (32,), a 10 s limit hit, FEASIBLE, with (32, 16, 8), on a
+loaded 2-core machine); pass `activation_bits=(32, 16, 8)` (CLI `--activation-bits 32,16,8`)
+where memory binds."""
+MEMORY_TOLERANCE = 1e-9
+"""Relative float slack of the check that a solved plan's predicted peak is within the limit."""
+
+
+def check_seq_len(seq_len: object) -> None:
+    """Raises: TrainplanError: `seq_len` is not a whole number of tokens >= 1."""
+    if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
+        raise TrainplanError(f"seq_len={seq_len!r} must be a positive whole number of tokens")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Problem:
+    """A model captured on a hardware profile with its search-space options and loss law: what
+    `solve` builds once and `planner.joint.frontier` / `planner.joint.explain` re-solve under other budgets,
+    memory caps, device counts and sequence lengths (`solve_problem`)."""
+
+    profile: HardwareProfile
+    precision: str
+    graph: ModelGraph
+    name: str
+    step_model: StepModel
+    law: LossLaw
+    unique: int
+    """Unique training tokens in the corpus."""
+    seq_len: int
+    options: dict[str, Any]
+    """`default_space` options: micro_batches, optimizer_bits, policies, data_fractions."""
+    menus: BlockMenus
+    """The step model's solved block menus, kept across re-solves (a problem with another step
+    model needs its own)."""
+
+    def space(self, devices: int, seq_len: int | None = None, **options: Any) -> SearchSpace:
+        """The search space (`planner.joint.space.default_space`) for `devices` devices at `seq_len`
+        (default: the problem's), `options` overriding the problem's.
+
+        Raises:
+            TrainplanError: no SP degree fits (never for degree 1, kept for other spaces)."""
+        seq_len = self.seq_len if seq_len is None else seq_len
+        space = default_space(devices=devices, seq_len=seq_len, n_heads=self.graph.n_heads,
+                              n_kv_heads=self.graph.n_kv_heads, precision=self.precision,
+                              devices_per_node=self.profile.devices_per_node,
+                              **(self.options | options))
+        if not space.sp_degrees:
+            raise TrainplanError(
+                f"no sequence-parallel degree divides devices={devices}, seq_len={seq_len} and "
+                f"{self.graph.n_heads} attention heads; use a device count or sequence length they share")
+        return space
+
+
+def prepare(model: nn.Module | str, hw: str | HardwareProfile, *, seq_len: int = 2048,
+            data_tokens: int | None = None, vocab_size: int | None = None, precision: str | None = None,
+            law: LossLaw | None = None, micro_batches: tuple[int, ...] = (1, 2, 4, 8, 16),
+            optimizer_bits: tuple[int, ...] | None = None, policies: tuple[str, ...] = DEFAULT_POLICIES,
+            data_fractions: tuple[float, ...] = (0.25, 0.5, 0.75, 1.0),
+            activation_bits: object = DEFAULT_ACTIVATION_BITS) -> Problem:
+    """Capture `model` on `hw` once (arguments as `planner.api.solve`'s) for `solve_problem`.
+
+    Raises:
+        UnknownNameError: unknown hardware or preset.
+        TrainplanError: bad sequence length, precision or option.
+        DataError: data_tokens not a whole number >= seq_len + 1.
+        CaptureError: the model cannot be traced.
+    """
+    check_seq_len(seq_len)
+    check_data_tokens(data_tokens, seq_len)
+    check_activation_bits_options(activation_bits)
+    if optimizer_bits is not None:  # before the capture: bad widths fail fast
+        check_optimizer_bits(optimizer_bits, precision or default_precision(load_profile(hw)))
+    profile, precision, graph, name, step_model = setup_model(model, hw, precision=precision,
+                                                              vocab_size=vocab_size,
+                                                              activation_bits=activation_bits)
+    law = loss_law_for(law, profile, name, graph)
+    unique = data_tokens if data_tokens is not None else UNLIMITED_DATA_TOKENS
+    options = dict(micro_batches=tuple(micro_batches),
+                   optimizer_bits=None if optimizer_bits is None else tuple(optimizer_bits),
+                   policies=tuple(policies), data_fractions=tuple(data_fractions),
+                   activation_bits=check_activation_bits_options(activation_bits))
+    pr = Problem(profile=profile, precision=precision, graph=graph, name=name, step_model=step_model,
+                 law=law, unique=int(unique), seq_len=seq_len, options=options, menus=BlockMenus(step_model))
+    pr.space(1)  # bad options fail here, before any solve
+    return pr
+
+
+def solve_problem(pr: Problem, budget: Budget, *, seq_len: int | None = None,
+                  memory_limit_bytes: float | None = None, time_limit_s: float = 10.0, seed: int = 0,
+                  lr: float = 3e-3, export_path: str | None = None, menus: MenuSource | None = None,
+                  diagnose: bool = True, **options: Any) -> Plan:
+    """Solve a prepared problem for `budget` (at `seq_len`, default the problem's; `options`
+    override the search space's, e.g. `policies`). `menus`: a stand-in for the problem's block
+    menus (`planner.joint.frontier` shares one per block shape across caps). `diagnose`: as
+    `solve_joint`'s. The joint model's memory is `StepModel.evaluate`'s, phase by phase
+    (`planner.joint.combos`), so the plan fits by its own prediction; a plan that does not is a
+    bug, not an input error.
+
+    Raises:
+        TrainplanError: bad sequence length or budget.
+        BudgetError: a time limit or seed out of range; more devices than the corpus can feed.
+        InfeasibleError: nothing fits (the solver's message, not explained: see `planner.api.solve`).
+        RuntimeError: internal: the solved plan's predicted peak is over the limit.
+    """
+    seq_len = pr.seq_len if seq_len is None else seq_len
+    check_seq_len(seq_len)
+    if not isinstance(budget, Budget):
+        raise TrainplanError(f"budget must be a planner.Budget, got {type(budget).__name__}")
+    time_limit_s, seed = check_time_limit(time_limit_s), check_seed(seed)
+    space = pr.space(budget.devices, seq_len, **options)
+    check_devices_usable(budget.devices, seq_len, space.sp_degrees, pr.unique)
+    sm = pr.step_model
+    t0 = time.perf_counter()
+    sol = solve_joint(sm, pr.profile, budget, seq_len=seq_len, space=space,
+                      n_params=pr.graph.n_params, data_tokens=pr.unique, law=pr.law,
+                      memory_limit_bytes=memory_limit_bytes, time_limit_s=time_limit_s, seed=seed,
+                      export_path=export_path, diagnose=diagnose,
+                      menus=pr.menus if menus is None else menus)
+    # a defensive check, not a repair: the solver's bytes are evaluate's (see the docstring)
+    limit = min(pr.profile.usable_bytes, math.inf if memory_limit_bytes is None else memory_limit_bytes)
+    peak = sm.evaluate(sol.choice).memory
+    if peak.total > limit * (1 + MEMORY_TOLERANCE):
+        raise RuntimeError(
+            f"internal error: the solved plan predicts {peak.total / 2**30:.4g} GiB at {peak.phase} "
+            f"but the limit is {limit / 2**30:.4g} GiB (the joint model counted "
+            f"{sol.peak_bytes / 2**30:.4g} GiB); please report it with the inputs")
+    facts = SolverFacts(status=sol.status, objective=sol.objective, bound=sol.bound,
+                        wall_s=time.perf_counter() - t0, seed=seed, time_limit_s=time_limit_s,
+                        n_variables=sol.n_variables, n_constraints=sol.n_constraints,
+                        gap=relative_gap(sol.status, sol.objective, sol.bound))
+    return make_plan(sm, pr.profile, pr.graph, pr.name, sol.choice, budget=budget.to_dict(),
+                     data_fraction=sol.data_fraction, max_steps=sol.max_steps,
+                     predicted_loss=sol.predicted_loss, unique=pr.unique, law=pr.law, lr=lr, seed=seed,
+                     facts=facts, memory_limit_bytes=memory_limit_bytes)
+
+
+def make_plan(step_model: StepModel, profile: HardwareProfile, graph: ModelGraph, name: str, c: Choice, *,
+              budget: dict[str, Any], data_fraction: float, max_steps: int, predicted_loss: float, unique: int,
+              law: LossLaw, lr: float, seed: int, facts: SolverFacts, memory_limit_bytes: float | None) -> Plan:
+    """The Plan of choice `c` for model `name` (its `graph`) on `profile`: decisions as given
+    (random data subset, no governor, warm-up over a tenth of the steps, at most 20), predictions
+    of `step_model.evaluate(c)` over `max_steps` steps (`predicted_loss`, nats/token, from the
+    caller), `budget` as the Plan records it, `facts` how it was solved.
+
+    Raises:
+        TrainplanError: a prediction is not finite (a broken capture)."""
+    cost = step_model.evaluate(c)
+    tokens_per_step = c.micro_batch * c.seq_len * (c.devices // c.sp_degree)
+    peak_flops = profile.peak(PRECISION_DTYPE[c.precision])
+    decisions = Decisions(
+        devices=c.devices, sp_degree=c.sp_degree, dp_degree=c.devices // c.sp_degree,
+        zero_stage=c.zero_stage, micro_batch=c.micro_batch, seq_len=c.seq_len, checkpoint=c.policies,
+        checkpoint_sets={x.name: sorted(x.saved or ()) for x in c.sets if x.name in c.policies},
+        precision=c.precision, optimizer_bits=c.optimizer_bits, activation_bits=c.activation_bits,
+        data_fraction=data_fraction,
+        data_method="random", max_tokens=max_steps * tokens_per_step, max_steps=max_steps,
+        governor_threshold=0.0, lr=lr, warmup_steps=max(1, min(20, max_steps // 10)), seed=seed)
+    limit = float(profile.usable_bytes if memory_limit_bytes is None
+                  else min(memory_limit_bytes, profile.usable_bytes))
+    predictions = Predictions(
+        memory_bytes=cost.memory.as_dict(), memory_phase=cost.memory.phase, memory_limit_bytes=limit,
+        step_time_s=cost.time_s,
+        step_time_breakdown_s=cost.breakdown(),
+        flops_per_step=cost.flops, model_flops_per_step=cost.model_flops,
+        tokens_per_step=tokens_per_step, total_tokens=max_steps * tokens_per_step,
+        device_hours=cost.time_s * max_steps * c.devices / 3600.0, final_loss=predicted_loss,
+        mfu=cost.model_flops / (cost.time_s * peak_flops) if cost.time_s > 0 else 0.0,
+        made_for=layout_fields(decisions))
+    if not all(math.isfinite(v) for v in (cost.flops, cost.time_s, cost.memory.total)):
+        raise TrainplanError("predictions are not finite; the captured graph is broken")
+    notes = ("communication is added to compute, not overlapped: a conservative time bound",
+             f"loss law: {law.source}")
+    return Plan(model=name, model_n_params=graph.n_params, model_n_layers=graph.n_layers,
+                hw=profile.name, budget=dict(budget) | {"seq_len": c.seq_len}, data_tokens=int(unique),
+                vocab_size=graph.vocab_size, decisions=decisions, predictions=predictions, solver=facts,
+                created=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"), notes=notes)
