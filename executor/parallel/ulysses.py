@@ -1,4 +1,4 @@
-"""Ulysses sequence parallelism and ZeRO / FSDP2 model-state sharding for HF Llama-family models.
+"""Ulysses sequence parallelism for HF Llama-family models (ZeRO / FSDP2 sharding beside it: `executor.parallel.zero`).
 
 Layout: world = dp x sp. Rank ``r`` is SP rank ``r % sp`` of data-parallel replica ``r // sp``; the
 SP groups are the contiguous blocks ``[k*sp, (k+1)*sp)``. Gradients are averaged over the whole

@@ -1,0 +1,1 @@
+"""Prediction beside measurement: the comparison table, its verdicts, the report's frames, figures and HTML pages."""

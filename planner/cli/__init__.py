@@ -1,0 +1,1 @@
+"""The `trainplan` command line: argument parsing, commands and their input checks."""

@@ -1,0 +1,62 @@
+"""Every module, name and file that the docs and docstrings point to exists.
+
+Prose names code in backticks: `costmodels.step.memory.simulate_region`, `planner/joint/solver.py`.
+After code moves, such a reference is easy to leave behind; this test resolves each one (a
+dotted name by importing its longest module prefix and reading the attributes after it, a path
+on disk) in README.md, CONTRIBUTING.md, docs/*.md and the source packages' text."""
+
+from __future__ import annotations
+
+import importlib
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("trainplan_errors", "hardware_profiles", "costmodels", "modeling", "planner", "executor")
+DOCS = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
+SOURCES = sorted(p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py"))
+
+_PKG = "|".join(PACKAGES)
+DOTTED = re.compile(rf"`((?:{_PKG})(?:\.[A-Za-z_]\w*)+)")
+PATH = re.compile(rf"`((?:{_PKG}|tests|benchmarks|scripts|docs)/[\w/.-]*\w(?:\.\{{[\w,]+\}})?)")
+
+
+def references(path: Path) -> list[tuple[str, str]]:
+    """("dotted" | "path", reference) for each backticked reference in the file's text."""
+    text = path.read_text()
+    return ([("dotted", m) for m in DOTTED.findall(text)]
+            + [("path", m) for m in PATH.findall(text)])
+
+
+def resolves(kind: str, ref: str) -> bool:
+    if kind == "path":
+        stem, _, braces = ref.partition(".{")  # `results/bits.{csv,json}`: each suffix
+        names = [f"{stem}.{x}" for x in braces.rstrip("}").split(",")] if braces else [ref]
+        return all((ROOT / n).exists() for n in names)
+    parts = ref.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for attr in parts[i:]:
+            if not hasattr(obj, attr):
+                return False
+            obj = getattr(obj, attr)
+        return True
+    return False
+
+
+@pytest.mark.parametrize("path", DOCS + SOURCES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_references_resolve(path):
+    stale = sorted({ref for kind, ref in references(path) if not resolves(kind, ref)})
+    assert not stale, f"{path.relative_to(ROOT)} names what does not exist: {stale}"
+
+
+def test_the_check_sees_a_stale_reference(tmp_path):
+    doc = tmp_path / "x.md"
+    doc.write_text("`costmodels.step.memory.simulate_region` and `costmodels.step.memory.no_such_name`, "
+                   "`planner/joint/solver.py` and `planner/solver.py`, `benchmarks/results/joint.{csv,json}`")
+    assert [resolves(k, r) for k, r in references(doc)] == [True, False, True, False, True]
