@@ -60,3 +60,25 @@ def test_the_check_sees_a_stale_reference(tmp_path):
     doc.write_text("`costmodels.step.memory.simulate_region` and `costmodels.step.memory.no_such_name`, "
                    "`planner/joint/solver.py` and `planner/solver.py`, `benchmarks/results/joint.{csv,json}`")
     assert [resolves(k, r) for k, r in references(doc)] == [True, False, True, False, True]
+
+
+def architecture_tree() -> set[str]:
+    """The module paths docs/architecture.md's tree lists (its block after '## The tree')."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    block = text.split("## The tree", 1)[1].split("```")[1]
+    out, pkg, sub = set(), "", ""
+    for line in block.splitlines():
+        name = line.strip().split(" ", 1)[0] if line.strip() else ""
+        indent = len(line) - len(line.lstrip())
+        if name.endswith("/"):
+            pkg, sub = (name, "") if indent == 0 else (pkg, name)
+        elif name.endswith(".py"):
+            out.add(pkg + (sub if indent == 4 else "") + name)
+    return out
+
+
+def test_architecture_tree_lists_every_module():
+    on_disk = {str(p.relative_to(ROOT)) for p in SOURCES if p.name not in ("__init__.py", "__main__.py")}
+    listed = architecture_tree()
+    assert on_disk == listed, (f"docs/architecture.md's tree misses {sorted(on_disk - listed)} and lists "
+                               f"{sorted(listed - on_disk)}")
