@@ -34,9 +34,9 @@ from matplotlib.ticker import FuncFormatter
 from costmodels.loss.bits import bits_loss_penalty
 from costmodels.loss.cache import cache_root, law_path, load_local_law, read_local_law_file
 from costmodels.loss.law import LossLaw, learning_curve
-from executor.governor import curve_frame, plot_governor
 from executor.record import RunRecord
 from executor.reporting.frames import MIB
+from executor.reporting.governor_panel import curve_frame, plot_governor
 from planner.plan import Plan
 
 __all__ = ["CALIBRATION_COLUMNS", "CALIBRATION_HISTORY", "LOSS_BAND_REL", "append_calibration_history",

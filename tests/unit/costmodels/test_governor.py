@@ -235,7 +235,7 @@ def test_lr_multiplier_is_wsd_cooldown_triggered_by_the_stop():
 def test_for_plan_replay_of_a_record_and_the_report_frame():
     from types import SimpleNamespace
 
-    from executor.governor import curve_frame, plot_governor
+    from executor.reporting.governor_panel import curve_frame, plot_governor
 
     plan = SimpleNamespace(decisions=SimpleNamespace(governor_threshold=1e-3, max_steps=2000,
                                                      warmup_steps=20))
