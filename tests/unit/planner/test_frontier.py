@@ -92,8 +92,13 @@ def test_cli_solve_frontier_writes_beside_the_plan_and_run_copies_it(tmp_path, c
 
 @pytest.mark.slow
 def test_8b_frontier_on_8_h100_is_non_dominated():
-    """(Its time is a benchmark figure: `frontier_s_llama3_8b` in benchmarks/solve_speed.py.)"""
-    fr = frontier("llama3-8b", "h100", Budget(devices=8, device_hours=1000), seq_len=8192)
+    """A coarser search space than the default (micro-batches 1, 2 and 4; the built-in checkpoint
+    entries without the per-block CP-SAT menus): each solve of the ladder then takes well under
+    a second. (The default space's time is a benchmark figure:
+    `frontier_s_llama3_8b` in benchmarks/solve_speed.py.)"""
+    fr = frontier("llama3-8b", "h100", Budget(devices=8, device_hours=1000), seq_len=8192,
+                  micro_batches=(1, 2, 4), policies=("none", "save_matmuls", "save_attention", "full"))
+    assert fr.plan.solver.status == "OPTIMAL", fr.plan.solver
     free = fr.table[~fr.table["dominated"]].reset_index(drop=True)
     assert _dominated_by_any(free) == []
     assert len(fr.table) >= 4, fr.table

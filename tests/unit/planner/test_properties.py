@@ -81,19 +81,26 @@ def llama8b_3dev():
 
 
 BUDGET_3DEV = Budget(devices=3, device_hours=100.0)
+LIMITED = dict(time_limit_s=0.5, seed=3)
 
 
-def test_time_limit_gives_the_best_feasible_plan_with_its_gap(llama8b_3dev, capsys):
+@pytest.fixture(scope="module")
+def limited(llama8b_3dev):
+    """llama8b_3dev solved under `LIMITED`: a search the time limit ends."""
+    return solve_problem(llama8b_3dev, BUDGET_3DEV, **LIMITED)
+
+
+def test_time_limit_gives_the_best_feasible_plan_with_its_gap(limited, capsys):
     from planner.cli.commands import print_plan
 
-    plan = solve_problem(llama8b_3dev, BUDGET_3DEV, time_limit_s=2.0)
+    plan = limited
     s = plan.solver
     assert s.status == "FEASIBLE", s
     assert s.gap > 0 and math.isclose(s.gap, relative_gap(s.status, s.objective, s.bound)), s
     assert s.gap == abs(s.objective - s.bound) / abs(s.objective)
     print_plan(plan)
     line = [ln for ln in capsys.readouterr().out.splitlines() if "solver:" in ln][0]
-    assert f"FEASIBLE (not optimal, gap {s.gap:.3%}; time limit 2 s)" in line, line
+    assert f"FEASIBLE (not optimal, gap {s.gap:.3%}; time limit 0.5 s)" in line, line
     again = json.loads(plan.to_json())["solver"]
     assert again["gap"] == s.gap and again["status"] == "FEASIBLE"
 
@@ -118,12 +125,12 @@ def test_same_inputs_and_seed_give_the_same_plan(tiny, seed):
     assert _decisions(first) == _decisions(second)
 
 
-@pytest.mark.parametrize("time_limit_s", [0.5, 1.0])
-def test_time_limited_solve_is_deterministic(llama8b_3dev, time_limit_s):
+def test_time_limited_solve_is_deterministic(llama8b_3dev, limited):
     """The limit is CP-SAT's deterministic time (`planner.joint.solver._deterministic`): a search it
-    ends is the same on any load; the plan still reports FEASIBLE with its gap."""
-    first = solve_problem(llama8b_3dev, BUDGET_3DEV, time_limit_s=time_limit_s, seed=3)
-    second = solve_problem(llama8b_3dev, BUDGET_3DEV, time_limit_s=time_limit_s, seed=3)
+    ends is the same on any load; the plan still reports FEASIBLE with its gap. (One limit: a
+    longer one ends the same sequential search later, by the same work count.)"""
+    first = limited
+    second = solve_problem(llama8b_3dev, BUDGET_3DEV, **LIMITED)
     assert first.solver.status == "FEASIBLE" and first.solver.gap > 0, first.solver
     assert _decisions(first) == _decisions(second)
     assert (first.solver.objective, first.solver.bound) == (second.solver.objective, second.solver.bound)
