@@ -10,6 +10,8 @@ Modes:
   step under MemTracker (``executor.measure.measure_memory``); rank 0 saves every rank's peak.
 - ``fail OUT``: rank 1 raises, rank 0 waits in a barrier (torchrun must stop it).
 - ``hang OUT``: every rank ignores SIGTERM, writes its pid and sleeps (run_torchrun must kill it).
+- ``several OUT MODE ARGS... + MODE ARGS...``: the ``sp``, ``zero`` and ``mem`` modes one after
+  another in one launch and one process group (`run_several`).
 
 Imports only torch, transformers and executor (``mem`` mode: also executor.train/measure); the
 heavy ones lazily, so the fault modes start fast. The model/data builders are also used by the test for the references.
@@ -286,9 +288,28 @@ def run_hang(out: Path) -> None:
         time.sleep(1)
 
 
-if __name__ == "__main__":
-    mode, out_dir, *rest = sys.argv[1:]
-    out_path = Path(out_dir)
+def run_several(out: Path, groups: list[list[str]]) -> None:
+    """Each ``[MODE, ARGS...]`` of `groups` in turn, in this launch: process start-up (torch and
+    transformers imported by every rank) is most of a short launch's time. One process group for
+    all: each mode's ``destroy_process_group`` is deferred to the end, because a group created
+    again reuses the first one's subgroup names, whose addresses torchrun's store still holds
+    (gloo then connects to a closed port)."""
+    import torch.distributed as dist
+
+    destroy = dist.destroy_process_group
+    dist.destroy_process_group = lambda *args, **kwargs: None
+    try:
+        for mode, *args in groups:
+            if mode not in ("sp", "zero", "mem"):
+                raise SystemExit(f"mode {mode!r} cannot run with others")
+            run_mode(mode, out, args)
+    finally:
+        dist.destroy_process_group = destroy
+    if dist.is_initialized():
+        destroy()
+
+
+def run_mode(mode: str, out_path: Path, rest: list[str]) -> None:
     if mode == "sp":
         run_sp(out_path, [tuple(int(x) for x in case.split(":")) for case in rest])
     elif mode == "zero":
@@ -299,5 +320,18 @@ if __name__ == "__main__":
         run_fail(out_path)
     elif mode == "hang":
         run_hang(out_path)
+    elif mode == "several":
+        groups: list[list[str]] = [[]]
+        for arg in rest:
+            if arg == "+":
+                groups.append([])
+            else:
+                groups[-1].append(arg)
+        run_several(out_path, groups)
     else:
         raise SystemExit(f"unknown mode {mode!r}")
+
+
+if __name__ == "__main__":
+    mode, out_dir, *rest = sys.argv[1:]
+    run_mode(mode, Path(out_dir), rest)

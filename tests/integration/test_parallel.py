@@ -35,7 +35,7 @@ worker = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(worker)
 
 WORKER = "tests.integration._parallel_worker"
-LAUNCH_TIMEOUT_S = 120
+LAUNCH_TIMEOUT_S = 300  # a hang guard: several modes per launch, on loaded cores
 RTOL, ATOL = 1e-5, 1e-7
 
 
@@ -85,8 +85,16 @@ def reference_losses() -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def sp_world2(tmp_path_factory) -> Path:
-    return _launch(tmp_path_factory.mktemp("sp_world2"), 2, "sp", "2:0", "2:3")
+def world2(tmp_path_factory) -> Path:
+    """The 2-process sp, zero and mem cases, in one launch (the worker's ``several`` mode)."""
+    mem = [f"{sp}:{stage}" for sp, stage in MEM_CASES]
+    return _launch(tmp_path_factory.mktemp("world2"), 2, "several", "sp", "2:0", "2:3",
+                   "+", "zero", "0", "1", "2", "3", "+", "mem", *mem)
+
+
+@pytest.fixture(scope="module")
+def sp_world2(world2) -> Path:
+    return world2
 
 
 @pytest.fixture(scope="module")
@@ -96,8 +104,8 @@ def sp_world4(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def zero_world2(tmp_path_factory) -> Path:
-    return _launch(tmp_path_factory.mktemp("zero_world2"), 2, "zero", "0", "1", "2", "3")
+def zero_world2(world2) -> Path:
+    return world2
 
 
 @pytest.mark.parametrize(
@@ -151,9 +159,8 @@ MEM_RTOL = 0.005
 
 
 @pytest.fixture(scope="module")
-def mem_world2(tmp_path_factory) -> Path:
-    cases = [f"{sp}:{stage}" for sp, stage in MEM_CASES]
-    return _launch(tmp_path_factory.mktemp("mem_world2"), 2, "mem", *cases)
+def mem_world2(world2) -> Path:
+    return world2
 
 
 @pytest.fixture(scope="module")
@@ -176,7 +183,16 @@ def test_predicted_peak_per_rank_matches_memtracker(mem_world2, mem_step_model, 
     optimizer's states (were not tracked); SP 2: o_proj's input, an all-to-all result each block
     keeps (`costmodels.step.ulysses`; was 1-2% under). Equal ranks: FSDP2's all-gather buffers freed
     where FSDP2 drops them (`executor.parallel.collectives`; one rank of a loaded run used to hold one
-    block's gathered parameters more)."""
+    block's gathered parameters more).
+
+    What timing still decides, under FSDP2 (ZeRO 2/3) only: `executor.parallel.collectives`
+    waits at most `RELEASE_TIMEOUT_S` for gloo's worker thread to let go of an all-gather
+    buffer; a thread starved that long on a loaded machine frees it late, and that rank's peak
+    then holds the next block's prefetched gathered parameters beside it: exactly one block's
+    gathered parameter bytes more (`StepModel.fsdp_layout`; with the wait disabled, one rank
+    of sp1-zero3 measured 51.02 + 2.77 MiB). So a rank may measure the prediction or the
+    prediction plus one block's gathered parameters, each within MEM_RTOL, and the ranks may
+    differ by that block; a peak anywhere else is a modelling error."""
     from costmodels.step.model import Choice
 
     got = torch.load(mem_world2 / f"mem_sp{sp}_stage{stage}.pt")
@@ -184,14 +200,19 @@ def test_predicted_peak_per_rank_matches_memtracker(mem_world2, mem_step_model, 
                policies=("none",) * len(mem_step_model.blocks), precision="fp32",
                optimizer_bits=32, devices=2)
     pred = mem_step_model.evaluate(c).memory
-    if stage != 1:  # ZeroRedundancyOptimizer gives ranks whole tensors, unequal shares
-        assert len(set(got["per_rank"])) == 1, f"ranks differ: {got['per_rank']}"
-    for rank, meas in enumerate(got["per_rank"]):
+    layout = mem_step_model.fsdp_layout(c)
+    late = () if layout is None else (max(layout.block_param_bytes),)  # a late-freed block's buffer
+    per_rank = got["per_rank"]
+    for rank, meas in enumerate(per_rank):
         err = pred.total - meas
-        assert abs(err) <= MEM_RTOL * meas, (
+        assert any(abs(err + extra) <= MEM_RTOL * meas for extra in (0.0, *late)), (
             f"rank {rank}: predicted {pred.total / 2**20:.2f} MiB at {pred.phase}, MemTracker "
-            f"{meas / 2**20:.2f} MiB ({err / meas:+.2%}); predicted "
-            f"{pred.as_dict()}, rank 0 measured {got['rank0']}")
+            f"{meas / 2**20:.2f} MiB ({err / meas:+.2%}; a late-freed block would be "
+            f"{[x / 2**20 for x in late]} MiB); predicted {pred.as_dict()}, rank 0 measured {got['rank0']}")
+    if stage != 1:  # ZeroRedundancyOptimizer gives ranks whole tensors, unequal shares
+        diff = max(per_rank) - min(per_rank)
+        assert diff == 0 or any(abs(diff - x) <= MEM_RTOL * max(per_rank) for x in late), \
+            f"ranks differ: {per_rank}"
     if stage == 1:  # the local optimizer's states are counted
         assert got["rank0"]["optimizer"] > 0
 
