@@ -2,7 +2,8 @@
 trains on the same batches with the same learning rates and reaches the same losses as an
 uninterrupted run (fp32 and bitsandbytes 8-bit AdamW on one process; FSDP2 sharded state on two);
 the stopped run's record and checkpoint are complete; a kill during a checkpoint write leaves
-the previous checkpoint valid."""
+the previous checkpoint valid. The two-process runs also check `trainplan run` (moved here from
+tests/unit/executor/test_train.py: its uninterrupted run is the reference of the resume)."""
 
 from __future__ import annotations
 
@@ -173,29 +174,63 @@ def test_a_kill_during_a_checkpoint_write_keeps_the_previous_one(make_plan, corp
 # ---------------------------------------------------------------- two processes
 
 
-@pytest.mark.slow
-def test_two_process_fsdp2_run_resumes_to_the_same_loss(corpus, corpus_path, cpu_profile,
-                                                         tmp_path):
-    """ZeRO stage 2 (FSDP2) on two gloo processes: sharded model and optimizer state through
-    torch.distributed.checkpoint, each rank its own shard; three torchrun launches."""
+@pytest.fixture(scope="module")
+def two_process(corpus, corpus_path, cpu_profile, tmp_path_factory):
+    """SP 2 x ZeRO stage 2 (FSDP2, every parameter sharded over both ranks) on two gloo
+    processes, three torchrun launches shared by the tests below: the whole run through
+    `trainplan run` (folder `full`), the same plan stopped after step 3 (`executor.worker.launch`,
+    folder `run`; its record and checkpoint shards read before) and resumed in place.
+    Returns (plan, full folder, stopped record, stopped checkpoint's files, resumed folder)."""
+    import subprocess
+    import sys
+
     from executor.worker import launch
 
+    base = tmp_path_factory.mktemp("two_process")
     plan = plan_for_choice("tiny-llama", cpu_profile, seq_len=64, micro_batch=2, max_steps=8,
-                           vocab_size=corpus.vocab_size, devices=2, sp_degree=1, zero_stage=2)
-    plan.to_json(tmp_path / "plan.json")
+                           vocab_size=corpus.vocab_size, data_tokens=corpus.n_train_tokens, devices=2,
+                           sp_degree=2, zero_stage=2, optimizer_bits=32)
+    plan.to_json(base / "plan.json")
+    proc = subprocess.run([sys.executable, "-m", "planner", "run", str(base / "plan.json"),
+                           "--out", str(base / "full"), "--data", str(corpus_path)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, \
+        f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
     data = [str(corpus_path)]
-    launch(tmp_path / "plan.json", tmp_path / "full", data, "cpu")
-    launch(tmp_path / "plan.json", tmp_path / "run", data, "cpu", stop_after_steps=3)
-    stopped = RunRecord.from_json(tmp_path / "run" / "record.json")
+    launch(base / "plan.json", base / "run", data, "cpu", stop_after_steps=3)
+    stopped = RunRecord.from_json(base / "run" / "record.json")
+    shards = sorted(p.name for p in latest_checkpoint(base / "run").glob("*.distcp"))
+    launch(base / "plan.json", base / "run", data, "cpu", resume=True)
+    return plan, base / "full", stopped, shards, base / "run"
+
+
+@pytest.mark.slow
+def test_two_process_fsdp2_run_resumes_to_the_same_loss(two_process):
+    """Sharded model and optimizer state through torch.distributed.checkpoint, each rank its
+    own shard; the resumed run reaches the uninterrupted run's losses."""
+    _, full_dir, stopped, shards, run_dir = two_process
     assert (stopped.stop_reason, stopped.steps) == ("interrupted", 3)
-    ckpt = latest_checkpoint(tmp_path / "run")
-    assert sorted(p.name for p in ckpt.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
-    launch(tmp_path / "plan.json", tmp_path / "run", data, "cpu", resume=True)
-    full = RunRecord.from_json(tmp_path / "full" / "record.json")
-    resumed = RunRecord.from_json(tmp_path / "run" / "record.json")
+    assert shards == ["__0_0.distcp", "__1_0.distcp"]
+    full = RunRecord.from_json(full_dir / "record.json")
+    resumed = RunRecord.from_json(run_dir / "record.json")
     assert resumed.stop_reason == "budget" and resumed.world_size == 2
     assert [s for s, _ in resumed.train_loss] == list(range(8))
     bad = [(s, a, b) for (s, a), (_, b) in zip(resumed.train_loss, full.train_loss, strict=False) if not _close(a, b)]
     assert not bad, f"(step, resumed, uninterrupted) train losses differ: {bad}"
     assert _close(resumed.final_heldout_loss, full.final_heldout_loss), \
         (resumed.final_heldout_loss, full.final_heldout_loss)
+
+
+@pytest.mark.slow
+def test_two_process_run_through_the_cli(two_process):
+    """sp_degree 2 x zero_stage 2 on two gloo processes, launched by `trainplan run`: the
+    record of both ranks, the report files and the plan copied into the run folder."""
+    _, out, _, _, _ = two_process
+    record = RunRecord.from_json(out / "record.json")
+    assert record.world_size == 2, record.world_size
+    assert len(record.per_rank_peak_bytes) == 2 and all(b > 0 for b in record.per_rank_peak_bytes), \
+        record.per_rank_peak_bytes
+    assert record.steps == 8 and record.stop_reason == "budget", (record.steps, record.stop_reason)
+    assert all(math.isfinite(loss) for _, loss in record.train_loss), record.train_loss
+    assert (out / "report.png").exists() and (out / "comparison.csv").exists()
+    assert json.loads((out / "plan.json").read_text())["decisions"]["sp_degree"] == 2

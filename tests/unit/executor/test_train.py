@@ -1,14 +1,12 @@
 """executor.train.run: a solved tiny-llama plan run for real on this CPU (prediction against
-measurement, STYLE 11), the report folder, and one 2-process run through `trainplan run`."""
+measurement, STYLE 11) and the report folder (the 2-process run through `trainplan run` is in
+tests/integration/test_resume.py)."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import random
-import subprocess
-import sys
 
 import pytest
 
@@ -16,7 +14,7 @@ from executor.data.batches import load_corpus
 from executor.record import RunRecord
 from executor.reporting.report import report
 from executor.train import run
-from planner.api import plan_for_choice, solve
+from planner.api import solve
 from planner.budget import Budget
 from planner.plan import Plan, layout_fields
 
@@ -212,30 +210,3 @@ def test_fit_check_refuses_decisions_edited_after_the_predictions(plan):
             check_fits(full, torch.device(dev))
     old = dataclasses.replace(full, predictions=dataclasses.replace(full.predictions, made_for={}))
     check_fits(old, torch.device("cpu"))  # a plan written before made_for: not checked
-
-
-# ---------------------------------------------------------------- two processes
-
-
-@pytest.mark.slow
-def test_two_process_run_through_the_cli(corpus, corpus_path, tmp_path):
-    """sp_degree 2 x zero_stage 2 on two gloo processes, launched by `trainplan run`."""
-    chosen = plan_for_choice("tiny-llama", "cpu", seq_len=SEQ_LEN, micro_batch=2, sp_degree=2, devices=2,
-                             zero_stage=2, optimizer_bits=32, max_steps=4, vocab_size=corpus.vocab_size,
-                             data_tokens=corpus.n_train_tokens)
-    plan = _capped(chosen, 4)
-    plan.to_json(tmp_path / "plan.json")
-    out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "planner", "run", str(tmp_path / "plan.json"),
-                           "--out", str(out), "--data", str(corpus_path)],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, \
-        f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
-    record = RunRecord.from_json(out / "record.json")
-    assert record.world_size == 2, record.world_size
-    assert len(record.per_rank_peak_bytes) == 2 and all(b > 0 for b in record.per_rank_peak_bytes), \
-        record.per_rank_peak_bytes
-    assert record.steps == 4 and record.stop_reason == "budget", (record.steps, record.stop_reason)
-    assert all(math.isfinite(l) for _, l in record.train_loss), record.train_loss
-    assert (out / "report.png").exists() and (out / "comparison.csv").exists()
-    assert json.loads((out / "plan.json").read_text())["decisions"]["sp_degree"] == 2
