@@ -302,10 +302,12 @@ def test_plans_from_one_to_1024_devices(devices):
 
 @pytest.fixture(scope="module")
 def problems():
-    """tiny-llama (4 layers), llama3-8b (32) and llama3-70b (80) on H100s, captured once."""
+    """tiny-llama (4 layers), llama3-8b (32) and llama3-70b (80) on H100s, captured once;
+    micro-batches 1 and 4 (those test_joint_memory_is_evaluates_phase_by_phase checks; fewer
+    block shapes to solve menus for in test_solved_plans_fit_by_their_own_prediction)."""
     from planner.joint.problem import prepare
 
-    return {m: prepare(m, "h100", seq_len=s, micro_batches=(1, 2, 4))
+    return {m: prepare(m, "h100", seq_len=s, micro_batches=(1, 4))
             for m, s in (("tiny-llama", 2048), ("llama3-8b", 8192), ("llama3-70b", 8192))}
 
 
@@ -376,7 +378,9 @@ SOLVE_GRID = [  # (model, devices, ZeRO stages, memory cap as a share of the H10
 def test_solved_plans_fit_by_their_own_prediction(problems):
     """Solved under memory caps that force mixed checkpointing, with no re-solve: each plan's
     predicted peak (`StepModel.evaluate`) is within the limit, and the joint model's own peak
-    for it (`Solution.peak_bytes`) is that prediction (within 0.5%; in fact exact)."""
+    for it (`Solution.peak_bytes`) is that prediction (within 0.5%; in fact exact). Both hold
+    for any plan the search returns, optimal or not: a short search (0.2 s of deterministic
+    time) checks them as well as a long one."""
     from planner.joint.solver import solve_joint
 
     worst, mixed = 0.0, 0
@@ -388,7 +392,7 @@ def test_solved_plans_fit_by_their_own_prediction(problems):
         cap = None if share is None else share * usable
         sol = solve_joint(pr.step_model, pr.profile, Budget(devices=devices, device_hours=100.0 * devices),
                           seq_len=pr.seq_len, space=space, n_params=pr.graph.n_params,
-                          data_tokens=pr.unique, law=pr.law, memory_limit_bytes=cap, time_limit_s=0.5,
+                          data_tokens=pr.unique, law=pr.law, memory_limit_bytes=cap, time_limit_s=0.2,
                           menus=pr.menus)
         peak = pr.step_model.evaluate(sol.choice).memory.total
         limit = usable if cap is None else cap
