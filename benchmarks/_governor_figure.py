@@ -27,7 +27,7 @@ def figure(base_plan, base: RunRecord, runs: list[tuple], curve, rows: list[dict
     lo, hi = c.band(s, 0.9)
     ax.plot(s, c.loss_with_early(s), "--", color="k", lw=1, label="plan's predicted curve (pilots)")
     ax.fill_between(s, np.maximum(lo, 0), hi, color="k", alpha=0.1, label="90% band of its fit")
-    for i, ((thr, rec, summary), row) in enumerate(zip(runs, rows, strict=False)):
+    for i, ((thr, rec, _summary), row) in enumerate(zip(runs, rows, strict=False)):
         col = f"C{i}"
         ax.plot([r[0] for r in rec.heldout_loss], [r[-1] for r in rec.heldout_loss], "-", color=col, lw=1,
                 label=f"governed {thr:g}: stop {row['stop_step_decided']} (predicted "

@@ -12,7 +12,8 @@ maximum relative error of each term). Single-process runs use `--threads` torch 
 (default 1), multi-process runs one per rank. A single-process step at one thread is measured
 by its process CPU time (`RunRecord.step_cpu_times_s`): on a machine other jobs share, wall time
 measures their load too, CPU time does not; multi-process steps (which wait on each other) by
-wall time. Both are in the CSV (`step_time_wall_measured`, `step_time_cpu_measured`). Step time is reported twice: with the cpu profile as
+wall time. Both are in the CSV (`step_time_wall_measured`, `step_time_cpu_measured`). Step time is reported
+twice: with the cpu profile as
 measured, and after calibrating it (`trainplan calibrate`'s method, in a scratch cache) on the
 even-numbered single-process cases, then predicting the odd-numbered ones (held out).
 """
@@ -154,7 +155,8 @@ def calibrated_step_times(df: pd.DataFrame, out: Path) -> pd.DataFrame:
                                vocab_size=8192)
         after.append(plan.predictions.step_time_s)
     df["step_time_calibrated_predicted"] = after
-    df["step_time_calibrated_rel_err"] = (df["step_time_calibrated_predicted"] - df["step_time_measured"]) / df["step_time_measured"]
+    df["step_time_calibrated_rel_err"] = ((df["step_time_calibrated_predicted"] - df["step_time_measured"])
+                                          / df["step_time_measured"])
     shutil.rmtree(scratch, ignore_errors=True)
     return df
 

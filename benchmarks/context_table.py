@@ -60,7 +60,8 @@ PUBLISHED = {
     "a100": (
         "AutoSP (Llama 3.1 on 8 x A100-80GB; compiler-based Ulysses + sequence-aware AC): up to "
         "2.7x longer trainable context than hand-written baselines (ZeRO-3 and "
-        "RingFlashAttention, per the PyTorch blog's summary) [1]; absolute lengths not verified. DeepSpeed-Ulysses: 1M tokens for a 1.2B GPT on up "
+        "RingFlashAttention, per the PyTorch blog's summary) [1]; absolute lengths not verified. "
+        "DeepSpeed-Ulysses: 1M tokens for a 1.2B GPT on up "
         "to 64 A100-40GB [2] (other model, 8x the GPUs)."
     ),
     "h100": (

@@ -192,9 +192,9 @@ def run_row(name: str, plan, rec: RunRecord) -> dict:
 
 def simulated(plan, curve, eval_every: int) -> list[int]:
     """All simulated decisions behind the plan's prediction (for the quartiles), sorted."""
-    return sorted(s for s, _ in simulated_decisions(plan, curve, threshold_nats_per_step=plan.decisions.governor_threshold,
-                                                    eval_every=eval_every, governor_settings=GOVERNOR,
-                                                    runs=SIMULATED_RUNS))
+    decisions = simulated_decisions(plan, curve, threshold_nats_per_step=plan.decisions.governor_threshold,
+                                    eval_every=eval_every, governor_settings=GOVERNOR, runs=SIMULATED_RUNS)
+    return sorted(s for s, _ in decisions)
 
 
 def summarise(rows: list[dict], pilot_steps: int, n: int, per_threshold: bool = True) -> dict:
@@ -247,7 +247,7 @@ class Seed:
         run), then the baseline and the governed runs."""
         sc, s = self.sc, self.seed
         self.pilots = [(p, result(f)) for p, f in zip(self.pplans, self.pfuts, strict=False)]
-        for c, (p, r) in zip(self.pcfg, self.pilots, strict=False):
+        for c, (_plan, r) in zip(self.pcfg, self.pilots, strict=False):
             print(f"seed {s} {c['name']}: fraction {c['data_fraction']:g}, {r.steps} steps, final "
                   f"held-out {r.final_heldout_loss:.4f}", flush=True)
         self.curve = curve = fit_heldout_curve(

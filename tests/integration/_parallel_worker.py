@@ -1,4 +1,5 @@
-"""Worker for tests/integration/test_parallel.py under torchrun: ``python -m tests.integration._parallel_worker MODE OUT``.
+"""Worker for tests/integration/test_parallel.py under torchrun:
+``python -m tests.integration._parallel_worker MODE OUT``.
 
 Modes:
 - ``sp OUT SP:STAGE...``: per case one forward/backward of the tiny Llama with Ulysses SP of degree
@@ -244,12 +245,12 @@ def run_mem(out: Path, cases: list[tuple[int, int]]) -> None:
                                 device=device)
         forward_loss = partial(micro_batch_loss, model, device, sp, rank % sp, world)
 
-        def batch(i: int):
+        def batch(i: int, sp: int = sp):
             g = torch.Generator().manual_seed(1000 * i + rank // sp)
             ids = torch.randint(0, vocab, (1, MEM_SEQ_LEN + 1), generator=g)
             return ids[:, :-1], ids[:, 1:]
 
-        def step(i: int) -> None:
+        def step(i: int, forward_loss=forward_loss, opt=opt) -> None:
             loss = forward_loss(*batch(i))
             loss.backward()
             opt.step()

@@ -38,7 +38,8 @@ from trainplan_errors import (
 )
 
 CUDA = torch.cuda.is_available()
-WORDS = ["to", "be", "or", "not", "to", "be", "that", "is", "the", "question", "whether", "tis", "nobler", "in", "the", "mind", "to", "suffer"]
+WORDS = ["to", "be", "or", "not", "to", "be", "that", "is", "the", "question", "whether", "tis", "nobler",
+         "in", "the", "mind", "to", "suffer"]
 TINY = "solve --model tiny-llama --hw cpu --seq-len 128"
 
 
@@ -181,7 +182,8 @@ CLI_ROWS: dict[str, tuple[str, type, list[str]]] = {
                                 ["cooldown_gain_nats=1000000000.0 is out of range (>= -1.0, <= 1.0)"]),
     "curve-out-of-range": (f"{TINY} --budget-seconds 60 --heldout-curve curve_neg.json "
                            "--loss-value-device-hours-per-nat 1", TrainplanError,
-                           ["'curve_neg.json': gamma=-0.03 is out of range (>= 0.0, <= 100.0)", "HeldoutCurve.to_dict()"]),
+                           ["'curve_neg.json': gamma=-0.03 is out of range (>= 0.0, <= 100.0)",
+                            "HeldoutCurve.to_dict()"]),
     "curve-of-another-model": (f"{TINY} --budget-seconds 60 --heldout-curve curve_8b.json "
                                "--loss-value-device-hours-per-nat 1", TrainplanError,
                                ["fitted on pilots of llama3-8b (vocabulary 128256)",

@@ -70,7 +70,7 @@ def test_unknown_hw_in_a_subprocess_has_no_traceback():
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2, (out.returncode, out.stderr)
     # library warnings (e.g. bitsandbytes on a CPU-only machine) may precede the error line
-    lines = [l for l in out.stderr.splitlines() if l.startswith("trainplan:")]
+    lines = [ln for ln in out.stderr.splitlines() if ln.startswith("trainplan:")]
     assert len(lines) == 1 and lines[0].startswith("trainplan: error: unknown hardware 'h800'"), out.stderr
     assert "Traceback" not in out.stderr, out.stderr
     for name in known_names():

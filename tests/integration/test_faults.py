@@ -28,7 +28,8 @@ from trainplan_errors import PlanMismatchError, TrainplanError
 
 CPU_OOM = ("DefaultCPUAllocator: can't allocate memory: you tried to allocate 68719476736 bytes. "
            "Error code 12 (Cannot allocate memory)")
-WORDS = ["to", "be", "or", "not", "to", "be", "that", "is", "the", "question", "whether", "tis", "nobler", "in", "the", "mind", "to", "suffer"]
+WORDS = ["to", "be", "or", "not", "to", "be", "that", "is", "the", "question", "whether", "tis", "nobler",
+         "in", "the", "mind", "to", "suffer"]
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,9 @@ from planner.api import plan_for_choice
 STEPS = 12
 STOP_AFTER = 5
 RTOL = 1e-6
-WORDS = ["the", "king", "is", "dead", "long", "live", "the", "queen", "now", "is", "the", "winter", "of", "our", "discontent", "made", "glorious", "summer", "by", "this", "sun", "of", "york", "and", "all", "the", "clouds", "that", "lowered", "upon", "our", "house"]
+WORDS = ["the", "king", "is", "dead", "long", "live", "the", "queen", "now", "is", "the", "winter", "of",
+         "our", "discontent", "made", "glorious", "summer", "by", "this", "sun", "of", "york", "and", "all",
+         "the", "clouds", "that", "lowered", "upon", "our", "house"]
 
 
 @pytest.fixture(scope="module")

@@ -65,7 +65,8 @@ def test_optimizer_state_bytes_match_the_library(precision, bits):
     opt.step()
     width = torch.empty((), dtype=dtype).element_size()
     pred = sum(adam_state_bytes(n, bits, width) for n in NUMELS) + quantization_map_bytes(bits)
-    assert pred == _state_bytes(opt), f"{precision}, {bits}-bit: predicted {pred} B, library holds {_state_bytes(opt)} B"
+    held = _state_bytes(opt)
+    assert pred == held, f"{precision}, {bits}-bit: predicted {pred} B, library holds {held} B"
 
 
 @pytest.mark.parametrize("bits, per_param", [(16, 4.0), (8, 2 + 2 * 4 / 256), (4, 1 + 2 * 4 / 128)])

@@ -317,7 +317,8 @@ def tiny_run(tmp_path, cpu_profile, torch_threads):
     from planner.governor import with_governor
 
     rng = random.Random(0)
-    words = ["the", "king", "is", "dead", "long", "live", "the", "queen", "now", "is", "the", "winter", "of", "our", "discontent"]
+    words = ["the", "king", "is", "dead", "long", "live", "the", "queen", "now", "is", "the", "winter", "of",
+             "our", "discontent"]
     path = tmp_path / "tiny.txt"
     path.write_text("\n".join(" ".join(rng.choice(words) for _ in range(15)) for _ in range(600)) + "\n",
                     encoding="utf-8")

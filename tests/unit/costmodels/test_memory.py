@@ -33,7 +33,8 @@ SMALL, LARGE = (1, 32), (2, 64)  # (micro-batch, sequence): optimizer-step peak 
 
 CHECKPOINTED_BACKWARD = (
     "known gap: when the peak falls in a checkpointed block's backward (b=2, s=64), MemTracker "
-    "sees 80-100 KB more than the lifetime replay; totals are 2-4% under. Where the peak is at the tail or the optimizer step the replay is "
+    "sees 80-100 KB more than the lifetime replay; totals are 2-4% under. Where the peak is at the tail or "
+    "the optimizer step the replay is "
     "within 0.1%")
 
 

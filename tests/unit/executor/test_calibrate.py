@@ -255,7 +255,8 @@ def test_too_few_heldout_points(cache, tmp_path):
 
 
 def test_solve_uses_cached_law_on_cpu(cache):
-    law = LossLaw(E=3.5, A=0.0, B=60.0, beta=0.3, source="fitted to 16 held-out points of runs/demo (trainplan calibrate)")
+    law = LossLaw(E=3.5, A=0.0, B=60.0, beta=0.3,
+                  source="fitted to 16 held-out points of runs/demo (trainplan calibrate)")
     save_local_law(law, model=MODEL, vocab_size=VOCAB)
     plan = solve(MODEL, "cpu", Budget(wall_clock_s=5), seq_len=64, time_limit_s=5.0)
     assert f"loss law: {law.source}" in plan.notes

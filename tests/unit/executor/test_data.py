@@ -17,7 +17,8 @@ from executor.data.corpus import EOT, load_tokenizer, read_documents, strip_mark
 from trainplan_errors import DataError, TrainplanError
 
 VOCAB = 300  # 256 bytes + EOT + a few merges: trains in milliseconds
-WORDS = ["the", "king", "is", "dead", "long", "live", "the", "queen", "now", "is", "the", "winter", "of", "our", "discontent", "made", "glorious", "summer", "by", "this", "sun", "of", "york"]
+WORDS = ["the", "king", "is", "dead", "long", "live", "the", "queen", "now", "is", "the", "winter", "of",
+         "our", "discontent", "made", "glorious", "summer", "by", "this", "sun", "of", "york"]
 
 
 def _text(n_words: int, seed: int) -> str:

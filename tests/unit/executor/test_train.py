@@ -22,7 +22,10 @@ SEQ_LEN = 64
 STEPS = 6
 MICRO_BATCH = 4
 RTOL = 0.01
-WORDS = ["the", "king", "is", "dead", "long", "live", "the", "queen", "now", "is", "the", "winter", "of", "our", "discontent", "made", "glorious", "summer", "by", "this", "sun", "of", "york", "and", "all", "the", "clouds", "that", "lowered", "upon", "our", "house", "in", "the", "deep", "bosom", "of", "the", "ocean", "buried"]
+WORDS = ["the", "king", "is", "dead", "long", "live", "the", "queen", "now", "is", "the", "winter", "of",
+         "our", "discontent", "made", "glorious", "summer", "by", "this", "sun", "of", "york", "and", "all",
+         "the", "clouds", "that", "lowered", "upon", "our", "house", "in", "the", "deep", "bosom", "of",
+         "the", "ocean", "buried"]
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +86,7 @@ def test_run_trains_and_stops_at_the_budget(ran, plan):
     assert record.steps == STEPS and record.world_size == 1, (record.steps, record.world_size)
     assert record.tokens == STEPS * plan.predictions.tokens_per_step, (record.tokens, plan.predictions)
     assert [s for s, _ in record.train_loss] == list(range(STEPS))
-    assert all(math.isfinite(l) for _, l in record.train_loss), record.train_loss
+    assert all(math.isfinite(loss) for _, loss in record.train_loss), record.train_loss
     assert record.heldout_loss and record.heldout_loss[-1][:2] == (STEPS, record.tokens), record.heldout_loss
     first, held = record.train_loss[0][1], record.final_heldout_loss
     assert math.isfinite(held) and held < first, \

@@ -314,7 +314,8 @@ def test_corrupt_cache_is_remeasured_with_a_warning(counted, content):
     path = cpu.cache_path()
     path.parent.mkdir(parents=True)
     if content.startswith('{"format"'):  # right key, profile missing
-        content = json.dumps({"format": cpu.CACHE_FORMAT, "hostname": key[0], "torch_version": key[1], "num_threads": key[2]})
+        content = json.dumps({"format": cpu.CACHE_FORMAT, "hostname": key[0], "torch_version": key[1],
+                              "num_threads": key[2]})
     path.write_text(content)
     with pytest.warns(RuntimeWarning, match="unreadable"):
         profile = load("cpu")

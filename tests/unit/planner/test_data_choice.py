@@ -222,7 +222,9 @@ def test_cli_rejects_unknown_data_method(capsys):
 # ---- executor: a run on the selected windows ------------------------------------------------
 
 STEPS, SEQ, MB = 6, 64, 2
-WORDS = ["the", "king", "is", "dead", "long", "live", "the", "queen", "now", "is", "the", "winter", "of", "our", "discontent", "made", "glorious", "summer", "by", "this", "sun", "of", "york", "and", "all", "the", "clouds", "that", "lowered", "upon", "our", "house"]
+WORDS = ["the", "king", "is", "dead", "long", "live", "the", "queen", "now", "is", "the", "winter", "of",
+         "our", "discontent", "made", "glorious", "summer", "by", "this", "sun", "of", "york", "and", "all",
+         "the", "clouds", "that", "lowered", "upon", "our", "house"]
 
 
 @pytest.fixture(scope="module")

@@ -326,7 +326,8 @@ def test_cli_solve_with_a_heldout_curve_picks_the_budget(capsys, tmp_path):
     curve = tmp_path / "curve.json"
     curve.write_text(json.dumps(TRUE.to_dict()))
     argv = ["solve", "--model", "tiny-llama", "--hw", "cpu", "--seq-len", "128", "--budget-flops", "1e14",
-            "--data-tokens", "20000", "--time-limit", "5", "--loss-value-device-hours-per-nat", "2"]  # FLOPs: steps not set by load
+            # FLOPs: steps not set by load
+            "--data-tokens", "20000", "--time-limit", "5", "--loss-value-device-hours-per-nat", "2"]
     assert main(argv + ["--json", str(tmp_path / "a.json")]) == 0
     assert main(argv + ["--json", str(tmp_path / "b.json"), "--heldout-curve", str(curve)]) == 0
     out = capsys.readouterr().out

@@ -31,7 +31,7 @@ from costmodels.step.memory import simulate_region
 from costmodels.step.model import Choice
 from costmodels.step.remat_cost import BlockCase, evaluate
 from costmodels.step.roofline import region_cost
-from executor.train import sac_forward, apply_checkpointing
+from executor.train import apply_checkpointing, sac_forward
 from hardware_profiles import load
 from modeling.flop_counting import CPU_ATTENTION_FLOP_FORMULAS
 from planner.capture.graph import capture
@@ -85,8 +85,9 @@ def test_node_keys_match_the_runtime_op_stream(tiny_llama, region):
         orig, *a, use_reentrant=False, context_fn=partial(create_selective_checkpoint_contexts, policy_fn), **k)
     model(input_ids=torch.randint(0, 512, (2, 16))).logits.sum().backward()
     traced = list(node_keys(region).values())
-    assert seen == traced, f"run time {len(seen)} ops, traced {len(traced)}: first difference at " \
-        f"{next((i for i, (a, b) in enumerate(zip(seen, traced, strict=False)) if a != b), min(len(seen), len(traced)))}"
+    first = next((i for i, (a, b) in enumerate(zip(seen, traced, strict=False)) if a != b),
+                 min(len(seen), len(traced)))
+    assert seen == traced, f"run time {len(seen)} ops, traced {len(traced)}: first difference at {first}"
 
 
 def test_attention_overloads_share_one_key():

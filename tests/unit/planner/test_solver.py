@@ -129,7 +129,8 @@ def test_larger_budget_is_never_worse(model, hw, devices, seq_len, kind, budgets
     plans = [solve_problem(pr, Budget(devices=devices, **{kind: b})) for b in budgets]
     assert all(p.solver.status == "OPTIMAL" for p in plans), [p.solver for p in plans]
     losses = [choose_data_method(p, pr.law).predictions.final_loss for p in plans]
-    for (b0, l0), (b1, l1) in zip(zip(budgets, losses, strict=False), zip(budgets[1:], losses[1:], strict=False), strict=False):
+    for (b0, l0), (b1, l1) in zip(zip(budgets, losses, strict=True), zip(budgets[1:], losses[1:], strict=True),
+                                  strict=False):
         assert l1 <= l0, f"{model}: {kind}={b1:g} predicts loss {l1:.4f}, above {l0:.4f} at {b0:g}"
 
 
