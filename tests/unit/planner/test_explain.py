@@ -130,11 +130,12 @@ def test_explain_false_keeps_the_solver_message():
 def test_time_limit_before_any_plan_asks_for_a_longer_limit(monkeypatch, capsys):
     """When the time limit ends the search before any plan is found (here: no single-entry plan
     to start from, as when only mixed checkpointing fits, and a 1 ms limit), nothing is known to
-    bind: the message says so and asks for a longer limit, without an explanation's re-solves."""
+    bind: the message says so and asks for a longer limit, without an explanation's re-solves.
+    (tiny-llama: a 1 ms search ends before any plan just as llama3-8b's does.)"""
     import planner.joint.solver
 
     monkeypatch.setattr(planner.joint.solver, "uniform_start", lambda *a, **k: None)
-    args = ["solve", "--model", "llama3-8b", "--hw", "h100", "--devices", "3", "--seq-len", "2048",
+    args = ["solve", "--model", "tiny-llama", "--hw", "h100", "--devices", "3", "--seq-len", "2048",
             "--budget-device-hours", "100"]
     rc = main(args + ["--time-limit", "0.001"])
     err = capsys.readouterr().err.strip().splitlines()
@@ -142,6 +143,6 @@ def test_time_limit_before_any_plan_asks_for_a_longer_limit(monkeypatch, capsys)
     assert "no plan found within the solver time limit of 0.001 s" in err[0], err[0]
     assert "raise --time-limit" in err[0] and "binds" not in err[0], err[0]
     with pytest.raises(InfeasibleError) as e:
-        solve("llama3-8b", "h100", Budget(devices=3, device_hours=100), seq_len=2048, time_limit_s=0.001)
+        solve("tiny-llama", "h100", Budget(devices=3, device_hours=100), seq_len=2048, time_limit_s=0.001)
     assert e.value.binding == "time limit" and not hasattr(e.value, "suggestions")
     assert main(args + ["--time-limit", "0.5"]) == 0  # a longer limit finds one
