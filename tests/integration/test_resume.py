@@ -1,4 +1,4 @@
-"""Interrupted and resumed runs: a run stopped after step 5 and resumed from its checkpoint
+"""Interrupted and resumed runs: a run stopped after step 4 and resumed from its checkpoint
 trains on the same batches with the same learning rates and reaches the same losses as an
 uninterrupted run (fp32 and bitsandbytes 8-bit AdamW on one process; FSDP2 sharded state on two);
 the stopped run's record and checkpoint are complete; a kill during a checkpoint write leaves
@@ -24,8 +24,8 @@ from executor.train import run
 from modeling.presets import build_model
 from planner.api import plan_for_choice
 
-STEPS = 12
-STOP_AFTER = 5
+STEPS = 8
+STOP_AFTER = 4
 RTOL = 1e-6
 WORDS = ["the", "king", "is", "dead", "long", "live", "the", "queen", "now", "is", "the", "winter", "of",
          "our", "discontent", "made", "glorious", "summer", "by", "this", "sun", "of", "york", "and", "all",

@@ -122,8 +122,8 @@ ends FEASIBLE, where a larger budget is not bound to be better)."""
 def test_larger_budget_is_never_worse(model, hw, devices, seq_len, kind, budgets, policies):
     """Each budget solved as `solve` does (`solve_problem`, then `choose_data_method`), the model
     captured once."""
-    from planner.api import prepare, solve_problem
     from planner.data_choice import choose_data_method
+    from planner.joint.problem import prepare, solve_problem
 
     pr = prepare(model, hw, seq_len=seq_len, policies=policies)
     plans = [solve_problem(pr, Budget(devices=devices, **{kind: b})) for b in budgets]
@@ -280,18 +280,29 @@ def test_sp_degrees_stay_inside_a_node():
                          devices_per_node=8).sp_degrees == (1, 2, 4, 8)
 
 
+@pytest.fixture(scope="module")
+def problem_405b():
+    """llama3.1-405b on MI300X at 8192 tokens, captured once for the device counts below."""
+    from planner.joint.problem import prepare
+
+    return prepare("llama3.1-405b", "mi300", seq_len=8192)
+
+
 @pytest.mark.parametrize("devices", [1, 64, 1024])
-def test_plans_from_one_to_1024_devices(devices):
+def test_plans_from_one_to_1024_devices(problem_405b, devices):
     """llama3.1-405b does not fit one device (nor 32: its 16 bytes a parameter of weights,
     gradients and AdamW states alone are 6.5 TB); on 64 and 1024 SP stays inside a node (8 per
-    MI300X node) and data parallelism runs across nodes. (The 1024-device solve's speed is a
+    MI300X node) and data parallelism runs across nodes. Solved as `solve(..., explain=False)`
+    solves (no corpus size: no data method to choose). (The 1024-device solve's speed is a
     benchmark figure, `solve_s_405b_1024` in benchmarks/solve_speed.py.)"""
+    from planner.joint.problem import solve_problem
+
     budget = Budget(devices=devices, device_hours=1e6 if devices > 1 else 1e5)
     if devices == 1:
         with pytest.raises(InfeasibleError):
-            solve("llama3.1-405b", "mi300", budget, seq_len=8192, explain=False)
+            solve_problem(problem_405b, budget)
         return
-    plan = solve("llama3.1-405b", "mi300", budget, seq_len=8192)
+    plan = solve_problem(problem_405b, budget)
     _check_consistent(plan)
     d = plan.decisions
     assert d.sp_degree <= load("mi300").devices_per_node and 8 % d.sp_degree == 0, d
