@@ -3,8 +3,6 @@ attributes, and FLOP polynomials that equal FlopCounterMode on a real step, exac
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 import transformers
@@ -17,8 +15,6 @@ from modeling.loss import lm_loss
 from modeling.presets import build_model
 from planner.capture.graph import capture
 from trainplan_errors import TrainplanError
-
-CAPTURE_LIMIT_S = 10.0
 
 
 def _region_names(graph) -> list[str]:
@@ -45,11 +41,10 @@ def _predicted_flops(graph, b: int, s: int, phase: str | None = None) -> float:
     ("llama3-70b", torch.bfloat16, 70_553_706_496, 80),
 ])
 def test_preset_captures_on_meta(preset, dtype, n_params, n_layers):
-    t0 = time.perf_counter()
+    """(How long a capture takes is a benchmark figure: `solve_s_llama3_70b_capture` in
+    benchmarks/solve_speed.py.)"""
     model = build_model(preset, device="meta", dtype=dtype)
     g = capture(model, dtype=dtype)
-    took = time.perf_counter() - t0
-    assert took < CAPTURE_LIMIT_S, f"{preset}: capture took {took:.1f} s, limit {CAPTURE_LIMIT_S} s"
     assert g.name == preset
     assert g.n_params == n_params, f"{preset}: {g.n_params} parameters, expected {n_params}"
     assert g.param_bytes == n_params * dtype.itemsize, (g.param_bytes, n_params * dtype.itemsize)

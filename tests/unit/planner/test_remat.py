@@ -223,15 +223,19 @@ def test_sequence_decides_what_is_kept():
     assert "attention#0" not in kept[512] and any(k.startswith("aten.mm") for k in kept[512]), kept[512]
 
 
-def test_block_solve_is_fast(region):
+def test_block_solve_of_a_70b_block_is_optimal(region):
+    """The per-block model of llama3-70b's block at 16K tokens over SP 8 is solved to
+    optimality. Its time limit is wall-clock seconds, so the test gives it 60 (a loaded machine
+    must not end the search early); how long it takes is a benchmark figure, `block_solve_s` in
+    benchmarks/solve_speed.py (was asserted here under 2 s)."""
     from planner.capture.setup import capture_model
 
     r = capture_model("llama3-70b", "bf16-mixed")[0].regions["block0"]
     case = BlockCase(region=r, b=1, s=16384, sp=8, hw=load("mi300"), dtype="bf16", stack=80)
     bm = BlockModel(case)
     lo, hi = _span(case)
-    sol = bm.solve(lo + 0.1 * (hi - lo))
-    assert sol.status == "OPTIMAL" and sol.wall_s < 2.0, sol
+    sol = bm.solve(lo + 0.1 * (hi - lo), time_limit_s=60.0)
+    assert sol.status == "OPTIMAL", sol
 
 
 # ---------------------------------------------------------------- measured against predicted
