@@ -1,14 +1,22 @@
 """What `executor.train.run` measures besides the loss: which step is measured how
 (`measured_step`: peak tensor memory by category with MemTracker, FLOPs with FlopCounterMode,
-wall time), held-out loss, per-rank values gathered to every rank, and the progress bar.
+wall time; on an accelerator also each step's allocator peaks and, over
+`executor.kernels.PROFILED_STEPS`, the kernel time split), held-out loss, per-rank values
+gathered to every rank, and the progress bar.
 
+Device-agnostic: an accelerator is whatever `torch.accelerator` drives (CUDA, ROCm, XPU, ...),
+told apart from the CPU by `device.type`; its memory statistics come from `torch.accelerator`'s
+memory functions (`accelerator_fn`), absent on a device that has none (then not recorded).
 MemTracker (about a second to import) is imported by the step it measures (`measure_memory`)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -16,6 +24,8 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 from tqdm.auto import tqdm
 
+from executor.kernels import PROFILED_STEPS, merge_splits, profile_step
+from executor.record import RunRecord
 from modeling.flop_counting import CPU_ATTENTION_FLOP_FORMULAS
 
 WARMUP_STEPS_UNMEASURED = 2
@@ -67,11 +77,72 @@ def measure_memory(step_fn, model, opt) -> dict[str, float]:
             "total": by.get("Total", 0.0)}
 
 
-def measured_step(step: int, train_step, rec, dev: torch.device, model, opt) -> float:
-    """One training step: step 2 under MemTracker (CPU), step 3 under FlopCounterMode, every
-    other step timed into `rec.step_times_s` (wall) and `rec.step_cpu_times_s` (this process's
-    CPU seconds, all its threads). Returns its loss."""
-    if step == WARMUP_STEPS_UNMEASURED and dev.type == "cpu":
+def accelerator_fn(dev: torch.device, name: str) -> Callable[..., Any] | None:
+    """`torch.accelerator.<name>` (e.g. `max_memory_allocated`, `get_memory_info`) for an
+    accelerator `dev`, else the same function of its device module (`torch.cuda.<name>`, with
+    `get_memory_info` spelled `mem_get_info` there) on a torch that lacks it; None on a CPU or
+    when neither exists."""
+    if dev.type == "cpu":
+        return None
+    fn = getattr(getattr(torch, "accelerator", None), name, None)
+    if fn is None:
+        module = getattr(torch, dev.type, None)
+        fn = getattr(module, "mem_get_info" if name == "get_memory_info" else name, None)
+    return fn
+
+
+def _memory_stat(dev: torch.device, name: str) -> float | None:
+    fn = accelerator_fn(dev, name)
+    try:
+        return float(fn(dev)) if fn is not None else None
+    except (RuntimeError, ValueError, TypeError):  # a device type without memory statistics
+        return None
+
+
+def _reset_peaks(dev: torch.device) -> None:
+    fn = accelerator_fn(dev, "reset_peak_memory_stats")
+    if fn is not None:
+        with contextlib.suppress(RuntimeError, ValueError, TypeError):  # a device type without them
+            fn(dev)
+
+
+def _synchronize(dev: torch.device) -> None:
+    if dev.type != "cpu":
+        torch.accelerator.synchronize(dev)
+
+
+def record_device_memory(rec: RunRecord, dev: torch.device) -> None:
+    """On an accelerator: fold the allocator's peak since the last reset into
+    `rec.peak_memory_bytes["total"]` (the largest so far), and note its device memory
+    (`RunRecord.device_memory_bytes`: total, used by every process, reserved by this one) when
+    the device reports it. Nothing on a CPU."""
+    peak = _memory_stat(dev, "max_memory_allocated")
+    if peak is None:
+        return
+    rec.peak_memory_bytes = {"total": max(peak, rec.peak_memory_bytes.get("total", 0.0))}
+    info = accelerator_fn(dev, "get_memory_info")
+    try:
+        free, total = info(dev) if info is not None else (None, None)
+    except (RuntimeError, ValueError, TypeError):
+        free = total = None
+    reserved = _memory_stat(dev, "memory_reserved")
+    if free is not None and total is not None and reserved is not None:
+        rec.device_memory_bytes = {"total": float(total), "used": float(total - free), "reserved": reserved}
+
+
+def measured_step(step: int, train_step, rec: RunRecord, dev: torch.device, model, opt) -> float:
+    """One training step: step 2 under MemTracker (CPU), step 3 under FlopCounterMode, on an
+    accelerator `executor.kernels.PROFILED_STEPS` under torch.profiler (`RunRecord.kernel_time_s`),
+    every other step timed into `rec.step_times_s` (wall) and `rec.step_cpu_times_s` (this
+    process's CPU seconds, all its threads). On an accelerator the allocator's peak statistics
+    are reset before every step and read after it: the timed steps' into
+    `rec.step_max_allocated_bytes` / `step_max_reserved_bytes`, every step's largest into
+    `rec.peak_memory_bytes["total"]` (`record_device_memory`). Returns its loss."""
+    accel = dev.type != "cpu"
+    if accel:
+        _synchronize(dev)
+        _reset_peaks(dev)
+    if step == WARMUP_STEPS_UNMEASURED and not accel:
         losses = []
         rec.peak_memory_bytes = measure_memory(lambda: losses.append(train_step(step)), model, opt)
         return losses[0]
@@ -80,15 +151,24 @@ def measured_step(step: int, train_step, rec, dev: torch.device, model, opt) -> 
         with fc:
             loss = train_step(step)
         rec.flops_per_step = float(fc.get_total_flops())
-        return loss
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-    t0, c0 = time.perf_counter(), time.process_time()
-    loss = train_step(step)
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-    rec.step_times_s.append(time.perf_counter() - t0)
-    rec.step_cpu_times_s.append(time.process_time() - c0)
+    elif accel and step in PROFILED_STEPS:
+        loss, split = profile_step(lambda: train_step(step), dev)
+        if split is not None:
+            rec.kernel_time_s = merge_splits(rec.kernel_time_s, split)
+    else:
+        _synchronize(dev)
+        t0, c0 = time.perf_counter(), time.process_time()
+        loss = train_step(step)
+        _synchronize(dev)
+        rec.step_times_s.append(time.perf_counter() - t0)
+        rec.step_cpu_times_s.append(time.process_time() - c0)
+        allocated, reserved = _memory_stat(dev, "max_memory_allocated"), _memory_stat(dev, "max_memory_reserved")
+        if accel and allocated is not None and reserved is not None:
+            rec.step_max_allocated_bytes = [*(rec.step_max_allocated_bytes or []), allocated]
+            rec.step_max_reserved_bytes = [*(rec.step_max_reserved_bytes or []), reserved]
+    if accel:
+        _synchronize(dev)
+        record_device_memory(rec, dev)
     return loss
 
 
@@ -122,10 +202,14 @@ def any_rank(flag: bool, world: int) -> bool:
 
 
 def device_name(dev: torch.device) -> str:
-    """How a record names the device: `cpu`, or for CUDA the device with its name, e.g.
-    `cuda:0 (NVIDIA H100 80GB HBM3)`."""
-    if dev.type == "cuda":
-        return f"{dev} ({torch.cuda.get_device_name(dev)})"
+    """How a record names the device: `cpu`, or for an accelerator the device with its name
+    when its device module gives one, e.g. `cuda:0 (NVIDIA H100 80GB HBM3)`."""
+    get_name = getattr(getattr(torch, dev.type, None), "get_device_name", None) if dev.type != "cpu" else None
+    if get_name is not None:
+        try:
+            return f"{dev} ({get_name(dev)})"
+        except (RuntimeError, AssertionError, ValueError):  # no such device here
+            pass
     return str(dev)
 
 

@@ -4,8 +4,13 @@ interrupted run keeps what it measured; a resumed run appends to it."""
 from __future__ import annotations
 
 import json
+import math
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from hardware_profiles import load as load_profile
+from trainplan_errors import TrainplanError
 
 
 @dataclass(kw_only=True, slots=True)
@@ -18,7 +23,7 @@ class RunRecord:
     device: str
     """Where it ran, e.g. `cpu`, `cuda:0 (NVIDIA H200)`."""
     same_hardware: bool
-    """True when the run's device is the plan's target, so times are comparable."""
+    """True when the run's device is the plan's target, so times are comparable (`same_hardware`)."""
     world_size: int = 1
     steps: int = 0
     tokens: int = 0
@@ -33,7 +38,27 @@ class RunRecord:
     """(step, tokens so far, held-out loss)."""
     peak_memory_bytes: dict[str, float] = field(default_factory=dict)
     """Tensor bytes per category at the measured peak: params, grads, optimizer, activations,
-    temporaries, total (MemTracker on CPU; on CUDA only total, from max_memory_allocated)."""
+    temporaries, total (MemTracker on CPU; on an accelerator only total: the largest
+    max_memory_allocated of any step, `executor.measure.record_device_memory`)."""
+    step_max_allocated_bytes: list[float] | None = None
+    """On an accelerator (CUDA, ROCm, ...), per timed step (`step_times_s`, in the same order):
+    `torch.accelerator.max_memory_allocated` over that step, the peak statistics reset before
+    it, bytes. None on CPU and in records written before it was measured."""
+    step_max_reserved_bytes: list[float] | None = None
+    """Per timed step, as `step_max_allocated_bytes`: `max_memory_reserved`, bytes held by the
+    caching allocator (allocated plus its cached blocks and fragmentation). None on CPU."""
+    device_memory_bytes: dict[str, float] | None = None
+    """On an accelerator, after the latest step: `total` (what the driver exposes, the free
+    and total of `get_memory_info`), `used` (total - free: every process's allocations, the
+    runtime context and communication buffers included) and `reserved` (this process's caching
+    allocator at that moment), bytes. None on CPU."""
+    kernel_time_s: dict[str, float] | None = None
+    """On an accelerator, device time per step from `torch.profiler` over the profiled steps
+    (`executor.kernels.PROFILED_STEPS`), mean per step, seconds: `matmul` (GEMM and attention
+    kernels), `communication` (NCCL/RCCL kernels), `other` (elementwise, reductions, copies),
+    `busy` (time any kernel ran: overlapped kernels once), `wall` (the profiled step's wall
+    time, profiler overhead included), and `steps` (how many were profiled). None on CPU or
+    when the run ended before the profiled steps (`executor.kernels.split_kernels`)."""
     per_rank_peak_bytes: list[float] = field(default_factory=list)
     flops_per_step: float = 0.0
     """FLOPs of one step on this rank, by `FlopCounterMode`."""
@@ -67,6 +92,16 @@ class RunRecord:
         return xs[len(xs) // 2] if xs else float("nan")
 
     @property
+    def max_allocated_bytes(self) -> float:
+        """Largest `step_max_allocated_bytes` over the timed steps; NaN when not measured."""
+        return max(self.step_max_allocated_bytes or [math.nan])
+
+    @property
+    def max_reserved_bytes(self) -> float:
+        """Largest `step_max_reserved_bytes` over the timed steps; NaN when not measured."""
+        return max(self.step_max_reserved_bytes or [math.nan])
+
+    @property
     def final_heldout_loss(self) -> float:
         return self.heldout_loss[-1][2] if self.heldout_loss else float("nan")
 
@@ -88,3 +123,21 @@ class RunRecord:
         raw["heldout_loss"] = [tuple(x) for x in raw.get("heldout_loss", [])]
         known = set(cls.__dataclass_fields__)
         return cls(**{k: v for k, v in raw.items() if k in known})  # newer fields are skipped
+
+
+def same_hardware(plan_hw: str, device: str) -> bool:
+    """Whether a run on `device` (as a record names it, `executor.measure.device_name`: `cpu`,
+    `cuda:0 (NVIDIA H200)`) runs on the hardware the plan's profile `plan_hw` describes, so that
+    its times compare with the plan's: a CPU for `cpu`; an accelerator of the profile's device
+    type whose name contains the profile's name (`NVIDIA H200` for `h200`, `AMD Instinct MI300X`
+    for `mi300x`; spaces, dashes and underscores ignored). False for a profile
+    `hardware_profiles.load` does not know by name (one read from a file)."""
+    kind = device.split(" ")[0].split(":")[0]
+    if kind == "cpu" or plan_hw == "cpu":
+        return kind == "cpu" and plan_hw == "cpu"
+    try:
+        profile = load_profile(plan_hw)
+    except TrainplanError:
+        return False
+    squeeze = re.compile(r"[\s_-]")
+    return profile.device_type == kind and squeeze.sub("", profile.name.lower()) in squeeze.sub("", device.lower())

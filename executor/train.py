@@ -5,6 +5,7 @@ selective checkpointing per block, its optimizer bits an optimizer (bitsandbytes
 its data fraction, method and token budget the sampler
 (`executor.data.dynamic_selection.PlannedBatches`) and the step count; `sp_degree`/`zero_stage`
 above one device go through `executor.parallel.ulysses` and `executor.parallel.zero` under torchrun.
+An optimizer step runs `grad_accum` micro-steps (`executor.accumulation`), each on the next micro-batch.
 Measured: peak tensor memory by category (MemTracker, one step after warm-up), FLOPs of one step
 (FlopCounterMode), every step's wall time, train loss, held-out loss, the data selection's scoring
 FLOPs. Interrupts, checkpoints and resuming:
@@ -33,6 +34,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from costmodels.checkpoint_sets import CheckpointSet, KeyCounter, resolve, sets_from_mapping
 from costmodels.stopping.rule import Governor
+from executor.accumulation import accumulate_gradients
 from executor.checkpoint import (
     OutOfMemoryRunError,
     check_resume_plan,
@@ -50,20 +52,21 @@ from executor.governor import GovernedLoop
 from executor.measure import any_rank, device_name, gather_floats, heldout_loss, measured_step, progress_bar
 from executor.optimizers import build_optimizer, set_lr
 from executor.parallel.launch import init_distributed
-from executor.record import RunRecord
+from executor.record import RunRecord, same_hardware
 from hardware_profiles import load as load_profile
 from modeling import presets
 from modeling.activation_compression import compress_saved_activations
 from modeling.loss import lm_loss
 from planner.plan import Plan
-from trainplan_errors import PlanMismatchError, TrainingDivergedError, TrainplanError
+from trainplan_errors import PlanMismatchError, TrainingDivergedError, TrainplanError, UnknownNameError
 
 EVAL_BATCHES = 4
 """Held-out micro-batches of each evaluation (`executor.data.batches.heldout_batches`)."""
 
 
 def resolve_device(plan: Plan, override: str | None = None) -> torch.device:
-    """The device a plan runs on: `override`, else the plan's profile's device type.
+    """The device a plan runs on: `override`, else the plan's profile's device type (for a profile
+    read from a file, `--hw FILE.toml`, which `load` does not know by name: the accelerator here).
 
     Raises:
         TrainplanError: the plan targets an accelerator and none is present.
@@ -72,7 +75,10 @@ def resolve_device(plan: Plan, override: str | None = None) -> torch.device:
         return torch.device(override)
     if plan.hw == "cpu":  # no need to load (and maybe measure) the cpu profile in every rank
         return torch.device("cpu")
-    kind = load_profile(plan.hw).device_type
+    try:
+        kind = load_profile(plan.hw).device_type
+    except UnknownNameError:
+        kind = getattr(torch.accelerator.current_accelerator(check_available=True), "type", "cuda")
     if kind == "cuda" and not torch.cuda.is_available():
         raise TrainplanError(
             f"plan targets {plan.hw!r} (a CUDA/ROCm device) but torch sees none here; "
@@ -138,7 +144,6 @@ def lr_at(step: int, plan: Plan) -> float:
     return peak if step < start else peak * max(0.05, (d.max_steps - step) / cool)
 
 
-
 def micro_batch_loss(model, dev, sp: int, sp_rank: int, world: int, x, y) -> torch.Tensor:
     """Loss of one micro-batch (nats/token, a scalar): x, y (b, s) token ids and next-token
     targets, `model` on device `dev`. Under Ulysses SP (`sp` ranks per sequence, this one
@@ -185,11 +190,11 @@ def _build(plan: Plan, model: nn.Module | None, data: TokenCorpus, dev: torch.de
     if world == 1:
         return model, factory(model.parameters())
     from executor.parallel.ulysses import enable_ulysses, new_sequence_parallel_group  # see the module docstring
-    from executor.parallel.zero import apply_zero
+    from executor.parallel.zero import apply_zero, mixed_precision_policy
 
     new_sequence_parallel_group(d.sp_degree)
     enable_ulysses(model, seq_len=d.seq_len)
-    return apply_zero(model, factory, stage=d.zero_stage, device=dev)
+    return apply_zero(model, factory, stage=d.zero_stage, device=dev, mp_policy=mixed_precision_policy(d))
 
 
 def _catch_signals(stop: dict) -> dict:
@@ -275,24 +280,32 @@ def run(plan: Plan, model: nn.Module | None = None, data: TokenCorpus | None = N
             remove_checkpoints(out)
             plan.to_json(out / "plan.json")
         rec = RunRecord(model=plan.model, hw_planned=plan.hw, device=device_name(dev),
-                        same_hardware=(plan.hw == "cpu" and dev.type == "cpu"))
+                        same_hardware=same_hardware(plan.hw, device_name(dev)))
         start = 0
     batches = PlannedBatches(plan, data, model=model, rank=dp_rank, held=held, out=out, start=start,
                              record=rec, progress=progress)  # the data subset: executor.data.dynamic_selection
     gov = GovernedLoop.for_run(plan, governor, record=rec if resume else None, out=out, rank=rank,
                                world=world)
-    autocast = (torch.autocast(dev.type, dtype=torch.bfloat16) if d.precision == "bf16-mixed"
+    from executor.parallel.zero import mixed_precision_policy  # torch.distributed: see _build
+
+    autocast = (torch.autocast(dev.type, dtype=torch.bfloat16)
+                if d.precision == "bf16-mixed" and mixed_precision_policy(d) is None
                 else nullcontext())
 
-    def train_step(step: int) -> float:
-        x, y = batches.batch(step)
+    ga = d.grad_accum
+
+    def train_step(step: int) -> float:  # `ga` micro-steps on micro-batches step x ga + j; mean loss
         set_lr(opt, lr_at(step, plan) * gov.lr(step))
-        with autocast, compress_saved_activations(d.activation_bits):
-            loss = forward_loss(x, y)
-        loss.backward()
+
+        def forward(j: int) -> torch.Tensor:
+            x, y = batches.batch(step * ga + j)
+            with autocast, compress_saved_activations(d.activation_bits):
+                return forward_loss(x, y)
+
+        loss = accumulate_gradients(forward, grad_accum=ga, model=model, zero_stage=d.zero_stage, world=world)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return loss.item()
+        return loss
 
     stop = {"reason": gov.ended, "by": ""}  # a resumed run the governor had ended: nothing to run
     old = _catch_signals(stop)
@@ -307,7 +320,7 @@ def run(plan: Plan, model: nn.Module | None = None, data: TokenCorpus | None = N
             batches.update(step)  # dynamic data selection re-scores here, outside the measured step
             loss = measured_step(step, train_step, rec, dev, model, opt)
             rec.steps = step + 1
-            rec.tokens = rec.steps * d.micro_batch * d.seq_len * d.dp_degree
+            rec.tokens = rec.steps * d.micro_batch * d.seq_len * d.dp_degree * ga
             rec.train_loss.append((step, loss))
             bar.set_postfix(loss=f"{loss:.3f}", refresh=False)  # shown by the update
             bar.update(1)
@@ -358,7 +371,7 @@ def run(plan: Plan, model: nn.Module | None = None, data: TokenCorpus | None = N
 def _finish(rec: RunRecord, stop: dict, plan: Plan, model, opt, checkpoint_every, ckpt: dict) -> None:
     """After the last step on every rank: stop reason, peak memory of all ranks, the final
     checkpoint (collectives when world > 1)."""
-    dev, world = ckpt["dev"], ckpt["world"]
+    world = ckpt["world"]
     reason = stop["reason"] or "budget"
     if reason == "interrupted" and rec.steps == plan.decisions.max_steps:
         reason = "budget"  # the signal came during the last step: nothing left to resume
@@ -366,10 +379,6 @@ def _finish(rec: RunRecord, stop: dict, plan: Plan, model, opt, checkpoint_every
     if reason == "interrupted":
         rec.notes.append(f"interrupted ({stop['by']}) after {rec.steps} of "
                          f"{plan.decisions.max_steps} steps")
-    if dev.type == "cuda":
-        peak = float(torch.cuda.max_memory_allocated(dev))
-        rec.peak_memory_bytes = {"total": max(peak, rec.peak_memory_bytes.get("total", 0.0))}
-        rec.notes.append(f"reserved {torch.cuda.max_memory_reserved(dev)} bytes")
     rec.world_size = world
     rec.per_rank_peak_bytes = gather_floats(rec.peak_memory_bytes.get("total", 0.0), world)
     if reason in ("budget", "interrupted", "marginal_gain") and checkpoint_every != 0:

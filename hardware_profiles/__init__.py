@@ -1,8 +1,10 @@
 """Hardware profiles: sourced device numbers for the cost models.
 
-One TOML file per device in this package (a100, h100, h200, mi300x alias mi300, mi300a), each
+One TOML file per device in this package (a100, a100-40gb, h100, h200, mi300x alias mi300, mi300a), each
 number with a unit in its key and a source in its `[sources]` table; plus `cpu`, measured on the
-local machine by `hardware_profiles.cpu.measure_cpu` and cached there.
+local machine by `hardware_profiles.cpu.measure_cpu` and cached there; plus any device's profile
+in a file of the same keys, given by its path (`load("./my-gpu.toml")`,
+`HardwareProfile.from_file`; `hardware_profiles.profile_file` writes such files).
 
 The package's public API is `__all__`: profiles by name (`load`, `known_names`, `list_profiles`,
 `describe_profiles`) and the `HardwareProfile` they return (defined in
@@ -109,13 +111,16 @@ def _known_text() -> str:
 
 
 def load(name_or_profile: str | HardwareProfile, *, remeasure: bool = False) -> HardwareProfile:
-    """The `HardwareProfile` for a name or alias (case-insensitive); a profile passes through.
+    """The `HardwareProfile` for a name or alias (case-insensitive), or read from a profile file
+    when the string ends in `.toml` (`HardwareProfile.from_file`, read at every call); a profile
+    passes through.
 
     "cpu" returns the local machine, measured by `hardware_profiles.cpu.measure_cpu` and cached
     per host (see `hardware_profiles.cpu`); `remeasure=True` forces a new measurement (other names ignore it).
     Raises `UnknownNameError` listing every known name and alias, e.g.
-    "unknown hardware 'h800': known profiles are a100, cpu, h100, h200, mi300a, mi300x (alias mi300)",
-    and `TrainplanError` if a packaged TOML file is invalid.
+    "unknown hardware 'h800': known profiles are a100, a100-40gb, cpu, h100, h200, mi300a, mi300x (alias mi300)",
+    and `TrainplanError` if a packaged TOML file is invalid, or naming a profile file and what is
+    wrong with it (missing, not TOML, a missing or invalid key, a number without a source).
     """
     if isinstance(name_or_profile, HardwareProfile):
         return name_or_profile
@@ -124,6 +129,8 @@ def load(name_or_profile: str | HardwareProfile, *, remeasure: bool = False) -> 
             f"hardware must be a profile name or HardwareProfile, got {type(name_or_profile).__name__}"
         )
     key = name_or_profile.strip().lower()
+    if key.endswith(".toml"):
+        return HardwareProfile.from_file(name_or_profile.strip())
     name = _lookup().get(key)
     if name is None:
         raise UnknownNameError(f"unknown hardware {name_or_profile!r}: known profiles are {_known_text()}")

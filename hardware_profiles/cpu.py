@@ -25,8 +25,9 @@ import hardware_profiles.cpu_probes as probes
 from hardware_profiles.profile import HardwareProfile
 from trainplan_errors import TrainplanError
 
-CACHE_FORMAT = 3
-"""Version of the cache file layout; another version is re-measured."""
+CACHE_FORMAT = 4
+"""Version of the cache file layout and of what its probes measure (4: AdamW fused); another
+version is re-measured."""
 
 RESERVE_FRACTION = 0.25
 """Share of RAM `measure_cpu` keeps back from tensors at least (OS, other processes, the
@@ -140,7 +141,7 @@ def measure_cpu(dtype: str = "fp32", quick: bool = False) -> HardwareProfile:
         "memory_efficiency": "1: hbm_bandwidth_bytes_per_s is already an achieved copy rate",
         "network_efficiency": "1: the link bandwidths are already achieved (or assumed) rates",
         "op_overhead_s": f"median seconds per op of a forward+backward chain of tiny autograd ops; {where}",
-        "optimizer_s_per_param": (f"best of timed AdamW steps (torch, foreach=False: 32; bitsandbytes "
+        "optimizer_s_per_param": (f"best of timed AdamW steps (torch, fused=True: 32; bitsandbytes "
                                   f"AdamW8bit: 8) on 4 fp32 tensors of 512 x 1024, per parameter; {where}"),
         "peak_flops_per_s.tf32": "CPUs have no TF32 unit; torch runs these matmuls in fp32, so the fp32 peak",
     }

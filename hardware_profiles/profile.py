@@ -11,8 +11,10 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import math
+import tomllib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 from trainplan_errors import TrainplanError
@@ -343,7 +345,8 @@ class HardwareProfile:
         unknown = sorted(set(data) - set(fields_))
         if unknown:
             raise TrainplanError(
-                f"hardware profile {data.get('name', '?')!r}: unknown key(s) {', '.join(unknown)}"
+                f"hardware profile {data.get('name', '?')!r}: unknown key(s) {', '.join(unknown)}; "
+                f"valid keys are {', '.join(fields_)}"
             )
         missing = sorted(
             n for n, f in fields_.items()
@@ -354,6 +357,36 @@ class HardwareProfile:
                 f"hardware profile {data.get('name', '?')!r}: missing key(s) {', '.join(missing)}"
             )
         return cls(**dict(data))
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> HardwareProfile:
+        """Read a profile from a TOML file with the shipped files' keys (`hardware_profiles/h100.toml`;
+        `trainplan profiles --template h100` prints one), a source for every number in `[sources]`.
+
+        Raises `TrainplanError` naming the file and what is wrong: missing or unreadable, not
+        TOML (with the parser's line), an unknown or missing key (with the valid ones), an invalid
+        value (with what is valid), or numbers without a source.
+        """
+        where = f"hardware profile file {str(path)!r}"
+        p = Path(path)
+        if not p.is_file():
+            raise TrainplanError(f"{where} does not exist or is not a file; give a .toml file with the keys of "
+                                 "a shipped profile (`trainplan profiles --template h100 > my-gpu.toml` writes one)")
+        try:
+            data = tomllib.loads(p.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError) as e:
+            raise TrainplanError(f"{where} cannot be read: {getattr(e, 'strerror', None) or e}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise TrainplanError(f"{where} is not valid TOML: {e}") from None
+        try:
+            profile = cls.from_dict(data)
+        except TrainplanError as e:
+            raise TrainplanError(f"{where}: {e}") from None
+        missing = profile.missing_sources()
+        if missing:
+            raise TrainplanError(f"{where}: no source for {', '.join(missing)}; give each a line in its "
+                                 f"[sources] table, e.g. \"{missing[0]}\" = \"measured on ...\"")
+        return profile
 
 
 def _calibrated(old: str) -> str:

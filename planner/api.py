@@ -15,7 +15,7 @@ from costmodels.step import comm
 from costmodels.step.model import Choice
 from costmodels.step.precision import optimizer_bits_for
 from hardware_profiles import HardwareProfile
-from planner.budget import UNLIMITED_DATA_TOKENS, Budget, check_seed, check_time_limit
+from planner.budget import UNLIMITED_DATA_TOKENS, Budget, check_global_batch_tokens, check_seed, check_time_limit
 from planner.capture.setup import loss_law_for, setup_model
 from planner.data_choice import DEFAULT_DATA_METHODS, check_data_methods, choose_data_method, with_data_method
 from planner.joint.explain import explain_infeasible
@@ -40,7 +40,8 @@ def solve(model: nn.Module | str, hw: str | HardwareProfile, budget: Budget, *, 
           time_limit_s: float = 10.0, seed: int = 0, lr: float = 3e-3,
           export_path: str | None = None, explain: bool = True,
           data_methods: object = DEFAULT_DATA_METHODS,
-          data_quality: dict[str, QualityFit] | None = None) -> Plan:
+          data_quality: dict[str, QualityFit] | None = None,
+          global_batch_tokens: int | None = None) -> Plan:
     """Plan a training run: every knob chosen jointly by one CP-SAT model.
 
     Args:
@@ -65,11 +66,18 @@ def solve(model: nn.Module | str, hw: str | HardwareProfile, budget: Budget, *, 
             without a known multiplier drops out); ("random",) keeps the solver's random subset.
         data_quality: {method: `costmodels.data.quality.QualityFit`} overriding the cached and
             published multipliers.
+        global_batch_tokens: tokens every optimizer step trains, all ranks together (e.g. 4M
+            for an 8B+ model): each plan's dp_degree x micro_batch x seq_len x grad_accum equals
+            it, the solver choosing the micro-batch and with it the gradient accumulation (a
+            smaller micro-batch with more micro-steps holds fewer activations), and its step
+            count is in optimizer steps. None: one micro-step per optimizer step (grad_accum 1).
 
     Raises:
         UnknownNameError: unknown hardware or preset.
         TrainplanError: bad sequence length, SP degree, option or data method.
-        BudgetError: a time limit or seed out of range; more devices than the corpus can feed.
+        BudgetError: a time limit or seed out of range; more devices than the corpus can feed; a
+            global batch that is not a whole number of tokens in range, or that no SP degree and
+            micro-batch divides (the message names the nearest valid global batches).
         DataError: data_tokens not a whole number >= seq_len + 1.
         CaptureError: the model cannot be traced (e.g. a graph break).
         InfeasibleError: nothing fits; the message names the binding term with both numbers
@@ -81,11 +89,12 @@ def solve(model: nn.Module | str, hw: str | HardwareProfile, budget: Budget, *, 
         raise TrainplanError(f"budget must be a planner.Budget, got {type(budget).__name__}")
     check_time_limit(time_limit_s)
     check_seed(seed)
+    check_global_batch_tokens(global_batch_tokens)
     data_methods = check_data_methods(data_methods)
     pr = prepare(model, hw, seq_len=seq_len, data_tokens=data_tokens, vocab_size=vocab_size,
                  precision=precision, law=law, micro_batches=micro_batches,
                  optimizer_bits=optimizer_bits, policies=policies, data_fractions=data_fractions,
-                 activation_bits=activation_bits)
+                 activation_bits=activation_bits, global_batch_tokens=global_batch_tokens)
     try:
         plan = solve_problem(pr, budget, memory_limit_bytes=memory_limit_bytes,
                              time_limit_s=time_limit_s, seed=seed, lr=lr, export_path=export_path,
@@ -99,7 +108,7 @@ def solve(model: nn.Module | str, hw: str | HardwareProfile, budget: Budget, *, 
 
 
 def plan_for_choice(model: nn.Module | str, hw: str | HardwareProfile, *, seq_len: int,
-                    micro_batch: int, checkpoint: tuple[str, ...] | str = "none",
+                    micro_batch: int, grad_accum: int = 1, checkpoint: tuple[str, ...] | str = "none",
                     checkpoint_sets: dict[str, list[str]] | None = None, sp_degree: int = 1,
                     devices: int = 1, zero_stage: int = 0, optimizer_bits: int | None = None,
                     activation_bits: int = 32, precision: str | None = None, data_fraction: float = 1.0,
@@ -110,13 +119,17 @@ def plan_for_choice(model: nn.Module | str, hw: str | HardwareProfile, *, seq_le
     """A Plan with every knob fixed by the caller, predictions from the same cost models, no
     solver (status `FIXED`): for baselines, benchmarks and what-if questions. `data_method`
     and `selection_every_steps` (dynamic selection) as `planner.data_choice.with_data_method`
-    sets them: nothing is taken off `max_steps` for scoring.
+    sets them: nothing is taken off `max_steps` for scoring. `grad_accum`: micro-steps of
+    `micro_batch` sequences per optimizer step; `max_steps` counts optimizer steps.
 
     Raises:
         TrainplanError: a knob out of range (SP degree not dividing devices, heads or sequence;
-            unknown policy; ZeRO stage; bits).
+            unknown policy; ZeRO stage; bits; grad_accum not a whole number >= 1).
     """
     check_seq_len(seq_len)
+    for what, value in (("max_steps", max_steps), ("grad_accum", grad_accum)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise TrainplanError(f"{what}={value!r} must be a whole number >= 1")
     profile, precision, graph, name, step_model = setup_model(model, hw, precision=precision,
                                                               vocab_size=vocab_size,
                                                               activation_bits=(activation_bits,))
@@ -135,14 +148,13 @@ def plan_for_choice(model: nn.Module | str, hw: str | HardwareProfile, *, seq_le
     if sp_degree not in valid:
         raise TrainplanError(f"sp_degree={sp_degree} is not valid for devices={devices}, seq_len={seq_len} "
                              f"and {graph.n_heads} heads: valid degrees are {valid}")
-    if not isinstance(max_steps, int) or max_steps < 1:
-        raise TrainplanError(f"max_steps={max_steps!r} must be a whole number >= 1")
     choice = Choice(sp_degree=sp_degree, zero_stage=zero_stage, micro_batch=micro_batch, seq_len=seq_len,
                     policies=policies, precision=precision, optimizer_bits=optimizer_bits, devices=devices,
-                    activation_bits=activation_bits, sets=tuple(x for x in sets.values() if x.name in policies))
+                    activation_bits=activation_bits, grad_accum=grad_accum,
+                    sets=tuple(x for x in sets.values() if x.name in policies))
     law = loss_law_for(law, profile, name, graph)
     unique = data_tokens if data_tokens is not None else UNLIMITED_DATA_TOKENS
-    tokens = max_steps * micro_batch * seq_len * (devices // sp_degree)
+    tokens = max_steps * micro_batch * seq_len * (devices // sp_degree) * grad_accum
     loss = law.predict(graph.n_params, tokens, unique_tokens=max(1.0, data_fraction * unique))
     loss += bits_loss_penalty(optimizer_bits, activation_bits, precision=precision, penalty=law.bits)
     facts = SolverFacts(status="FIXED", objective=0.0, bound=0.0, wall_s=0.0, seed=seed, time_limit_s=0.0)

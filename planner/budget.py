@@ -1,6 +1,6 @@
 """`Budget`: how much compute a plan may spend, on how many devices; and the checks of the other
-numbers a solve takes (time limit, corpus size, devices the corpus can feed), and the corpus size
-assumed when none is given (`UNLIMITED_DATA_TOKENS`).
+numbers a solve takes (time limit, corpus size, devices the corpus can feed, the global batch),
+and the corpus size assumed when none is given (`UNLIMITED_DATA_TOKENS`).
 
 Every check raises a `BudgetError` (a `TrainplanError`) whose message names the value and what
 would be valid; the CLI prints it on one line and exits with status 2.
@@ -21,6 +21,10 @@ MAX_FLOPS = 1e30
 MAX_DEVICES = 1_000_000
 """Most devices a budget may name: about ten times the largest training clusters reported
 (the memory model partitions states over every device)."""
+MAX_GLOBAL_BATCH_TOKENS = 2**40
+"""Largest global batch, tokens per optimizer step: about 1.1e12, over 250,000 times the 4M
+tokens of the largest published pre-training batches (Llama 3 405B: 16M tokens, Meta, "The
+Llama 3 Herd of Models", 2024, Sec. 3.4.1), yet far inside the solver's 64-bit integers."""
 MAX_TIME_LIMIT_S = 86400.0
 """Largest solver time limit, s (a day)."""
 UNLIMITED_DATA_TOKENS = 15 * 10**12
@@ -122,6 +126,23 @@ def check_seed(seed) -> int:
     if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**31:
         raise BudgetError(f"seed={seed!r} must be a whole number from 0 to {2**31 - 1}")
     return seed
+
+
+def check_global_batch_tokens(global_batch_tokens) -> int | None:
+    """The global batch, tokens per optimizer step over all ranks (None: no global batch, each
+    optimizer step one micro-step).
+
+    Raises:
+        BudgetError: not a whole number of tokens from 1 to `MAX_GLOBAL_BATCH_TOKENS`.
+    """
+    n = global_batch_tokens
+    if n is None:
+        return None
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_GLOBAL_BATCH_TOKENS:
+        raise BudgetError(f"global_batch_tokens={n!r} must be a whole number of tokens per optimizer "
+                          f"step from 1 to {MAX_GLOBAL_BATCH_TOKENS:,} (e.g. 4194304 for a 4M-token "
+                          "batch), or None for one micro-step per step")
+    return n
 
 
 def check_data_tokens(data_tokens, seq_len: int) -> None:

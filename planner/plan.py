@@ -25,7 +25,10 @@ class Decisions:
     zero_stage: int
     """0..3: model states sharded over all `devices` (FSDP2 for 2 and 3)."""
     micro_batch: int
-    """Sequences per data-parallel rank per step."""
+    """Sequences per data-parallel rank per micro-step (one forward and backward)."""
+    grad_accum: int = 1
+    """Micro-steps per optimizer step (gradient accumulation): a step trains
+    dp_degree x micro_batch x grad_accum sequences. Plans written before the field read 1."""
     seq_len: int
     """Tokens per sequence (the whole sequence; each SP rank holds seq_len / sp_degree)."""
     checkpoint: tuple[str, ...]
@@ -207,7 +210,8 @@ class Plan:
 
 
 LAYOUT_FIELDS = ("devices", "sp_degree", "dp_degree", "zero_stage", "micro_batch", "seq_len",
-                 "checkpoint", "checkpoint_sets", "precision", "optimizer_bits", "activation_bits")
+                 "checkpoint", "checkpoint_sets", "precision", "optimizer_bits", "activation_bits",
+                 "grad_accum")
 """The decisions that set a step's memory, FLOPs and time (`Predictions.made_for`)."""
 
 
@@ -222,16 +226,17 @@ def layout_fields(d: Decisions) -> dict[str, Any]:
 
 def edited_layout(plan: Plan) -> str | None:
     """Why `plan`'s predictions do not belong to its decisions, or None: the tokens a step takes
-    (micro_batch x seq_len x dp_degree) differ from `predictions.tokens_per_step`, or a layout
+    (micro_batch x seq_len x dp_degree x grad_accum) differ from `predictions.tokens_per_step`, or a layout
     decision (`LAYOUT_FIELDS`) differs from the one `predictions.made_for` records, i.e. the
     layout was edited after the predictions (memory, time) were made, which every memory check
     then reads stale. A plan written by `solve` or `plan_for_choice` always agrees."""
     d, made = plan.decisions, plan.predictions.made_for
-    tps = d.micro_batch * d.seq_len * d.dp_degree
+    tps = d.micro_batch * d.seq_len * d.dp_degree * d.grad_accum
     edited = "the decisions were edited after the predictions (memory and time) were made"
     if plan.predictions.tokens_per_step != tps:
+        accum = f" x grad_accum={d.grad_accum}" if d.grad_accum != 1 else ""
         return (f"predictions.tokens_per_step={plan.predictions.tokens_per_step!r} is not "
-                f"micro_batch={d.micro_batch} x seq_len={d.seq_len} x dp_degree={d.dp_degree}: {edited}")
+                f"micro_batch={d.micro_batch} x seq_len={d.seq_len} x dp_degree={d.dp_degree}{accum}: {edited}")
     now = layout_fields(d)
     diffs = [f"{k}={_short(now[k])} (predicted for {_short(made[k])})"
              for k in LAYOUT_FIELDS if isinstance(made, dict) and k in made and made[k] != now[k]]

@@ -67,6 +67,10 @@ class FsdpLayout:
     reshard_after_forward: bool
     """True for ZeRO-3, False for ZeRO-2."""
     reduce_scatter_copy: bool = False
+    reduce_upcast: float = 1.0
+    """Reduce width / gradient width: 2 under `MixedPrecisionPolicy(param_dtype=bf16,
+    reduce_dtype=fp32)`, whose reduce-scatter copies the bf16 gradients into an fp32 buffer
+    (`_fsdp_collectives.py` foreach_reduce) and keeps fp32 shards; else 1."""
 
     def unsharded(self, n_blocks: int) -> tuple[float, list[float], float, list[float], float]:
         """All-gathered parameter bytes at (head forward, each block's forward, the tail, each
@@ -94,5 +98,6 @@ class FsdpLayout:
         return [u - x for u, x in zip(bwd, blk, strict=False)]
 
     def reduce_bytes(self, grad_bytes: float) -> float:
-        """Buffers of one group's gradient reduce-scatter beyond its whole gradients."""
-        return grad_bytes * (1 + 1 / self.shard_degree + (1 if self.reduce_scatter_copy else 0))
+        """Buffers of one group's gradient reduce-scatter beyond its whole gradients (at the
+        reduce width)."""
+        return grad_bytes * self.reduce_upcast * (1 + 1 / self.shard_degree + (1 if self.reduce_scatter_copy else 0))

@@ -27,70 +27,16 @@ from functools import lru_cache
 
 from costmodels.graph import Region, poly_at
 from costmodels.step.fsdp import FsdpLayout
+from costmodels.step.optimizer_states import (
+    MIN_QUANT_NUMEL,
+    TORCHAO_EAGER_STEP_COPIES,
+    adam_state_bytes,
+    adamw_step_temp_bytes,
+    quantization_map_bytes,
+)
 from trainplan_errors import TrainplanError
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "temporaries")
-
-# Bytes per parameter of Adam's two moments at each optimizer-state width, as the libraries
-# `executor.optimizers` runs hold them. 8 bits: bitsandbytes `AdamW8bit`, block-wise uint8 codes
-# with one fp32 absmax per 256-element block (Dettmers et al. 2022, Sec. 2.1; `blocksize=256` in
-# bitsandbytes >= 0.43), tensors under `min_8bit_size` = 4096 elements kept in fp32, the step
-# count a Python int. 4 bits: torchao `AdamW4bit` (Li et al. 2023), 4-bit codes packed two per
-# byte with one fp32 scale per 128-element block and a 16-entry fp32 code map per state
-# (`torchao/optim/subclass_4bit.py`, `OptimState4bit.zeros`); tensors under 4096 elements or not
-# a multiple of the block stay in the parameter dtype (`_AdamBase._new_buffer`).
-OPT_BLOCK = {8: 256, 4: 128}
-MIN_QUANT_NUMEL = 4096
-TORCHAO_QMAP_BYTES = 16 * 4
-"""One 4-bit state's code map: 2**4 fp32 entries (torchao keeps one per state tensor)."""
-STEP_TENSOR_BYTES = 4
-"""torch `AdamW`'s and torchao's per-parameter `step`: a 0-d fp32 tensor."""
-TORCHAO_EAGER_STEP_COPIES = 6
-"""fp32 copies of the largest tensor alive at once in torchao's `single_param_adam` run
-eagerly over fp32 parameters (the weight-decayed parameter, dequantized and updated moments,
-the squared gradient, the denominator), one more over bf16 ones (`p.float()` copies): counted
-from its code and measured with MemTracker (tests/unit/costmodels/test_bits.py).
-The executor runs it eagerly only under a measuring dispatch mode; compiled, Inductor fuses
-the update and holds fewer, so this is an upper bound there."""
-
-
-def _check_bits(optimizer_bits) -> None:
-    if optimizer_bits not in (32, 16, 8, 4):
-        raise TrainplanError(f"optimizer_bits={optimizer_bits} is not supported: use 32, 16, 8 or 4")
-
-
-def adam_state_bytes(numel: int, optimizer_bits: int, param_bytes: int = 4) -> float:
-    """Bytes of Adam's exp_avg and exp_avg_sq (and its step tensor) for one parameter tensor of
-    `numel` elements whose parameters are `param_bytes` wide, as the executor's library for
-    these bits holds them (32 and 16: torch AdamW, states in the parameter dtype; 8:
-    bitsandbytes; 4: torchao; see the module constants for the layouts).
-
-    Raises:
-        TrainplanError: `optimizer_bits` not in 32, 16, 8, 4.
-    """
-    _check_bits(optimizer_bits)
-    if optimizer_bits == 32:
-        return 2 * numel * 4 + STEP_TENSOR_BYTES
-    if optimizer_bits == 16:
-        return 2 * numel * 2 + STEP_TENSOR_BYTES
-    if optimizer_bits == 8:
-        if numel < MIN_QUANT_NUMEL:
-            return 2 * numel * 4
-        # two states, each: codes + one fp32 absmax per block (the code maps, `qmap1`/`qmap2`,
-        # are one pair shared by the whole optimizer: `quantization_map_bytes`)
-        return 2 * (numel + 4 * -(-numel // OPT_BLOCK[8]))
-    block = OPT_BLOCK[4]
-    if numel < MIN_QUANT_NUMEL or numel % block:
-        return 2 * numel * param_bytes + STEP_TENSOR_BYTES
-    return 2 * (numel // 2 + 4 * (numel // block) + TORCHAO_QMAP_BYTES) + STEP_TENSOR_BYTES
-
-
-def quantization_map_bytes(optimizer_bits: int) -> float:
-    """Bytes of the block-wise optimizer's code maps shared by all tensors of one optimizer:
-    bitsandbytes' two fp32 maps of 256 entries (`Optimizer8bit.fill_qmap`); 0 otherwise (torchao
-    keeps one per state, counted in `adam_state_bytes`)."""
-    return 2 * 4 * 2**8 if optimizer_bits == 8 else 0.0
-
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MemoryBreakdown:
@@ -230,8 +176,8 @@ class ModelStates:
     comm_buffers: float = 0.0
     """DDP's gradient buckets: one flat copy of all gradients
     (`torch.nn.parallel.DistributedDataParallel`, default `gradient_as_bucket_view=False`),
-    filled as gradients arrive in backward and full at the optimizer step (measured per rank
-    with MemTracker by `benchmarks/sp.py`); counted as temporaries, as MemTracker labels them."""
+    allocated when DDP rebuilds its buckets after the first step and kept; counted from the
+    start of the backward (`step_phases`), as temporaries, as MemTracker labels them."""
 
 
 def zero1_partition(numels: list[int], shard_degree: int) -> list[int]:
@@ -260,7 +206,7 @@ def _zero1_partition(numels: tuple[int, ...], shard_degree: int) -> tuple[int, .
 
 def model_state_bytes(param_numels: Iterable[int], *, weight_bytes: int, grad_bytes: int,
                       master_bytes: int, optimizer_bits: int, zero_stage: int, shard_degree: int,
-                      foreach: bool, as_executed: bool = False) -> ModelStates:
+                      adamw: str = "fused", as_executed: bool = False) -> ModelStates:
     """Model-state bytes per device (ZeRO, Rajbhandari et al. 2020, Sec. 5: stage 1 shards
     optimizer states, 2 adds gradients, 3 adds parameters, over `shard_degree` ranks).
 
@@ -295,21 +241,17 @@ def model_state_bytes(param_numels: Iterable[int], *, weight_bytes: int, grad_by
         opt_numel = total / (d if zero_stage >= 1 else 1)
     params = total * weight_bytes / (d if zero_stage >= 3 or (as_executed and zero_stage == 2) else 1)
     grads = total * grad_bytes / (d if zero_stage >= 2 else 1)
-    # Adam's step scratch, labelled optimizer state by MemTracker. torch's per-tensor AdamW
-    # (`_single_tensor_adam`) holds exp_avg_sq.sqrt() and its quotient by the bias correction
-    # at once for the tensor being updated: two fp32 copies of the largest tensor. foreach Adam
-    # (GPUs) keeps one fp32 list of all local states (`_foreach_sqrt`). bitsandbytes' 8/4-bit
-    # kernels update in place; torchao's 4-bit update, run eagerly, holds
+    # Adam's step scratch, labelled optimizer state by MemTracker (`adamw_step_temp_bytes`);
+    # bitsandbytes' 8-bit kernels update in place; torchao's 4-bit update, run eagerly, holds
     # `TORCHAO_EAGER_STEP_COPIES` fp32 copies of the tensor being updated.
     largest = max((-(-n // d) if zero_stage >= 2 else n for n in numels), default=0)
     if optimizer_bits == 8:
         step_temp = 0.0
     elif optimizer_bits == 4:
         step_temp = (TORCHAO_EAGER_STEP_COPIES + (weight_bytes < 4)) * 4 * largest
-    elif foreach:
-        step_temp = 4 * opt_numel
-    else:  # FSDP2 (ZeRO 2/3) steps each tensor's shard
-        step_temp = 2 * weight_bytes * largest
+    else:  # torch AdamW: states in the parameter dtype
+        step_temp = adamw_step_temp_bytes(adamw, state_bytes=weight_bytes, largest_numel=largest,
+                                          local_numel=opt_numel)
     buckets = total * grad_bytes if zero_stage <= 1 and shard_degree > 1 else 0.0
     return ModelStates(params=params, grads=grads, optimizer=optimizer, optimizer_step_temp=step_temp,
                        grad_scale=1.0 / d if zero_stage >= 2 else 1.0, comm_buffers=buckets)
@@ -317,17 +259,18 @@ def model_state_bytes(param_numels: Iterable[int], *, weight_bytes: int, grad_by
 
 def step_peak(head: RegionMemory, blocks: list[RegionMemory], tail: RegionMemory,
               states: ModelStates, *, unsharded_block_param_bytes: float = 0.0,
-              fsdp: FsdpLayout | None = None) -> MemoryBreakdown:
+              fsdp: FsdpLayout | None = None, held_grad_bytes: float = 0.0) -> MemoryBreakdown:
     """Peak bytes per device over one training step, and the category split at that moment:
     the largest of `step_phases`."""
     return max(step_phases(head, blocks, tail, states,
-                           unsharded_block_param_bytes=unsharded_block_param_bytes, fsdp=fsdp),
+                           unsharded_block_param_bytes=unsharded_block_param_bytes, fsdp=fsdp,
+                           held_grad_bytes=held_grad_bytes),
                key=lambda m: m.total)
 
 
 def step_phases(head: RegionMemory, blocks: list[RegionMemory], tail: RegionMemory,
                 states: ModelStates, *, unsharded_block_param_bytes: float = 0.0,
-                fsdp: FsdpLayout | None = None) -> list[MemoryBreakdown]:
+                fsdp: FsdpLayout | None = None, held_grad_bytes: float = 0.0) -> list[MemoryBreakdown]:
     """The highest bytes per device of each phase of one training step, in execution order.
 
     Composes region summaries in execution order: head forward; block i forward with the
@@ -338,9 +281,12 @@ def step_phases(head: RegionMemory, blocks: list[RegionMemory], tail: RegionMemo
     forward and backward; `fsdp` (ZeRO 2/3 under FSDP2) replaces it with `FsdpLayout`'s
     all-gathered parameters per phase, keeps the root group's gradients whole until its
     reduce-scatter at the end of the backward, and adds the reduce-scatters' buffers.
+    `held_grad_bytes`: gradients accumulated over earlier micro-steps (gradient accumulation:
+    `ModelStates.grads`, whole under DDP's `no_sync`, sharded under FSDP2), held in every phase
+    before the optimizer step; the backward phases also count the gradients made so far, so the
+    sum bounds them from above by at most those.
     """
-    base = MemoryBreakdown(params=states.params, optimizer=states.optimizer)
-    total_grads = tail.grad_bytes + sum(b.grad_bytes for b in blocks) + head.grad_bytes
+    base = MemoryBreakdown(params=states.params, optimizer=states.optimizer, grads=held_grad_bytes)
     n = len(blocks)
     if fsdp is None:
         u_head = u_tail = u_end = 0.0
@@ -350,8 +296,14 @@ def step_phases(head: RegionMemory, blocks: list[RegionMemory], tail: RegionMemo
         u_head, u_fwd, u_tail, u_bwd, u_end = fsdp.unsharded(n)
         root_scale = 1.0
 
-    def buckets(grads_done: float) -> float:  # DDP fills its gradient buckets during backward
-        return states.comm_buffers * min(1.0, grads_done / total_grads) if total_grads else 0.0
+    # DDP's buckets (one flat copy of the gradients) are written from the end of the tail's
+    # backward on (after its peak, the logits' gradient):
+    # the first bucket holds the LM head's gradient alone (DDP's first bucket is 1 MiB), the next
+    # opens with the final norm's, which arrives right after it, so from the blocks' backward on
+    # MemTracker sees (nearly) all of them (`_MemRefType.TEMP`, measured op by op on the 2-rank
+    # runs of tests/integration/test_parallel.py). On a device they persist between steps and are
+    # in the forward too: up to one more gradient copy under DDP that this model does not count.
+    bucket_bytes = states.comm_buffers
     candidates: list[MemoryBreakdown] = []
 
     def at(phase: str, retained: float, grads: float, transient: MemoryBreakdown, extra: float = 0.0):
@@ -367,19 +319,17 @@ def step_phases(head: RegionMemory, blocks: list[RegionMemory], tail: RegionMemo
         prefix.append(acc)
     at("tail", acc, 0.0, tail.fwd_peak, u_tail)
     grads = 0.0
-    at("tail", acc, grads, tail.bwd_peak, u_tail)
+    at("tail", acc, grads, tail.bwd_peak, u_tail)  # its peak (the logits' gradient) is before any bucket
     grads += tail.grad_bytes * root_scale
-    done = tail.grad_bytes
     for i in reversed(range(n)):
         g = blocks[i].grad_bytes
         at(f"bwd:block{i}", prefix[i], grads, blocks[i].bwd_peak + MemoryBreakdown(
-            temporaries=buckets(done + g)), u_bwd[i])
+            temporaries=bucket_bytes), u_bwd[i])
         if fsdp is not None:  # its reduce-scatter, once its backward is done
             at(f"bwd:block{i}", prefix[i], grads, MemoryBreakdown(temporaries=fsdp.reduce_bytes(g)),
                fsdp.at_reduce(n)[i])  # resharded before its reduce-scatter
         grads += g * states.grad_scale
-        done += g
-    at("bwd:head", 0.0, grads, head.bwd_peak + MemoryBreakdown(temporaries=buckets(total_grads)), u_end)
+    at("bwd:head", 0.0, grads, head.bwd_peak + MemoryBreakdown(temporaries=bucket_bytes), u_end)
     if fsdp is not None:  # the root group's reduce-scatter in the backward's final callback; the
         # head's gradients, the last made, are still referenced then (measured: one whole copy)
         root = tail.grad_bytes + head.grad_bytes

@@ -4,14 +4,15 @@ Composes the region lifetime simulation (`costmodels.step.memory`), per-node FLO
 `flop_counter` formulas, captured as polynomials) and a per-node roofline over the hardware
 profile (`costmodels.step.roofline`: Williams et al. 2009; efficiency curves as data, as
 Calculon does, Isaev et al. 2023) and the collectives of Ulysses SP and ZeRO
-(`costmodels.step.comm`). Communication is added, not overlapped with compute: a
-conservative bound, stated in the Plan.
+(`costmodels.step.comm`), overlapped with compute as the executor issues them
+(`costmodels.step.overlap`; `StepModel(overlap=False)` adds them instead, a conservative bound).
+A step is one optimizer step of `Choice.grad_accum` micro-steps.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from costmodels.checkpoint_sets import CheckpointSet, resolve, saved_nodes, sets_from_mapping
@@ -19,6 +20,8 @@ from costmodels.graph import Region
 from costmodels.step import comm
 from costmodels.step.fsdp import FsdpLayout, root_gather_events
 from costmodels.step.memory import MemoryBreakdown, RegionMemory, model_state_bytes, simulate_region, step_peak
+from costmodels.step.optimizer_states import ADAMW_IMPLEMENTATION, adamw_traffic
+from costmodels.step.overlap import StepTimes, step_timeline
 from costmodels.step.precision import PRECISIONS
 from costmodels.step.roofline import RegionCost, region_cost
 from costmodels.step.ulysses import ulysses_block_events
@@ -45,6 +48,9 @@ class Choice:
     regions captured with that compression (`StepModel.region_name`)."""
     sets: tuple[CheckpointSet, ...] = field(default=())
     """Solved entries (`remat:k`) that `policies` may name."""
+    grad_accum: int = 1
+    """Micro-steps (forward + backward of `micro_batch` sequences) per optimizer step: gradient
+    accumulation. `StepModel` prices one optimizer step of `grad_accum` micro-steps."""
 
     @classmethod
     def from_decisions(cls, d) -> Choice:
@@ -53,6 +59,7 @@ class Choice:
                    seq_len=d.seq_len, policies=tuple(d.checkpoint), precision=d.precision,
                    optimizer_bits=d.optimizer_bits, devices=d.devices,
                    activation_bits=getattr(d, "activation_bits", 32),
+                   grad_accum=getattr(d, "grad_accum", 1),
                    sets=tuple(sets_from_mapping(getattr(d, "checkpoint_sets", None)).values()))
 
     def entry(self, policy: str | CheckpointSet) -> CheckpointSet:
@@ -76,10 +83,14 @@ class StepCost:
     """Roofline seconds of forward and backward ops."""
     recompute_s: float
     comm_s: float
+    """Communication on the critical path (exposed), seconds; all of it when the model is built
+    with `overlap=False`."""
     optimizer_s: float
     """Roofline seconds of the optimizer step (memory-bound)."""
     overhead_s: float
     """Per-op overhead: ops executed x the profile's `op_overhead_s`."""
+    comm_total_s: float = 0.0
+    """All collectives' seconds, hidden or not (what a no-overlap model adds)."""
 
     @property
     def time_s(self) -> float:
@@ -97,8 +108,11 @@ class StepModel:
     results (a solver asks for many choices that share regions)."""
 
     def __init__(self, regions: Mapping[str, Region], blocks: tuple[str, ...], param_numels: tuple[int, ...],
-                 hw: HardwareProfile, *, n_heads: int, n_kv_heads: int, head_dim: int):
+                 hw: HardwareProfile, *, n_heads: int, n_kv_heads: int, head_dim: int, overlap: bool = True):
         self.regions, self.blocks, self.param_numels, self.hw = regions, blocks, param_numels, hw
+        self.overlap = overlap
+        """True: communication overlapped with compute as executed (`costmodels.step.overlap`);
+        False: every collective added to compute (a conservative bound)."""
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self._mem = lru_cache(maxsize=None)(self._region_memory)
         self._cost = lru_cache(maxsize=None)(self._region_cost)
@@ -108,32 +122,51 @@ class StepModel:
 
     def model_states(self, c: Choice):
         """Per-device model states (`costmodels.step.memory.model_state_bytes`, as executed) at `c`'s
-        precision, optimizer bits, ZeRO stage and device count."""
+        precision, optimizer bits, ZeRO stage and device count; under FSDP2's mixed-precision
+        policy each block's gradient shard is kept at the reduce width (`ModelStates.grad_scale`)."""
         return self._states(c.precision, c.optimizer_bits, c.zero_stage, c.devices)
 
     def _model_states(self, precision: str, optimizer_bits: int, zero_stage: int, devices: int):
         wb, gb, master, _ = PRECISIONS[precision]
-        return model_state_bytes(self.param_numels, weight_bytes=wb, grad_bytes=gb, master_bytes=master,
-                                 optimizer_bits=optimizer_bits, zero_stage=zero_stage,
-                                 shard_degree=devices, foreach=self.hw.device_type != "cpu",
-                                 as_executed=True)
+        states = model_state_bytes(self.param_numels, weight_bytes=wb, grad_bytes=gb, master_bytes=master,
+                                   optimizer_bits=optimizer_bits, zero_stage=zero_stage,
+                                   shard_degree=devices, adamw=ADAMW_IMPLEMENTATION, as_executed=True)
+        if precision == "bf16-mixed" and zero_stage >= 2 and devices > 1:
+            # FSDP2's mixed-precision policy: a block's bf16 gradients (the `@mp` regions') are
+            # kept as fp32 shards once reduce-scattered (`mixed_precision_policy`)
+            states = replace(states, grad_scale=states.grad_scale * gb / 2)
+        return states
 
-    def region_name(self, name: str, activation_bits: int, policy: str | CheckpointSet = "none") -> str:
-        """The captured region that runs `name` with saved activations at `activation_bits`:
-        `name` itself at 32 bits or inside a checkpointed entry (torch's checkpoint hooks take
-        precedence over the compression's, `modeling.activation_compression`), else the variant
-        `name@a{bits}` captured under the compression.
+    def region_name(self, name: str, activation_bits: int, policy: str | CheckpointSet = "none", *,
+                    mixed_precision_policy: bool = False) -> str:
+        """The captured region that runs `name`: under FSDP2's mixed-precision policy
+        (`mixed_precision_policy`, see the method of that name) its variant `name@mp`, traced with
+        bf16 parameters and no autocast; then, with saved activations at `activation_bits` < 32
+        outside a checkpointed entry (torch's checkpoint hooks take precedence over the
+        compression's, `modeling.activation_compression`), the variant `...@a{bits}` captured
+        under the compression.
 
         Raises:
-            TrainplanError: the variant was not captured (capture with `activation_bits`)."""
+            TrainplanError: the variant was not captured (capture with `activation_bits`, or
+                at bf16-mixed, which captures the `@mp` variants)."""
+        base = f"{name}@mp" if mixed_precision_policy else name
+        if base not in self.regions:
+            raise TrainplanError(
+                f"bf16-mixed under FSDP2 needs the regions captured with bf16 parameters ({base!r} is "
+                "missing): capture the model at precision 'bf16-mixed' (planner.capture.setup.capture_model)")
         if activation_bits == 32 or resolve(policy).checkpointed:
-            return name
-        variant = f"{name}@a{activation_bits}"
+            return base
+        variant = f"{base}@a{activation_bits}"
         if variant not in self.regions:
             raise TrainplanError(
                 f"activation_bits={activation_bits} needs the regions captured with that "
                 f"compression ({variant!r} is missing): capture with activation_bits=({activation_bits},)")
         return variant
+
+    def region_for(self, c: Choice, name: str, policy: str | CheckpointSet = "none") -> str:
+        """`region_name` of `name` under `c`'s activation width and precision policy."""
+        return self.region_name(name, c.activation_bits, policy,
+                                mixed_precision_policy=self.mixed_precision_policy(c))
 
     def _region_memory(self, name: str, b: int, s: int, policy: str | CheckpointSet,
                        sp: int = 1) -> RegionMemory:
@@ -158,13 +191,13 @@ class StepModel:
         """Lifetime summary of block i under checkpoint entry `policy` at `c`'s shape, with
         Ulysses' exchanges around attention when `c.sp_degree` > 1 (`costmodels.step.ulysses`)."""
         entry = c.entry(policy)
-        return self._mem(self.region_name(self.blocks[i], c.activation_bits, entry), c.micro_batch,
+        return self._mem(self.region_for(c, self.blocks[i], entry), c.micro_batch,
                          c.seq_len // c.sp_degree, entry, c.sp_degree)
 
     def block_cost(self, c: Choice, i: int, policy: str | CheckpointSet) -> RegionCost:
         """FLOPs and roofline seconds of block i under entry `policy` at `c`'s shape."""
         entry = c.entry(policy)
-        return self._cost(self.region_name(self.blocks[i], c.activation_bits, entry), c.micro_batch,
+        return self._cost(self.region_for(c, self.blocks[i], entry), c.micro_batch,
                           c.seq_len // c.sp_degree, c.sp_degree, entry, PRECISIONS[c.precision][3])
 
     def block_time(self, c: Choice, i: int, policy: str | CheckpointSet) -> float:
@@ -179,7 +212,8 @@ class StepModel:
         head = self.head_memory(c)
         tail = self.tail_memory(c)
         blocks = [self.block_memory(c, i, p) for i, p in enumerate(c.policies)]
-        memory = step_peak(head, blocks, tail, states, fsdp=fsdp)
+        held = states.grads if c.grad_accum > 1 else 0.0
+        memory = step_peak(head, blocks, tail, states, fsdp=fsdp, held_grad_bytes=held)
         return self._with_runtime(c, memory)
 
     def tail_memory(self, c: Choice) -> RegionMemory:
@@ -188,27 +222,31 @@ class StepModel:
         and all-gathered again for the backward (`costmodels.step.fsdp.root_gather_events`)."""
         b, s = c.micro_batch, c.seq_len // c.sp_degree
         fsdp = self.fsdp_layout(c)
-        name = self.region_name("tail", c.activation_bits)
+        name = self.region_for(c, "tail")
         if fsdp is not None and fsdp.reshard_after_forward:
             return self._tail_root(name, b, s, fsdp.root_param_bytes)
         return self._mem(name, b, s, "none")
 
     def head_memory(self, c: Choice) -> RegionMemory:
         """Lifetime summary of the head (embedding, rotary tables) at `c`'s shape."""
-        return self._mem(self.region_name("head", c.activation_bits), c.micro_batch,
+        return self._mem(self.region_for(c, "head"), c.micro_batch,
                          c.seq_len // c.sp_degree, "none")
 
     def fsdp_layout(self, c: Choice) -> FsdpLayout | None:
         """FSDP2's all-gathered groups at `c` (ZeRO 2/3 over more than one device), else None.
-        The root group's bytes are all parameters' bytes at the weight width less the blocks'
-        (captured at the parameter dtype, which FSDP2 gathers without a mixed-precision policy)."""
+        Groups are gathered at `gather_bytes_per_param`: the root group's parameters are all
+        parameters less the blocks'. Under the mixed-precision policy the blocks' bf16 gradients
+        are reduce-scattered in fp32 (`FsdpLayout.reduce_upcast` = 2)."""
         if c.zero_stage < 2 or c.devices == 1:
             return None
-        blocks = tuple(self._param_bytes(name) for name in self.blocks)
-        whole = sum(self.param_numels) * PRECISIONS[c.precision][0]
-        return FsdpLayout(root_param_bytes=max(0.0, whole - sum(blocks)), block_param_bytes=blocks,
+        gb = self.gather_bytes_per_param(c)
+        numels = [self.block_numel(c.precision, name) for name in self.blocks]
+        root = max(0.0, sum(self.param_numels) - sum(numels))
+        mp = self.mixed_precision_policy(c)
+        return FsdpLayout(root_param_bytes=root * gb, block_param_bytes=tuple(x * gb for x in numels),
                           shard_degree=c.devices, reshard_after_forward=c.zero_stage == 3,
-                          reduce_scatter_copy=self.hw.device_type == "cpu")
+                          reduce_scatter_copy=self.hw.device_type == "cpu",
+                          reduce_upcast=self.reduce_bytes_per_param(c) / 2 if mp else 1.0)
 
     def runtime(self, c: Choice) -> StepCost:
         """FLOPs and time of one step under `c`, without the memory replay (its `memory` is an
@@ -218,19 +256,92 @@ class StepModel:
     def _with_runtime(self, c: Choice, memory: MemoryBreakdown) -> StepCost:
         b, s, sp = c.micro_batch, c.seq_len // c.sp_degree, c.sp_degree
         dtype = PRECISIONS[c.precision][3]
-        costs = [self._cost(self.region_name(r, c.activation_bits), b, s, sp, "none", dtype)
-                 for r in ("head", "tail")]
-        costs += [self.block_cost(c, i, p) for i, p in enumerate(c.policies)]
-        model_flops = sum(x.fwd_flops + x.bwd_flops for x in costs)
-        recompute_flops = sum(x.recompute_flops for x in costs)
-        compute_s = sum(x.fwd_s + x.bwd_s for x in costs)
-        recompute_s = sum(x.recompute_s for x in costs)
+        head, tail = (self._cost(self.region_for(c, r), b, s, sp, "none", dtype) for r in ("head", "tail"))
+        blocks = [self.block_cost(c, i, p) for i, p in enumerate(c.policies)]
+        costs = [head, tail, *blocks]
+        ga = c.grad_accum
+        model_flops = ga * sum(x.fwd_flops + x.bwd_flops for x in costs)
+        recompute_flops = ga * sum(x.recompute_flops for x in costs)
         opt_bytes, opt_ops = self.optimizer_traffic(c)
-        hw = self.hw
+        comm_total_s, exposed_s = self.comm_times(c, head, tail, blocks)
         return StepCost(memory=memory, flops=model_flops + recompute_flops, model_flops=model_flops,
-                        compute_s=compute_s, recompute_s=recompute_s, comm_s=self.comm_s(c),
+                        compute_s=ga * sum(x.fwd_s + x.bwd_s for x in costs),
+                        recompute_s=ga * sum(x.recompute_s for x in costs),
+                        comm_s=exposed_s if self.overlap else comm_total_s, comm_total_s=comm_total_s,
                         optimizer_s=self.optimizer_s(c, opt_bytes),
-                        overhead_s=(sum(x.n_ops for x in costs) + opt_ops) * hw.op_overhead_s)
+                        overhead_s=(ga * sum(x.n_ops for x in costs) + opt_ops) * self.hw.op_overhead_s)
+
+    def comm_times(self, c: Choice, head: RegionCost, tail: RegionCost,
+                   blocks: list[RegionCost]) -> tuple[float, float]:
+        """(all collectives, exposed) seconds of one optimizer step under `c`.
+
+        The collectives: Ulysses' all-to-alls inside each block's attention (forward and
+        backward, `comm.ULYSSES_PER_STEP_FACTOR`), on the critical path; the ZeRO stage's
+        all-gathers and reduce-scatters (FSDP2) or all-reduces (DDP) per block and root group,
+        overlapped with compute as the executor issues them (`costmodels.step.overlap`); ZeRO-1's
+        parameter broadcast after the optimizer step, exposed. Gathered parameters are at the
+        precision's gather width (`gather_bytes_per_param`), reduced gradients at its reduce
+        width (`reduce_bytes_per_param`)."""
+        if c.devices == 1:
+            return 0.0, 0.0
+        ov = self.hw.op_overhead_s
+        a2a = 0.0
+        if c.sp_degree > 1:
+            per = comm.ulysses_all_to_all_bytes(
+                micro_batch=c.micro_batch, seq_len=c.seq_len, n_heads=self.n_heads,
+                n_kv_heads=self.n_kv_heads, head_dim=self.head_dim, sp_degree=c.sp_degree,
+                bytes_per_element=PRECISIONS[c.precision][0] if c.precision != "bf16-mixed" else 2)
+            a2a = sum(comm.all_to_all_s(v, c.sp_degree, self.link(c.sp_degree)) for v in per.values())
+            a2a *= comm.ULYSSES_PER_STEP_FACTOR / 2  # per pass (forward, backward)
+        link = self.link(c.devices)
+        n = c.devices
+        block_numels = [self.block_numel(c.precision, name) for name in self.blocks]
+        root_numel = max(0.0, sum(self.param_numels) - sum(block_numels))
+        gb, rb = self.gather_bytes_per_param(c), self.reduce_bytes_per_param(c)
+        if c.zero_stage >= 2:
+            gather = tuple(comm.all_gather_s(x * gb, n, link) for x in block_numels)
+            reduce = tuple(comm.reduce_scatter_s(x * rb, n, link) for x in block_numels)
+            root_gather, root_reduce, tail_reduce = (comm.all_gather_s(root_numel * gb, n, link),
+                                                     comm.reduce_scatter_s(root_numel * rb, n, link), 0.0)
+        else:
+            gather, root_gather = (), 0.0
+            reduce = tuple(comm.all_reduce_s(x * rb, n, link) for x in block_numels)
+            tail_numel = self._param_bytes("tail") / PRECISIONS[c.precision][0]
+            tail_reduce = comm.all_reduce_s(tail_numel * rb, n, link)
+            root_reduce = comm.all_reduce_s(max(0.0, root_numel - tail_numel) * rb, n, link)
+        times = StepTimes(
+            head_fwd_s=head.fwd_s + head.n_fwd_ops * ov, head_bwd_s=_bwd_s(head, ov),
+            tail_fwd_s=tail.fwd_s + tail.n_fwd_ops * ov, tail_bwd_s=_bwd_s(tail, ov),
+            block_fwd_s=tuple(x.fwd_s + x.n_fwd_ops * ov + a2a for x in blocks),
+            block_bwd_s=tuple(_bwd_s(x, ov) + a2a for x in blocks),
+            root_gather_s=root_gather, block_gather_s=gather, root_reduce_s=root_reduce,
+            block_reduce_s=reduce, tail_reduce_s=tail_reduce)
+        line = step_timeline(times, zero_stage=c.zero_stage, grad_accum=c.grad_accum)
+        a2a_step = c.grad_accum * 2 * a2a * len(blocks)
+        after = (comm.all_gather_s(sum(self.param_numels) * PRECISIONS[c.precision][0], n, link)
+                 if c.zero_stage == 1 else 0.0)  # ZeroRedundancyOptimizer's broadcast
+        return line.comm_s + a2a_step + after, line.exposed_comm_s + a2a_step + after
+
+    def mixed_precision_policy(self, c: Choice) -> bool:
+        """Whether `c` runs FSDP2 with `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`:
+        bf16-mixed at ZeRO 2/3 over more than one device, as `executor.parallel.zero.apply_zero`
+        does (and torchtitan's FSDP2 setup). Parameters are all-gathered and computed in bf16
+        (no autocast), gradients reduce-scattered and kept in fp32."""
+        return c.precision == "bf16-mixed" and c.zero_stage >= 2 and c.devices > 1
+
+    def gather_bytes_per_param(self, c: Choice) -> int:
+        """Bytes per parameter FSDP2 all-gathers: 2 under the mixed-precision policy, else the
+        parameter width."""
+        return 2 if self.mixed_precision_policy(c) else PRECISIONS[c.precision][0]
+
+    def reduce_bytes_per_param(self, c: Choice) -> int:
+        """Bytes per gradient element reduced: the gradient width (fp32 under bf16-mixed, the
+        policy's `reduce_dtype`)."""
+        return PRECISIONS[c.precision][1]
+
+    def block_numel(self, precision: str, name: str) -> float:
+        """Parameters of block region `name` (its bytes at `precision`'s parameter width)."""
+        return self._param_bytes(name) / PRECISIONS[precision][0]
 
     def optimizer_s(self, c: Choice, traffic_bytes: float) -> float:
         """Seconds of one optimizer step on this device: the profile's measured seconds per
@@ -244,20 +355,10 @@ class StepModel:
         return traffic_bytes / (self.hw.hbm_bandwidth_bytes_per_s * self.hw.memory_efficiency)
 
     def optimizer_traffic(self, c: Choice) -> tuple[float, int]:
-        """(bytes moved, ops) of one AdamW step on this device's share of the parameters.
-
-        32-bit AdamW (torch, per tensor): reads parameter, gradient, both moments and writes
-        parameter and moments, plus two fp32 temporaries written and read (sqrt and its
-        quotient): 11 fp32 passes, ~12 ops per tensor; 16-bit: the same over pure-bf16
-        parameters, in bf16. 8/4-bit (bitsandbytes, torchao compiled): one fused kernel per
-        tensor reading parameter and gradient, reading and writing the quantized moments."""
+        """(bytes moved, ops) of one AdamW step on this device's share of the parameters
+        (`costmodels.step.optimizer_states.adamw_traffic`)."""
         shard = c.devices if c.zero_stage >= 1 else 1
-        n = sum(self.param_numels) / shard
-        tensors = len(self.param_numels)
-        if c.optimizer_bits in (32, 16):  # torch AdamW in the parameter dtype (fp32 or bf16)
-            return 11 * c.optimizer_bits / 8 * n, 12 * tensors
-        q = c.optimizer_bits / 8
-        return (3 * 4 + 4 * q) * n, 2 * tensors
+        return adamw_traffic(sum(self.param_numels) / shard, len(self.param_numels), c.optimizer_bits)
 
     def unsharded_bytes(self, c: Choice) -> float:
         """Parameters FSDP (ZeRO-3) holds all-gathered during a block's forward or backward
@@ -265,33 +366,25 @@ class StepModel:
         buffer (forward) or the next block's, prefetched (backward)."""
         if c.zero_stage != 3 or c.devices == 1:
             return 0.0
-        return 2 * self._param_bytes(self.blocks[0])  # captured at the parameter dtype
+        return 2 * self.block_numel(c.precision, self.blocks[0]) * self.gather_bytes_per_param(c)
 
     def link(self, group: int) -> comm.Link:
+        """The link a ring collective over `group` consecutive ranks runs on: the intra-node link
+        inside one node; across nodes, the ring's bus bandwidth is the node's NICs together,
+        devices_per_node x the per-device NIC share, at most the intra-node link: NCCL runs one
+        ring channel per NIC and its bus bandwidth is channels x per-channel inter-node speed
+        (NCCL `src/graph/tuning.cc`, `ncclTopoTuneModel`: busBw = nChannels * speedInter), and
+        each channel's data also crosses the intra-node links."""
         hw = self.hw
-        inter = group > hw.devices_per_node
-        return comm.Link(
-            bandwidth_bytes_per_s=hw.inter_node_bandwidth_bytes_per_s if inter else hw.intra_node_bandwidth_bytes_per_s,
-            latency_s=hw.inter_node_latency_s if inter else hw.intra_node_latency_s,
-            efficiency=hw.network_efficiency)
+        if group <= hw.devices_per_node:
+            return comm.Link(bandwidth_bytes_per_s=hw.intra_node_bandwidth_bytes_per_s,
+                             latency_s=hw.intra_node_latency_s, efficiency=hw.network_efficiency)
+        bw = min(hw.intra_node_bandwidth_bytes_per_s, hw.devices_per_node * hw.inter_node_bandwidth_bytes_per_s)
+        return comm.Link(bandwidth_bytes_per_s=bw, latency_s=hw.inter_node_latency_s,
+                         efficiency=hw.network_efficiency)
 
-    def comm_s(self, c: Choice) -> float:
-        """Seconds per step of Ulysses all-to-alls (SP group kept inside a node when it fits)
-        and ZeRO collectives over all devices."""
-        if c.devices == 1:
-            return 0.0
-        wb, gb, _, _ = PRECISIONS[c.precision]
-        t = 0.0
-        if c.sp_degree > 1:
-            per = comm.ulysses_all_to_all_bytes(
-                micro_batch=c.micro_batch, seq_len=c.seq_len, n_heads=self.n_heads,
-                n_kv_heads=self.n_kv_heads, head_dim=self.head_dim, sp_degree=c.sp_degree,
-                bytes_per_element=wb)
-            link = self.link(c.sp_degree)
-            one = sum(comm.all_to_all_s(v, c.sp_degree, link) for v in per.values())
-            t += comm.ULYSSES_PER_STEP_FACTOR * one * len(self.blocks)
-        coll = comm.zero_comm_bytes(sum(self.param_numels), stage=c.zero_stage, dp_degree=c.devices,
-                                    grad_bytes_per_param=gb, param_bytes_per_param=wb)
-        link = self.link(c.devices)
-        t += sum(x.time_s(link) for x in coll.values())
-        return t
+
+def _bwd_s(x: RegionCost, op_overhead_s: float) -> float:
+    """Seconds of a region's backward on the compute stream: its recompute, backward ops and
+    their per-op overhead."""
+    return x.bwd_s + x.recompute_s + (x.n_ops - x.n_fwd_ops) * op_overhead_s

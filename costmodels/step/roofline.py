@@ -43,6 +43,8 @@ class RegionCost:
     """Roofline seconds of the replayed forward ops."""
     n_ops: int
     """Ops executed: forward, backward and recomputed."""
+    n_fwd_ops: int = 0
+    """Of which forward ops."""
 
 
 def node_s(attrs: Mapping, b: float, s: float, sp: int, hw: HardwareProfile, dtype: str) -> tuple[float, float]:
@@ -73,17 +75,18 @@ def region_cost(region: Region, b: int, s_local: int, sp: int, policy: str | Che
     saved = saved_nodes(region, entry)
     horizon = region.recompute_horizon()
     out = dict(fwd_flops=0.0, bwd_flops=0.0, recompute_flops=0.0, fwd_s=0.0, bwd_s=0.0, recompute_s=0.0)
-    n_ops = 0
+    n_ops = n_fwd = 0
     for n, a in g.nodes(data=True):
         f, t = node_s(a, b, s_local, sp, hw, dtype)
         ph = a["phase"]
         out[f"{ph}_flops"] += f
         out[f"{ph}_s"] += t
         n_ops += 1
+        n_fwd += ph == "fwd"
         if ph == "fwd" and entry.checkpointed and n not in saved and a["order"] <= horizon:
             out["recompute_flops"] += f
             out["recompute_s"] += t
             n_ops += 1
     return RegionCost(fwd_flops=out["fwd_flops"], bwd_flops=out["bwd_flops"],
                       recompute_flops=out["recompute_flops"], fwd_s=out["fwd_s"], bwd_s=out["bwd_s"],
-                      recompute_s=out["recompute_s"], n_ops=n_ops)
+                      recompute_s=out["recompute_s"], n_ops=n_ops, n_fwd_ops=n_fwd)

@@ -1,1 +1,2 @@
-"""`trainplan calibrate`: refit the cpu profile's step time, the loss law and the bits penalties from recorded runs."""
+"""`trainplan calibrate`: refit the cpu profile's step time, an accelerator's profile, the loss law and the
+bits penalties from recorded runs."""

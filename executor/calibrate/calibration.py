@@ -1,10 +1,17 @@
-"""`trainplan calibrate RUN_DIR...`: refit the local cpu profile and loss law from real runs.
+"""`trainplan calibrate RUN_DIR...`: refit the local cpu profile, an accelerator's profile and
+the loss law from real runs.
 
-Three refits, each from what `executor.train.run` wrote into a run folder (`plan.json`,
+Four refits, each from what `executor.train.run` wrote into a run folder (`plan.json`,
 `record.json`, loaded and checked by `executor.calibrate.runs`):
 
 **Step time** (runs with `record.same_hardware` planned for `cpu` only): see
 `executor.calibrate.step_time` (ratio or two-factor fit of the cpu profile's throughput).
+
+**Accelerator profile** (runs on CUDA/ROCm with a kernel time split): see
+`executor.calibrate.gpu` (matmul, memory and network efficiencies, per-op overhead and memory
+reserve). The profile refit is the runs' plan's (`--hw` to name another, or a profile file);
+it is written as a profile file (`hardware_profiles.profile_file`), by default
+`<first such run>/<name>-calibrated.toml`, for `--hw FILE`.
 
 **Loss law** per (model, vocabulary size): L(D) = E + B / D**beta fitted to the runs' held-out
 curves, see `executor.calibrate.law`. The law is written to `<cache>/laws/<model>-v<vocab_size>.json`
@@ -15,7 +22,9 @@ profile.
 loss penalties of the lower-precision settings, stored with the law (`LossLaw.bits`); the law
 itself is then fitted to the full-width runs.
 
-Nothing is written unless every run folder loads and every law has enough points.
+Nothing is written unless every run folder loads and every law of a model with runs planned for
+the cpu has enough points (for models run on accelerators only, a law without enough points is
+left as it was, with a note: a short profiling run refits the profile alone).
 """
 
 from __future__ import annotations
@@ -32,13 +41,16 @@ from pathlib import Path
 from costmodels.loss.bits import COMPONENTS, components
 from costmodels.loss.cache import save_local_law
 from executor.calibrate.bits import fit_bits_penalty
+from executor.calibrate.gpu import GpuFit, fit_gpu_profile, format_gpu_fit, observations_from_runs
 from executor.calibrate.law import LawFit, fit_law
 from executor.calibrate.runs import Run, check_timed_steps, load_run_folder
 from executor.calibrate.step_time import CaptureModel, StepTimeRow, calibrate_step_time
 from executor.reporting.figures import append_calibration_history
 from hardware_profiles import HardwareProfile
+from hardware_profiles import load as load_profile
 from hardware_profiles.cpu import save_profile
-from trainplan_errors import TrainplanError
+from hardware_profiles.profile_file import write_profile_file
+from trainplan_errors import TrainplanError, UnknownNameError
 
 __all__ = ["CalibrationResult", "calibrate", "format_result"]
 
@@ -69,6 +81,10 @@ class CalibrationResult:
     """One fitted law per (model, vocab_size), with the file it was written to."""
     notes: tuple[str, ...]
     """Lines on runs left out of the step-time fit and on fits to doubt."""
+    gpu: GpuFit | None = None
+    """The accelerator profile's refit (`executor.calibrate.gpu`); None when no run qualified."""
+    gpu_profile_path: Path | None = None
+    """Where the refit accelerator profile was written (None when none was)."""
 
 
 @contextlib.contextmanager
@@ -89,8 +105,32 @@ def _cache_env(cache_dir: str | Path | None) -> Iterator[None]:
             os.environ["TRAINPLAN_CACHE_DIR"] = old
 
 
+def _gpu_base(runs: list[Run], hw: str | HardwareProfile | None) -> HardwareProfile | None:
+    """The accelerator profile to refit: `hw` (a name, a profile file or a profile), else the
+    plan's profile of the runs made on an accelerator; None when there is neither.
+
+    Raises:
+        TrainplanError: those runs were planned for different profiles, or for one read from a
+            file (`hardware_profiles.load` does not know its name): give `hw`.
+    """
+    if hw is not None:
+        return load_profile(hw)
+    planned = sorted({r.plan.hw for r in runs if not r.record.device.startswith("cpu") and r.plan.hw != "cpu"})
+    if not planned:
+        return None
+    if len(planned) > 1:
+        raise TrainplanError(f"the accelerator runs were planned for {', '.join(map(repr, planned))}: refit one "
+                             "profile at a time (calibrate their runs apart), or name it with --hw")
+    try:
+        return load_profile(planned[0])
+    except UnknownNameError:
+        raise TrainplanError(f"the accelerator runs were planned for {planned[0]!r}, a profile read from a file: "
+                             f"give that file with --hw FILE.toml to refit it") from None
+
+
 def calibrate(run_dirs: list[str | Path], *, capture_model: CaptureModel, cache_dir: str | Path | None = None,
-              verbose: bool = True, time_basis: str = "wall") -> CalibrationResult:
+              verbose: bool = True, time_basis: str = "wall", hw: str | HardwareProfile | None = None,
+              profile_out: str | Path | None = None) -> CalibrationResult:
     """Refit the local cpu profile (step time) and loss law(s) from real runs; see the module
     docstring for the method.
 
@@ -105,6 +145,10 @@ def calibrate(run_dirs: list[str | Path], *, capture_model: CaptureModel, cache_
         time_basis: "wall" (default: the median step's wall time) or "cpu" (its process CPU
             time, `RunRecord.step_cpu_times_s`: for one-thread runs on a machine other jobs
             share, the step without their load; benchmarks/accuracy.py uses it).
+        hw: the accelerator profile to refit from the runs on an accelerator (a name, a path
+            ending in .toml, or a profile); default: their plan's.
+        profile_out: where to write the refit accelerator profile (TOML); default
+            `<first run used>/<name>-calibrated.toml`.
 
     Writes the calibrated cpu profile (`hardware_profiles.cpu.save_profile`, when some run was a
     cpu run on this cpu) and one law file per (model, vocab_size) (`costmodels.loss.cache`).
@@ -114,8 +158,10 @@ def calibrate(run_dirs: list[str | Path], *, capture_model: CaptureModel, cache_
         TrainplanError: no run folders; a folder missing, without plan.json/record.json or
             unreadable (named); fewer than `executor.calibrate.law.MIN_POINTS` usable held-out
             points for a law (the message gives the count found and the count needed); a cpu run
-            with fewer than `executor.calibrate.runs.MIN_TIMED_STEPS` timed steps. Nothing is
-            written then.
+            with fewer than `executor.calibrate.runs.MIN_TIMED_STEPS` timed steps; accelerator
+            runs planned for several profiles, or for a profile file, without `hw`; an unknown
+            `hw` or a bad profile file. Nothing is written then.
+        OutputPathError: the refit accelerator profile cannot be written to `profile_out`.
     """
     if time_basis not in ("wall", "cpu"):
         raise TrainplanError(f"time_basis={time_basis!r}: use 'wall' or 'cpu'")
@@ -126,6 +172,16 @@ def calibrate(run_dirs: list[str | Path], *, capture_model: CaptureModel, cache_
     runs = [load_run_folder(d) for d in run_dirs]
     check_timed_steps(runs)
     notes: list[str] = []
+    base = _gpu_base(runs, hw)
+    gpu = None
+    if base is not None and base.device_type != "cpu":
+        observations = observations_from_runs(runs, base, capture_model, notes)
+        if observations:
+            gpu = fit_gpu_profile(base, observations)
+            notes += gpu.notes
+        else:
+            notes.append(f"no run refits the {base.name!r} profile (runs on a {base.device_type!r} device with a "
+                         "kernel time split, their model a preset); it is unchanged")
     with _cache_env(cache_dir):
         groups: dict[tuple[str, int], list[Run]] = {}
         for run in runs:
@@ -138,14 +194,26 @@ def calibrate(run_dirs: list[str | Path], *, capture_model: CaptureModel, cache_
             full = [r for r in group if not any(components(
                 r.plan.decisions.optimizer_bits, r.plan.decisions.activation_bits,
                 r.plan.decisions.precision).values())]
-            law, fit_record, fit = fit_law(*key, full or group)  # may raise
+            try:
+                law, fit_record, fit = fit_law(*key, full or group)
+            except TrainplanError as e:
+                if any(r.plan.hw == "cpu" for r in group):
+                    raise
+                notes.append(f"{key[0]} v{key[1]}: loss law not refit ({e})")
+                continue
             if bits is not None:
                 law = dataclasses.replace(law, bits=bits)
                 fit = dataclasses.replace(fit, law=law)
                 fit_record = fit_record | {"bits": bits_record}
             fitted.append((key, law, fit_record, fit))
         step = calibrate_step_time(runs, notes, capture_model, time_basis)
-        profile_path = None
+        profile_path = gpu_path = None
+        if gpu is not None:
+            gpu_path = write_profile_file(
+                gpu.profile, profile_out or Path(gpu.rows[0].run_dir) / f"{gpu.profile.name}-calibrated.toml",
+                header=f"{gpu.profile.name} refit by trainplan calibrate from "
+                       f"{', '.join(r.run_dir for r in gpu.rows)}.\n"
+                       "Plan with it: trainplan solve --hw THIS-FILE.toml ...")
         if step.profile is not None:
             profile_path = save_profile(step.profile)
         created = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
@@ -160,7 +228,8 @@ def calibrate(run_dirs: list[str | Path], *, capture_model: CaptureModel, cache_
     result = CalibrationResult(
         step_time=step.rows, step_time_method=step.method, ratio=step.ratio,
         compute_scale=step.compute, memory_scale=step.memory, scaled_fields=step.fields,
-        profile=step.profile, profile_path=profile_path, laws=tuple(laws), notes=tuple(notes))
+        profile=step.profile, profile_path=profile_path, laws=tuple(laws), notes=tuple(notes), gpu=gpu,
+        gpu_profile_path=gpu_path)
     _record_history(result, cache_dir)
     if verbose:
         print(format_result(result))
@@ -194,8 +263,10 @@ def format_result(result: CalibrationResult) -> str:
             out.append(f"  {r.run_dir:<{w}}  {r.measured_s:>9.4g}s  {r.before_s:>9.4g}s "
                        f"{_pct(r.rel_err_before):>7}  {r.after_s:>9.4g}s {_pct(r.rel_err_after):>7}")
         out.append(f"  cpu profile written to {result.profile_path}")
-    else:
+    elif result.gpu is None:
         out.append("step time: no run on this cpu planned for cpu; cpu profile unchanged")
+    if result.gpu is not None:
+        out.append(format_gpu_fit(dataclasses.replace(result.gpu, notes=()), result.gpu_profile_path))
     for f in result.laws:
         law = f.law
         out.append(f"loss law {f.model} v{f.vocab_size}: L(D) = {law.E:.4g} + {law.B:.4g} / D^{law.beta:.4g} "

@@ -242,7 +242,8 @@ def calibrate_step_time(runs: list[Run], notes: list[str], capture_model: Captur
                         time_basis: str = "wall") -> StepTimeFit:
     """Fit the cpu profile to the runs' measured step times (median wall or process CPU
     seconds, `time_basis`: "wall" or "cpu"); nothing written. Runs not planned for cpu or not
-    run on it, and runs without timed steps, are left out with a line in `notes` (appended to);
+    run on it, and runs without timed steps, are left out with a line in `notes` (appended to),
+    but for runs on an accelerator planned for one (the GPU refit's, `executor.calibrate.gpu`);
     `capture_model` re-captures each preset (`CaptureModel`).
 
     Raises:
@@ -251,6 +252,8 @@ def calibrate_step_time(runs: list[Run], notes: list[str], capture_model: Captur
     use = []
     for run in runs:
         rec = run.record
+        if run.plan.hw != "cpu" and not rec.device.startswith("cpu"):
+            continue  # an accelerator run: the GPU refit's (executor.calibrate.gpu), which notes it
         if not (rec.same_hardware and run.plan.hw == "cpu"):
             notes.append(f"{run.dir}: step time not used (planned for {run.plan.hw!r}, ran on "
                          f"{rec.device!r}; only cpu runs on the cpu calibrate the cpu profile)")

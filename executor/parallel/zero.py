@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -49,6 +49,18 @@ def _local_device(device: torch.device) -> torch.device:
     if device.type == "cpu" or device.index is not None:
         return device
     return torch.device(device.type, torch.accelerator.current_device_index())
+
+
+def mixed_precision_policy(d):
+    """FSDP2's `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)` for a bf16-mixed plan
+    at ZeRO 2/3 over more than one device (as torchtitan runs FSDP2): parameters all-gathered and
+    computed in bf16, without autocast; gradients reduce-scattered and kept in fp32 beside the
+    fp32 sharded parameters the optimizer steps. None otherwise (DDP and one device run
+    bf16-mixed as `torch.autocast` over fp32 parameters). The step model prices the same
+    (`costmodels.step.model.StepModel.mixed_precision_policy`)."""
+    if d.precision != "bf16-mixed" or d.zero_stage < 2 or d.devices == 1:
+        return None
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
 class _FactoryOptimizer:

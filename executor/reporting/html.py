@@ -97,8 +97,8 @@ def _facts(plan: Plan, record: RunRecord, run_dir: Path) -> str:
         ("planned for", f"{plan.hw} x {dev}; budget {', '.join(f'{k}={v}' for k, v in plan.budget.items())}"),
         ("ran on", ran),
         ("parallelism", f"sp_degree {d.sp_degree}, dp_degree {d.dp_degree}, ZeRO stage {d.zero_stage}"),
-        ("batch", f"micro-batch {d.micro_batch} x seq_len {d.seq_len} "
-                  f"({p.tokens_per_step:,} tokens per step)"),
+        ("batch", f"micro-batch {d.micro_batch} x seq_len {d.seq_len}, {d.grad_accum} micro-step"
+                  f"{'s' if d.grad_accum != 1 else ''} per step ({p.tokens_per_step:,} tokens per step)"),
         ("precision", f"{d.precision}, optimizer states {d.optimizer_bits}-bit"),
         ("checkpointing", ", ".join(f"{n} block{'s' if n != 1 else ''} {e}" for e, n in ck.items())),
         ("data", f"{d.data_fraction:g} of {plan.data_tokens:,} unique tokens ({d.data_method})"),

@@ -103,7 +103,7 @@ def _block_signature(block: nn.Module) -> tuple:
 
 def capture(model: nn.Module, *, dtype: torch.dtype | None = None, name: str | None = None,
             autocast_dtype: torch.dtype | None = None,
-            activation_bits: tuple[int, ...] = ()) -> ModelGraph:
+            activation_bits: tuple[int, ...] = (), device_type: str = "cpu") -> ModelGraph:
     """Capture `model` (a HF-style causal LM: `.model.embed_tokens`, `.model.layers`,
     `.model.norm`, `.model.rotary_emb`, `.lm_head`) as a ModelGraph, on fake tensors.
 
@@ -114,6 +114,8 @@ def capture(model: nn.Module, *, dtype: torch.dtype | None = None, name: str | N
     `activation_bits`: saved-activation widths below 32 to capture as well: each region is
     traced again under that compression and stored as `{region}@a{bits}` (e.g. `block0@a8`),
     which `costmodels.step.model.StepModel.region_name` picks for blocks that are not checkpointed.
+    `device_type`: the target device's attention and dropout kernels
+    (`planner.capture.device_kernels`; "cuda" for CUDA and ROCm profiles).
 
     Raises:
         TrainplanError: the module is not a causal LM of that layout; the message says what
@@ -161,7 +163,8 @@ def capture(model: nn.Module, *, dtype: torch.dtype | None = None, name: str | N
             regions[_variant("head", bits)] = trace_region(
                 _variant("head", bits), head_fn, {"weight": ep["weight"], "ids": ids, "pos": pos, "g": g},
                 kinds={"weight": "param", "ids": "const", "pos": "const", "g": "grad"},
-                b0=b0, s0=s0, block=None, autocast_dtype=autocast_dtype, activation_bits=bits)
+                b0=b0, s0=s0, block=None, autocast_dtype=autocast_dtype, activation_bits=bits,
+                    device_type=device_type)
     with mode:
         cos = torch.empty(1, s0, head_dim, dtype=dtype)
         sin = torch.empty(1, s0, head_dim, dtype=dtype)
@@ -193,7 +196,8 @@ def capture(model: nn.Module, *, dtype: torch.dtype | None = None, name: str | N
                     _variant(rname, bits), block_fn, {"x": x, "cos": cos, "sin": sin, "pos": pos, "g": g, **lp},
                     kinds={"x": "act", "cos": "shared", "sin": "shared", "pos": "const", "g": "grad",
                            **{p: "param" for p in pnames}},
-                    b0=b0, s0=s0, block=i, autocast_dtype=autocast_dtype, activation_bits=bits)
+                    b0=b0, s0=s0, block=i, autocast_dtype=autocast_dtype, activation_bits=bits,
+                    device_type=device_type)
 
     tail_mods = {"norm": core.norm, "lm_head": lm_head}
     held: list = []
@@ -218,7 +222,7 @@ def capture(model: nn.Module, *, dtype: torch.dtype | None = None, name: str | N
                 _variant("tail", bits), tail_fn, {"x": x, "labels": labels, **tp},
                 kinds={"x": "act", "labels": "const", **{p: "param" for p in tnames}},
                 b0=b0, s0=s0, block=None, autocast_dtype=autocast_dtype, activation_bits=bits,
-                held_to_output=("aten._log_softmax.default",), held=held)
+                held_to_output=("aten._log_softmax.default",), held=held, device_type=device_type)
 
     if getattr(cfg, "tie_word_embeddings", False):
         warnings.warn("tied embeddings: the LM head's weight is counted once in model states",

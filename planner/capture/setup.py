@@ -4,6 +4,7 @@ capture on the meta device (`capture_model`), the step model on a hardware profi
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 
 import torch
@@ -29,9 +30,11 @@ def default_precision(hw: HardwareProfile) -> str:
 
 
 def capture_model(model: nn.Module | str, precision: str, *, vocab_size: int | None = None,
-                  activation_bits: tuple[int, ...] = ()) -> tuple[ModelGraph, str, tuple[int, ...]]:
+                  activation_bits: tuple[int, ...] = (),
+                  device_type: str = "cpu") -> tuple[ModelGraph, str, tuple[int, ...]]:
     """Build (if a preset name) and capture `model` on the meta device, with the regions of
-    each saved-activation width in `activation_bits` (`planner.capture.graph.capture`).
+    each saved-activation width in `activation_bits` (`planner.capture.graph.capture`), with
+    the attention and dropout kernels of `device_type` (a profile's: `cpu` or `cuda`).
 
     Returns the graph, the model's name and its parameter tensor sizes.
 
@@ -53,7 +56,11 @@ def capture_model(model: nn.Module | str, precision: str, *, vocab_size: int | N
         raise TrainplanError(f"model must be an nn.Module or a preset name, got {type(model).__name__}")
     try:
         graph = capture(module, dtype=dtype, name=name, autocast_dtype=autocast,
-                        activation_bits=tuple(activation_bits))
+                        activation_bits=tuple(activation_bits), device_type=device_type)
+        if precision == "bf16-mixed":  # FSDP2's MixedPrecisionPolicy: bf16 parameters, no autocast
+            mp = capture(module, dtype=torch.bfloat16, name=name, activation_bits=tuple(activation_bits),
+                         device_type=device_type)
+            graph = with_mixed_precision_variants(graph, mp)
     except TrainplanError:
         raise
     except Exception as e:  # a graph break: data-dependent control flow, an untraceable op, ...
@@ -66,11 +73,30 @@ def capture_model(model: nn.Module | str, precision: str, *, vocab_size: int | N
     return graph, name, tuple(p.numel() for p in module.parameters())
 
 
+def mixed_precision_key(key: str) -> str:
+    """Region key of `key` traced under FSDP2's mixed-precision policy: `block0` -> `block0@mp`,
+    `block0@a8` -> `block0@mp@a8` (`costmodels.step.model.StepModel.region_name`)."""
+    base, sep, rest = key.partition("@")
+    return f"{base}@mp{sep}{rest}"
+
+
+def with_mixed_precision_variants(graph: ModelGraph, mp: ModelGraph) -> ModelGraph:
+    """`graph` (bf16-mixed under autocast: fp32 parameters, what DDP runs) with the regions of
+    `mp` (the same model traced with bf16 parameters and no autocast: what FSDP2 runs under
+    `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`) added under
+    `mixed_precision_key`."""
+    extra = {mixed_precision_key(k): dataclasses.replace(r, name=mixed_precision_key(k))
+             for k, r in mp.regions.items()}
+    return dataclasses.replace(graph, regions={**graph.regions, **extra})
+
+
 def setup_model(model: nn.Module | str, hw: str | HardwareProfile, *, precision: str | None,
-                vocab_size: int | None, activation_bits: object = (32,)
+                vocab_size: int | None, activation_bits: object = (32,), overlap: bool = True
                 ) -> tuple[HardwareProfile, str, ModelGraph, str, StepModel]:
     """Load `hw`, settle the precision (None: `default_precision`), check the saved-activation
-    widths (`check_activation_bits_options`), capture `model` (`capture_model`) and build its step
+    widths (`check_activation_bits_options`), capture `model` (with `hw`'s attention and dropout
+    kernels, `planner.capture.device_kernels`; `overlap=False`: the step model adds every
+    collective to compute, `costmodels.step.model.StepModel`) (`capture_model`) and build its step
     model on the profile.
 
     Returns (profile, precision, graph, model name, step model).
@@ -85,9 +111,9 @@ def setup_model(model: nn.Module | str, hw: str | HardwareProfile, *, precision:
         raise TrainplanError(f"precision={precision!r} is not known: use {', '.join(PRECISION_DTYPE)}")
     activation_bits = check_activation_bits_options(activation_bits)
     graph, name, numels = capture_model(model, precision, vocab_size=vocab_size,
-                                        activation_bits=activation_bits)
+                                        activation_bits=activation_bits, device_type=profile.device_type)
     step_model = StepModel(graph.regions, graph.blocks, numels, profile, n_heads=graph.n_heads,
-                           n_kv_heads=graph.n_kv_heads, head_dim=graph.head_dim)
+                           n_kv_heads=graph.n_kv_heads, head_dim=graph.head_dim, overlap=overlap)
     return profile, precision, graph, name, step_model
 
 

@@ -15,6 +15,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from costmodels.graph import Poly, Region, StorageRecord
 from modeling.activation_compression import compress_saved_activations
 from modeling.flop_counting import FLOP_FORMULAS as _FLOP_FORMULAS
+from planner.capture.device_kernels import target_kernels
 
 B_SYM, S_SYM = sympy.symbols("b s", positive=True, integer=True)
 
@@ -69,7 +70,7 @@ def _tensors(val):
 def trace_region(name: str, fn, inputs: dict, *, kinds: dict[str, str], b0: int, s0: int,
                  block: int | None, autocast_dtype: torch.dtype | None = None,
                  activation_bits: int = 32, held_to_output: tuple[str, ...] = (),
-                 held: list | None = None) -> Region:
+                 held: list | None = None, device_type: str = "cpu") -> Region:
     """Trace `fn(**inputs)` and summarise it as a Region. `fn` returns
     (forward_output, [parameter gradients], [other outputs]).
 
@@ -81,7 +82,9 @@ def trace_region(name: str, fn, inputs: dict, *, kinds: dict[str, str], b0: int,
     the forward output is made, as the arguments of a composite op the trace decomposes do
     (`F.cross_entropy` holds the logits until it returns). `held`: a list `fn` appends tensors
     to that its Python frame keeps until the forward output is made (the logits `lm_loss`
-    receives, bf16 under autocast, beside the fp32 copy cross-entropy makes of them)."""
+    receives, bf16 under autocast, beside the fp32 copy cross-entropy makes of them).
+    `device_type`: trace attention and dropout as that device runs them
+    (`planner.capture.device_kernels.target_kernels`)."""
     names = list(inputs)
     param_ids = frozenset(id(inputs[n]) for n in names if kinds[n] == "param")
     compression = []
@@ -90,8 +93,9 @@ def trace_region(name: str, fn, inputs: dict, *, kinds: dict[str, str], b0: int,
         ctx = compress_saved_activations(activation_bits, param_ids | frozenset(
             id(x) for x, n in zip(a, names, strict=False) if kinds[n] == "param"), record=True)
         compression.append(ctx)
-        with ctx, (torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None
-                   else contextlib.nullcontext()):
+        with ctx, target_kernels(device_type), (
+                torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None
+                else contextlib.nullcontext()):
             return fn(**dict(zip(names, a, strict=False)))
 
     gm = make_fx(run, tracing_mode="real")(

@@ -160,6 +160,7 @@ def check_plan(plan, path: str | Path) -> None:
         ("decisions.dp_degree", d.dp_degree, _whole(d.dp_degree, 1), "a whole number >= 1"),
         ("decisions.seq_len", d.seq_len, _whole(d.seq_len, 1), "a whole number >= 1"),
         ("decisions.micro_batch", d.micro_batch, _whole(d.micro_batch, 1), "a whole number >= 1"),
+        ("decisions.grad_accum", d.grad_accum, _whole(d.grad_accum, 1), "a whole number >= 1"),
         ("decisions.max_steps", d.max_steps, _whole(d.max_steps, 1), "a whole number >= 1"),
         ("decisions.warmup_steps", d.warmup_steps, _whole(d.warmup_steps, 0), "a whole number >= 0"),
         ("decisions.seed", d.seed, _whole(d.seed, 0) and d.seed < 2**63, "a whole number in [0, 2^63)"),

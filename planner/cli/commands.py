@@ -59,8 +59,8 @@ def print_plan(plan: Plan) -> None:
     print(f"plan: {plan.model} ({plan.model_n_params / 1e9:.3g}B params, {plan.model_n_layers} layers) "
           f"on {d.devices} x {plan.hw}, seq_len {d.seq_len}")
     print(f"  decisions: sp_degree={d.sp_degree} dp_degree={d.dp_degree} zero_stage={d.zero_stage} "
-          f"micro_batch={d.micro_batch} precision={d.precision} optimizer_bits={d.optimizer_bits} "
-          f"activation_bits={d.activation_bits}")
+          f"micro_batch={d.micro_batch} grad_accum={d.grad_accum} precision={d.precision} "
+          f"optimizer_bits={d.optimizer_bits} activation_bits={d.activation_bits}")
     print(f"             checkpoint per block: {', '.join(f'{n} x {e}' for e, n in ck.items())}")
     print(f"             data_fraction={d.data_fraction} ({d.data_method}) max_tokens={d.max_tokens:,} "
           f"max_steps={d.max_steps:,}")
@@ -148,6 +148,7 @@ def cmd_solve(args) -> int:
     try:
         opts = dict(seq_len=args.seq_len, data_tokens=args.data_tokens, time_limit_s=args.time_limit,
                     seed=args.seed, precision=args.precision,
+                    global_batch_tokens=args.global_batch_tokens,
                     optimizer_bits=parse_bits("--optimizer-bits", args.optimizer_bits),
                     activation_bits=parse_bits("--activation-bits", args.activation_bits))
         if args.frontier:
@@ -232,7 +233,8 @@ def _report_run(plan, record, out: Path) -> int:
     files = report(plan, record, out)
     d = plan.decisions
     print(f"run of {plan.model}: precision={d.precision} optimizer_bits={d.optimizer_bits} "
-          f"activation_bits={d.activation_bits} micro_batch={d.micro_batch} seq_len={d.seq_len} "
+          f"activation_bits={d.activation_bits} micro_batch={d.micro_batch} grad_accum={d.grad_accum} "
+          f"seq_len={d.seq_len} "
           f"sp_degree={d.sp_degree} zero_stage={d.zero_stage}")
     print(format_table(compare(plan, record)))
     print(f"stopped: {record.stop_reason} after {record.steps} steps ({record.wall_s:.0f} s)")
@@ -355,6 +357,12 @@ def cmd_profiles(args) -> int:
 
     from hardware_profiles import describe_profiles
 
+    if args.template is not None:
+        from hardware_profiles import load
+        from hardware_profiles.profile_file import template_toml
+
+        print(template_toml(load(args.template)), end="")
+        return 0
     df = pd.DataFrame(describe_profiles(include_cpu=not args.no_cpu)).drop(columns=["source"])
     print(df.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
     return 0
@@ -367,6 +375,10 @@ def cmd_calibrate(args) -> int:
     if any(not str(d).strip() for d in args.run_dirs):
         raise TrainplanError("a run folder is empty (''); pass finished run folders (the --out of "
                              "`trainplan run`)")
-    calibrate(args.run_dirs, capture_model=capture_model)
+    out = Path(args.profile_out) if args.profile_out is not None else None
+    if out is not None and (not str(args.profile_out).strip() or out.is_dir() or not out.parent.is_dir()):
+        raise OutputPathError(f"--profile-out {args.profile_out!r}: give a file path in an existing folder, "
+                              "e.g. h200-calibrated.toml")
+    calibrate(args.run_dirs, capture_model=capture_model, hw=args.hw, profile_out=args.profile_out)
     return 0
 

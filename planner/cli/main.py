@@ -47,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("solve", help="plan a training run and print it")
     s.add_argument("--model", required=True, help="preset name, e.g. llama3-70b, tiny-llama")
-    s.add_argument("--hw", required=True, help="hardware profile, e.g. mi300, h100, cpu")
+    s.add_argument("--hw", required=True, help="hardware profile, e.g. mi300, h100, cpu, or a profile file "
+                                                "./my-gpu.toml (`trainplan profiles --template h100` writes one)")
     s.add_argument("--devices", type=int, default=1)
     s.add_argument("--seq-len", type=int, default=2048)
     g = s.add_mutually_exclusive_group(required=True)
@@ -55,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--budget-seconds", type=float, help="wall-clock seconds")
     g.add_argument("--budget-flops", type=float)
     s.add_argument("--data-tokens", type=int, help="unique tokens in the corpus (default: unconstrained)")
+    s.add_argument("--global-batch-tokens", type=int, metavar="N",
+                   help="tokens per optimizer step, all devices together (e.g. 4194304): every plan "
+                        "trains exactly N (dp_degree x micro_batch x seq_len x grad_accum), the solver "
+                        "setting gradient accumulation with the micro-batch (default: grad_accum 1)")
     s.add_argument("--json", help="write the plan to this file")
     s.add_argument("--time-limit", type=float, default=10.0,
                    help="solver time limit in CP-SAT deterministic seconds (reproducible: same inputs and "
@@ -123,10 +128,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     pr = sub.add_parser("profiles", help="list hardware profiles")
     pr.add_argument("--no-cpu", action="store_true", help="skip measuring the local CPU")
+    pr.add_argument("--template", metavar="NAME", help="print profile NAME (or a profile file) as a TOML "
+                                                       "file to edit for a device that ships no profile, "
+                                                       "e.g. --template h100 > my-gpu.toml")
     pr.set_defaults(fn=cmd_profiles)
 
-    c = sub.add_parser("calibrate", help="refit the local cpu profile from measured runs")
+    c = sub.add_parser("calibrate", help="refit the local cpu profile, a GPU profile and the loss law "
+                                         "from measured runs")
     c.add_argument("run_dirs", nargs="+")
+    c.add_argument("--hw", help="the GPU profile to refit from runs on CUDA/ROCm: a name or a profile file "
+                                "(default: the runs' plan's)")
+    c.add_argument("--profile-out", metavar="FILE",
+                   help="where to write the refit GPU profile, for --hw FILE (default: "
+                        "RUN_DIR/<name>-calibrated.toml)")
     c.set_defaults(fn=cmd_calibrate)
     return ap
 

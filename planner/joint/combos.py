@@ -14,10 +14,16 @@ are identical and in `order`; the phases are linear in the block index, so the h
 the entry's first or last block), and `combo_memory` the phases that do not depend on the
 checkpoint choice (head forward and backward, the root group's reduce-scatter, the optimizer
 step). With exact bytes (`q=float`) the largest row or fixed phase is `evaluate`'s peak.
+
+A combo with gradient accumulation (`Choice.grad_accum` > 1) prices one optimizer step of that
+many micro-steps: seconds and FLOPs of the blocks times `grad_accum` (each micro-step runs every
+block once), the rest as `StepModel.runtime` prices the whole optimizer step; memory holds the
+accumulated gradients (`accumulated_grad_bytes`) in every phase of the micro-steps.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -43,8 +49,9 @@ class ComboMemory:
     blocks' activations and its own backward peak."""
 
     base_bytes: float
-    """Parameters and optimizer states at rest (`model_state_bytes(as_executed=True)`) and the
-    head's retained activations: held in every block and tail phase."""
+    """Parameters and optimizer states at rest (`model_state_bytes(as_executed=True)`), the
+    gradients accumulated across micro-steps (`accumulated_grad_bytes`, 0 without accumulation)
+    and the head's retained activations: held in every block and tail phase."""
     fwd_unsharded_bytes: float
     """FSDP2's all-gathered parameters during a block's forward (ZeRO-3: the root group and the
     block's parameters and all-gather buffer; ZeRO-2: every group, whole); 0 without FSDP2."""
@@ -53,11 +60,11 @@ class ComboMemory:
     `StepModel.tail_memory`) plus the groups held whole then (ZeRO-2: all)."""
     bwd_fixed_bytes: float
     """Held in every block's backward: the tail's gradients (whole under FSDP2: the root group
-    reduce-scatters last), FSDP2's whole groups at the first block and DDP's buckets filled by
-    the tail's and the block's own gradients."""
+    reduce-scatters last), FSDP2's whole groups at the first block and DDP's gradient buckets
+    (all of them from the blocks' backward on, `costmodels.step.memory.step_phases`)."""
     per_later_block_bytes: float
     """Held in a block's backward per block after it: that block's gradients (sharded by
-    `grad_scale` once reduce-scattered) and DDP's bucket share of them."""
+    `grad_scale` once reduce-scattered)."""
     per_earlier_block_bytes: float
     """Held in a block's backward per block before it: FSDP2's whole groups (ZeRO-2: the root
     and blocks 0..i; ZeRO-3: the root, block i and the prefetched one)."""
@@ -83,11 +90,11 @@ class EntryCost:
     bwd_peak_bytes: float
     """One block's own backward peak, its recompute included (`RegionMemory.bwd_peak`)."""
     block_s: float
-    """Seconds of one block per step: forward, backward, recompute and per-op overhead
-    (`StepModel.block_time`)."""
+    """Seconds of one block per optimizer step: forward, backward, recompute and per-op overhead
+    (`StepModel.block_time`) of one micro-step, times `grad_accum`."""
     step_flops: float
-    """FLOPs of the whole step with every block on this entry: the unchecked step's plus every
-    block's recompute FLOPs."""
+    """FLOPs of the whole optimizer step with every block on this entry: the unchecked step's
+    plus every block's recompute FLOPs in each of its `grad_accum` micro-steps."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -96,11 +103,11 @@ class Combo:
     docstring): memory terms, fixed seconds and the cost of each entry of its checkpoint menu."""
 
     choice: Choice
-    """The knobs, every block on `none`: SP degree, ZeRO stage, micro-batch, sequence, optimizer
-    and saved-activation widths, devices."""
+    """The knobs, every block on `none`: SP degree, ZeRO stage, micro-batch, gradient
+    accumulation, sequence, optimizer and saved-activation widths, devices."""
     memory: ComboMemory
     fixed_s: float
-    """Seconds of one step outside the blocks: the unchecked step's less its blocks'."""
+    """Seconds of one optimizer step outside the blocks: the unchecked step's less its blocks'."""
     menu: dict[str, EntryCost]
     """The checkpoint entries this combo may take, by name: the search space's named entries and,
     where its block shape's menu was added (`planner.joint.remat_menu.add_menus`), solved
@@ -113,9 +120,9 @@ class Combo:
 
     @property
     def tokens_per_step(self) -> int:
-        """Tokens of one step over all data-parallel ranks."""
+        """Tokens of one optimizer step over all data-parallel ranks, its micro-steps included."""
         c = self.choice
-        return c.micro_batch * c.seq_len * (c.devices // c.sp_degree)
+        return c.micro_batch * c.seq_len * (c.devices // c.sp_degree) * c.grad_accum
 
     def cost_of(self, e: str) -> EntryCost:
         """Entry `e`'s cost; an entry off this combo's menu reads as `full` (the solver holds its
@@ -123,16 +130,36 @@ class Combo:
         return self.menu[e] if e in self.menu else self.menu["full"]
 
 
+def micro_step(c: Choice) -> Choice:
+    """`c` with one micro-step per optimizer step: what a block's bytes, seconds and FLOPs are
+    asked at (the same in every micro-step)."""
+    return c if c.grad_accum == 1 else dataclasses.replace(c, grad_accum=1)
+
+
+def accumulated_grad_bytes(sm: StepModel, c: Choice) -> float:
+    """Bytes per device of the gradients accumulated across `c`'s micro-steps: from the second
+    micro-step on, every parameter's gradient at its width as the optimizer step holds it
+    (`ModelStates.grads`: whole under DDP, which defers its all-reduce to the last micro-step
+    with `no_sync`; sharded under FSDP2, which reduce-scatters every micro-step into the sharded
+    gradient), held through every forward and backward phase. 0 with one micro-step. The phases
+    that also count the gradients made so far in a backward count both: an upper bound by at
+    most those gradients."""
+    return sm.model_states(c).grads if c.grad_accum > 1 else 0.0
+
+
 def combo_memory(sm: StepModel, base: Choice) -> ComboMemory:
     """Memory terms of the combo whose knobs `base` fixes (its policies are ignored), bytes per
-    device, as `StepModel.evaluate` composes them (`ComboMemory`'s fields)."""
+    device, as `StepModel.evaluate` composes them (`ComboMemory`'s fields), the accumulated
+    gradients (`accumulated_grad_bytes`) in every phase before the optimizer step."""
+    held = accumulated_grad_bytes(sm, base)
+    base = micro_step(base)
     states = sm.model_states(base)
     L = len(sm.blocks)
     fsdp = sm.fsdp_layout(base)
     head = sm.head_memory(base)
     tail = sm.tail_memory(base)
     g = sm.block_memory(base, 0, "none").grad_bytes
-    po = states.params + states.optimizer
+    po = states.params + states.optimizer + held
     if fsdp is None:
         u_head = u_fwd = u_tail = u_b0 = u_b1 = u_end = rs = 0.0
         root_scale = states.grad_scale
@@ -141,13 +168,11 @@ def combo_memory(sm: StepModel, base: Choice) -> ComboMemory:
         u_fwd, u_b0, u_b1 = fwd[0], bwd[0], (bwd[1] - bwd[0] if L > 1 else 0.0)
         # a block's reduce-scatter, its own parameters resharded first (`FsdpLayout.at_reduce`)
         root_scale, rs = 1.0, fsdp.reduce_bytes(g) + fsdp.at_reduce(L)[0] - bwd[0]
-    total_grads = tail.grad_bytes + L * g + head.grad_bytes
-    bucket = states.comm_buffers / total_grads if total_grads else 0.0  # per gradient byte made
+    buckets = states.comm_buffers  # DDP's: whole from the blocks' backward on (`step_phases`)
     tail_grads = tail.grad_bytes * root_scale
     G = g * states.grad_scale
     fixed = {"fwd:head": po + head.fwd_peak.total + u_head,
-             "bwd:head": (po + tail_grads + L * G + head.bwd_peak.total
-                          + (states.comm_buffers if total_grads else 0.0) + u_end),
+             "bwd:head": po + tail_grads + L * G + head.bwd_peak.total + buckets + u_end,
              "optimizer": (states.params + states.grads + states.optimizer + states.comm_buffers
                            + states.optimizer_step_temp)}
     if fsdp is not None:  # the root group's reduce-scatter, the head's gradients still whole
@@ -155,35 +180,42 @@ def combo_memory(sm: StepModel, base: Choice) -> ComboMemory:
                              + fsdp.reduce_bytes(tail.grad_bytes + head.grad_bytes))
     return ComboMemory(base_bytes=po + head.retained, fwd_unsharded_bytes=u_fwd,
                        tail_bytes=max(tail.fwd_peak.total, tail.bwd_peak.total) + u_tail,
-                       bwd_fixed_bytes=tail_grads + u_b0 + bucket * (tail.grad_bytes + g),
-                       per_later_block_bytes=G + bucket * g, per_earlier_block_bytes=u_b1,
+                       bwd_fixed_bytes=tail_grads + u_b0 + buckets,
+                       per_later_block_bytes=G, per_earlier_block_bytes=u_b1,
                        reduce_scatter_bytes=rs, fixed_phase_bytes=fixed)
 
 
 def entry_costs(sm: StepModel, base: Choice, sets: Mapping[str, CheckpointSet]) -> dict[str, EntryCost]:
-    """The cost of each checkpoint entry of `sets` (name -> set) on one block at `base`'s knobs."""
+    """The cost of each checkpoint entry of `sets` (name -> set) on one block at `base`'s knobs,
+    per optimizer step (`EntryCost`)."""
     return _entry_costs(sm, base, sets, sm.runtime(base).flops)
 
 
 def _entry_costs(sm: StepModel, base: Choice, sets: Mapping[str, CheckpointSet],
                  unchecked_flops: float) -> dict[str, EntryCost]:
-    L = len(sm.blocks)
+    L, ga, one = len(sm.blocks), base.grad_accum, micro_step(base)
     out = {}
     for e, entry in sets.items():
-        mem = sm.block_memory(base, 0, entry)
+        mem = sm.block_memory(one, 0, entry)
         out[e] = EntryCost(entry=entry, retained_bytes=mem.retained, fwd_peak_bytes=mem.fwd_peak.total,
-                           bwd_peak_bytes=mem.bwd_peak.total, block_s=sm.block_time(base, 0, entry),
-                           step_flops=unchecked_flops + L * sm.block_cost(base, 0, entry).recompute_flops)
+                           bwd_peak_bytes=mem.bwd_peak.total, block_s=ga * sm.block_time(one, 0, entry),
+                           step_flops=unchecked_flops + ga * L * sm.block_cost(one, 0, entry).recompute_flops)
     return out
 
 
 def make_combo(sm: StepModel, base: Choice, sets: Mapping[str, CheckpointSet],
                memory: ComboMemory | None = None) -> Combo:
     """The combo of `base`'s knobs with the checkpoint menu `sets` (name -> set); `memory`:
-    its `combo_memory`, when already computed."""
+    its `combo_memory`, when already computed. Seconds and FLOPs per optimizer step: the
+    unchecked step's (`StepModel.runtime`, all `grad_accum` micro-steps) split into the blocks'
+    (each micro-step's times `grad_accum`) and the rest (`fixed_s`). `fixed_s` holds the
+    communication left exposed with no block checkpointed (`costmodels.step.overlap`):
+    recomputing hides more of it, so the joint model's seconds bound the plan's from above, by
+    at most that exposed time; the plan's prediction is `StepModel.evaluate`'s."""
     unchecked = sm.runtime(base)
     menu = _entry_costs(sm, base, sets, unchecked.flops)
-    fixed_s = unchecked.time_s - len(sm.blocks) * sm.block_time(base, 0, "none")
+    blocks_s = len(sm.blocks) * base.grad_accum * sm.block_time(micro_step(base), 0, "none")
+    fixed_s = unchecked.time_s - blocks_s
     return Combo(choice=base, memory=combo_memory(sm, base) if memory is None else memory,
                  fixed_s=fixed_s, menu=menu)
 

@@ -46,6 +46,7 @@ from hardware_profiles import known_names, load
 from planner.budget import Budget
 from planner.joint.problem import Problem, solve_problem
 from planner.joint.remat_menu import BlockMenus, named_entries
+from planner.joint.space import shapes
 from planner.plan import Plan
 from trainplan_errors import InfeasibleError, TrainplanError
 
@@ -107,23 +108,29 @@ def survey(pr: Problem, budget: Budget, *, seq_len: int, memory_limit_bytes: flo
            ) -> tuple[float, tuple[float, str], tuple[float, str] | None]:
     """Over the search space with every block on one named checkpoint entry: the lightest plan
     (peak bytes per device, its description) and the cheapest step (in the budget's unit) of the
-    plans that fit the limit, or None when none fits.
+    plans that fit the limit, or None when none fits. With a global batch, the SP degrees and
+    micro-batches that divide it, each at its gradient accumulation (`planner.joint.space.shapes`).
 
-    Returns (limit_bytes, (need_bytes, text), (step_cost, text) | None)."""
+    Returns (limit_bytes, (need_bytes, text), (step_cost, text) | None).
+
+    Raises:
+        BudgetError: a global batch no SP degree and micro-batch divides."""
     sm, hw, L = pr.step_model, pr.profile, len(pr.step_model.blocks)
     limit = hw.usable_bytes if memory_limit_bytes is None else min(memory_limit_bytes, hw.usable_bytes)
     space = pr.space(budget.devices, seq_len)
     entries = named_entries(space.policies)
     lightest: tuple[float, str] | None = None
     cheapest: tuple[float, str] | None = None
-    for sp, zero, mb, bits, ab in itertools.product(space.sp_degrees, space.zero_stages, space.micro_batches,
-                                                    space.optimizer_bits, space.activation_bits):
+    for (sp, mb, ga), zero, bits, ab in itertools.product(shapes(space, devices=budget.devices, seq_len=seq_len),
+                                                          space.zero_stages, space.optimizer_bits,
+                                                          space.activation_bits):
+        accum = f"grad_accum={ga}, " if ga > 1 else ""
         for e in entries:
             c = Choice(sp_degree=sp, zero_stage=zero, micro_batch=mb, seq_len=seq_len,
                        policies=(e,) * L, precision=space.precision, optimizer_bits=bits,
-                       devices=budget.devices, activation_bits=ab)
+                       devices=budget.devices, activation_bits=ab, grad_accum=ga)
             cost = sm.evaluate(c)
-            desc = (f"sp_degree={sp}, zero_stage={zero}, micro_batch={mb}, {bits}-bit optimizer, "
+            desc = (f"sp_degree={sp}, zero_stage={zero}, micro_batch={mb}, {accum}{bits}-bit optimizer, "
                     f"{ab}-bit saved activations, every block on {e}")
             if lightest is None or cost.memory.total < lightest[0]:
                 lightest = (cost.memory.total, desc)

@@ -33,6 +33,7 @@ from planner.joint.explain import explain_infeasible
 from planner.joint.problem import Problem, prepare, solve_problem
 from planner.joint.remat_menu import BlockMenus, Targets
 from planner.joint.remat_solver import Menu
+from planner.joint.space import shapes
 from planner.plan import Plan
 from trainplan_errors import InfeasibleError, TrainplanError
 
@@ -104,23 +105,27 @@ def _row(plan: Plan, *, fraction: float, cap: float | None, chosen: bool) -> dic
                 time_s=p.step_time_s * d.max_steps, loss=p.final_loss, chosen=chosen,
                 budget_fraction=fraction, memory_cap_bytes=math.nan if cap is None else cap,
                 sp_degree=d.sp_degree, dp_degree=d.dp_degree, zero_stage=d.zero_stage,
-                micro_batch=d.micro_batch, optimizer_bits=d.optimizer_bits,
+                micro_batch=d.micro_batch, grad_accum=d.grad_accum, optimizer_bits=d.optimizer_bits,
                 activation_bits=d.activation_bits,
                 data_fraction=d.data_fraction, checkpoint=ck, max_steps=d.max_steps,
                 total_tokens=p.total_tokens, step_time_s=p.step_time_s)
 
 
 def _lightest_bytes(pr: Problem, budget: Budget) -> float:
-    """Peak bytes per device of a light plan: full checkpointing, the smallest micro-batch and
-    optimizer width, the highest ZeRO stage, the lightest SP degree (a floor for the caps)."""
+    """Peak bytes per device of a light plan: full checkpointing, the smallest micro-batch (that
+    divides the global batch, if any, at its gradient accumulation) and optimizer width, the
+    highest ZeRO stage, the lightest SP degree (a floor for the caps)."""
     space = pr.space(budget.devices)
     L = len(pr.step_model.blocks)
+    smallest: dict[int, tuple[int, int]] = {}  # SP degree -> (micro-batch, grad_accum)
+    for sp, mb, ga in shapes(space, devices=budget.devices, seq_len=pr.seq_len):
+        smallest[sp] = min(smallest.get(sp, (mb, ga)), (mb, ga))
     return min(pr.step_model.evaluate(Choice(
-        sp_degree=sp, zero_stage=max(space.zero_stages), micro_batch=min(space.micro_batches),
+        sp_degree=sp, zero_stage=max(space.zero_stages), micro_batch=mb, grad_accum=ga,
         seq_len=pr.seq_len, policies=("full",) * L, precision=space.precision,
         optimizer_bits=min(space.optimizer_bits), devices=budget.devices,
         activation_bits=min(space.activation_bits))).memory.total
-        for sp in space.sp_degrees)
+        for sp, (mb, ga) in smallest.items())
 
 
 def frontier_for(pr: Problem, budget: Budget, *, memory_limit_bytes: float | None = None,
@@ -170,7 +175,7 @@ def frontier(model: nn.Module | str, hw: str | HardwareProfile, budget: Budget, 
              lr: float = 3e-3, **space_options: Any) -> Frontier:
     """The Pareto frontier over (peak memory per device, device-hours, predicted loss) of the
     plans for `model` on `hw` at up to `budget` (arguments as `planner.solve`'s; `space_options`:
-    micro_batches, optimizer_bits, activation_bits, policies, data_fractions).
+    micro_batches, optimizer_bits, activation_bits, policies, data_fractions, global_batch_tokens).
 
     Raises:
         UnknownNameError: unknown hardware or preset.
@@ -196,6 +201,7 @@ def format_frontier(table: pd.DataFrame) -> str:
         "device_hours": table["cost_device_hours"],
         "loss": table["loss"],
         "sp": table["sp_degree"], "zero": table["zero_stage"], "mb": table["micro_batch"],
+        "ga": table["grad_accum"],
         "opt_bits": table["optimizer_bits"], "data": table["data_fraction"],
         "tokens": table["total_tokens"], "checkpoint": table["checkpoint"],
     })

@@ -25,6 +25,7 @@ from planner.budget import (
     Budget,
     check_data_tokens,
     check_devices_usable,
+    check_global_batch_tokens,
     check_seed,
     check_time_limit,
 )
@@ -74,7 +75,8 @@ class Problem:
     """Unique training tokens in the corpus."""
     seq_len: int
     options: dict[str, Any]
-    """`default_space` options: micro_batches, optimizer_bits, policies, data_fractions."""
+    """`default_space` options: micro_batches, optimizer_bits, policies, data_fractions,
+    activation_bits, global_batch_tokens."""
     menus: BlockMenus
     """The step model's solved block menus, kept across re-solves (a problem with another step
     model needs its own)."""
@@ -102,17 +104,21 @@ def prepare(model: nn.Module | str, hw: str | HardwareProfile, *, seq_len: int =
             law: LossLaw | None = None, micro_batches: tuple[int, ...] = (1, 2, 4, 8, 16),
             optimizer_bits: tuple[int, ...] | None = None, policies: tuple[str, ...] = DEFAULT_POLICIES,
             data_fractions: tuple[float, ...] = (0.25, 0.5, 0.75, 1.0),
-            activation_bits: object = DEFAULT_ACTIVATION_BITS) -> Problem:
+            activation_bits: object = DEFAULT_ACTIVATION_BITS,
+            global_batch_tokens: int | None = None) -> Problem:
     """Capture `model` on `hw` once (arguments as `planner.api.solve`'s) for `solve_problem`.
 
     Raises:
         UnknownNameError: unknown hardware or preset.
         TrainplanError: bad sequence length, precision or option.
+        BudgetError: a global batch that is not a whole number of tokens in range (whether it
+            divides into micro-steps is checked per device count, by the solve).
         DataError: data_tokens not a whole number >= seq_len + 1.
         CaptureError: the model cannot be traced.
     """
     check_seq_len(seq_len)
     check_data_tokens(data_tokens, seq_len)
+    global_batch_tokens = check_global_batch_tokens(global_batch_tokens)
     check_activation_bits_options(activation_bits)
     if optimizer_bits is not None:  # before the capture: bad widths fail fast
         check_optimizer_bits(optimizer_bits, precision or default_precision(load_profile(hw)))
@@ -124,7 +130,8 @@ def prepare(model: nn.Module | str, hw: str | HardwareProfile, *, seq_len: int =
     options = dict(micro_batches=tuple(micro_batches),
                    optimizer_bits=None if optimizer_bits is None else tuple(optimizer_bits),
                    policies=tuple(policies), data_fractions=tuple(data_fractions),
-                   activation_bits=check_activation_bits_options(activation_bits))
+                   activation_bits=check_activation_bits_options(activation_bits),
+                   global_batch_tokens=global_batch_tokens)
     pr = Problem(profile=profile, precision=precision, graph=graph, name=name, step_model=step_model,
                  law=law, unique=int(unique), seq_len=seq_len, options=options, menus=BlockMenus(step_model))
     pr.space(1)  # bad options fail here, before any solve
@@ -144,7 +151,8 @@ def solve_problem(pr: Problem, budget: Budget, *, seq_len: int | None = None,
 
     Raises:
         TrainplanError: bad sequence length or budget.
-        BudgetError: a time limit or seed out of range; more devices than the corpus can feed.
+        BudgetError: a time limit or seed out of range; more devices than the corpus can feed; a
+            global batch no SP degree and micro-batch divides at this device count and sequence.
         InfeasibleError: nothing fits (the solver's message, not explained: see `planner.api.solve`).
         RuntimeError: internal: the solved plan's predicted peak is over the limit.
     """
@@ -190,12 +198,13 @@ def make_plan(step_model: StepModel, profile: HardwareProfile, graph: ModelGraph
 
     Raises:
         TrainplanError: a prediction is not finite (a broken capture)."""
-    cost = step_model.evaluate(c)
-    tokens_per_step = c.micro_batch * c.seq_len * (c.devices // c.sp_degree)
+    cost = step_model.evaluate(c)  # one optimizer step: `c.grad_accum` micro-steps
+    tokens_per_step = c.micro_batch * c.seq_len * (c.devices // c.sp_degree) * c.grad_accum
     peak_flops = profile.peak(PRECISION_DTYPE[c.precision])
     decisions = Decisions(
         devices=c.devices, sp_degree=c.sp_degree, dp_degree=c.devices // c.sp_degree,
-        zero_stage=c.zero_stage, micro_batch=c.micro_batch, seq_len=c.seq_len, checkpoint=c.policies,
+        zero_stage=c.zero_stage, micro_batch=c.micro_batch, grad_accum=c.grad_accum, seq_len=c.seq_len,
+        checkpoint=c.policies,
         checkpoint_sets={x.name: sorted(x.saved or ()) for x in c.sets if x.name in c.policies},
         precision=c.precision, optimizer_bits=c.optimizer_bits, activation_bits=c.activation_bits,
         data_fraction=data_fraction,
@@ -214,8 +223,10 @@ def make_plan(step_model: StepModel, profile: HardwareProfile, graph: ModelGraph
         made_for=layout_fields(decisions))
     if not all(math.isfinite(v) for v in (cost.flops, cost.time_s, cost.memory.total)):
         raise TrainplanError("predictions are not finite; the captured graph is broken")
-    notes = ("communication is added to compute, not overlapped: a conservative time bound",
-             f"loss law: {law.source}")
+    overlap = (f"communication overlapped with compute as the executor issues it: "
+               f"{cost.comm_s:.3g} s of {cost.comm_total_s:.3g} s exposed (costmodels.step.overlap)"
+               if step_model.overlap else "communication added to compute, not overlapped: a conservative bound")
+    notes = (overlap, f"loss law: {law.source}")
     return Plan(model=name, model_n_params=graph.n_params, model_n_layers=graph.n_layers,
                 hw=profile.name, budget=dict(budget) | {"seq_len": c.seq_len}, data_tokens=int(unique),
                 vocab_size=graph.vocab_size, decisions=decisions, predictions=predictions, solver=facts,

@@ -93,7 +93,8 @@ def prune_narrower(combos: list[Combo], L: int, mem_cap: int, bits_pen: Mapping[
 
 
 def step_cost(c: Combo, counts: Mapping[str, int], L: int, wall: float | None, devices: int) -> float:
-    """One step's cost: seconds under a time budget, FLOPs over all devices under a FLOP one."""
+    """One optimizer step's cost (all its micro-steps): seconds under a time budget, FLOPs over
+    all devices under a FLOP one."""
     if wall is not None:
         return c.fixed_s + sum(counts[e] * c.cost_of(e).block_s for e in counts)
     return sum(counts[e] * c.cost_of(e).step_flops for e in counts) / L * devices
@@ -102,8 +103,8 @@ def step_cost(c: Combo, counts: Mapping[str, int], L: int, wall: float | None, d
 def spent(c: Combo, counts: Mapping[str, int], L: int, wall: float | None, budget: Budget, devices: int,
           law: LossLaw, n_params: int, f: float, data_tokens: int, level: int,
           bits_pen: Mapping[tuple[int, int], float]) -> tuple[float, int]:
-    """(predicted loss, steps) when the whole budget is spent at these knobs (the levels are a
-    grid; loss falls with tokens), at least the level's steps."""
+    """(predicted loss, optimizer steps) when the whole budget is spent at these knobs (the
+    levels are a grid; loss falls with tokens), at least the level's steps."""
     cap = budget_cap(budget, wall)
     steps = max(math.ceil(level / c.tokens_per_step), int(cap // step_cost(c, counts, L, wall, devices)), 1)
     return (law.predict(n_params, steps * c.tokens_per_step, unique_tokens=max(1.0, f * data_tokens))
@@ -150,7 +151,8 @@ def uniform_start(combos: Sequence[Combo], entries: Sequence[str], L: int, mem_c
 
 
 Lightest = tuple[float, int, int, int, str]
-"""(bytes per device, SP degree, ZeRO stage, micro-batch, the widths in words) of a plan."""
+"""(bytes per device, SP degree, ZeRO stage, micro-batch, the widths (and a gradient
+accumulation above 1) in words) of a plan."""
 
 
 def lightest_uniform(sm: StepModel, combos: Sequence[Choice], named: Sequence[str]) -> Lightest:
@@ -162,8 +164,9 @@ def lightest_uniform(sm: StepModel, combos: Sequence[Choice], named: Sequence[st
             c = dataclasses.replace(base, policies=(e,) * len(sm.blocks))
             need = sm.evaluate(c).memory.total
             if best is None or need < best[0]:
+                accum = f"grad_accum={base.grad_accum}, " if base.grad_accum > 1 else ""
                 best = (need, base.sp_degree, base.zero_stage, base.micro_batch,
-                        f"{base.optimizer_bits}-bit optimizer, {base.activation_bits}-bit saved activations")
+                        f"{accum}{base.optimizer_bits}-bit optimizer, {base.activation_bits}-bit saved activations")
     assert best is not None, "lightest_uniform needs at least one combo and one entry"
     return best
 

@@ -37,7 +37,7 @@ from planner.joint.search import (
     undominated,
     uniform_start,
 )
-from planner.joint.space import SearchSpace
+from planner.joint.space import SearchSpace, shapes
 from trainplan_errors import InfeasibleError
 
 LOSS_PER_UNIT = 1e-5            # objective resolution, nats
@@ -92,7 +92,12 @@ def solve_joint(step_model: StepModel, hw: HardwareProfile, budget: Budget, *, s
     menus: where each block shape's solved menu comes from when the space has `remat` (default:
         menus solved for this call alone; a `Problem`'s own `BlockMenus` keep them across solves).
 
+    The plan's tokens per step are those of one optimizer step: with `space.global_batch_tokens`
+    every combo's (`planner.joint.space.shapes` sets each one's gradient accumulation); its step
+    count is the optimizer steps that reach the chosen token level.
+
     Raises:
+        BudgetError: a global batch that no SP degree and micro-batch of the space divides.
         InfeasibleError: nothing fits memory, or the budget buys no step; the message names the
             binding term with both numbers and what to relax. When the time limit ends the
             search before any plan is found, the message says so and asks for a longer limit
@@ -106,11 +111,15 @@ def solve_joint(step_model: StepModel, hw: HardwareProfile, budget: Budget, *, s
     named = named_entries(space.policies)
     combos: list[Combo] = []
     dropped: list[Choice] = []
+    # gradient accumulation: set by the global batch per SP degree and micro-batch (1 without one)
+    accum = {(sp, mb): ga for sp, mb, ga in shapes(space, devices=devices, seq_len=seq_len)}
     for sp, zero, mb, ob, ab in itertools.product(space.sp_degrees, space.zero_stages, space.micro_batches,
                                                   space.optimizer_bits, space.activation_bits):
+        if (sp, mb) not in accum:
+            continue  # the global batch is not a whole number of these micro-steps
         base = Choice(sp_degree=sp, zero_stage=zero, micro_batch=mb, seq_len=seq_len,
                       policies=("none",) * L, precision=space.precision, optimizer_bits=ob,
-                      devices=devices, activation_bits=ab)
+                      devices=devices, activation_bits=ab, grad_accum=accum[(sp, mb)])
         memory = combo_memory(step_model, base)  # bytes per device, as StepModel.evaluate composes them
         # head forward / backward, root reduce-scatter, optimizer
         if max(memory.fixed_phase_bytes.values()) > limit:
@@ -158,7 +167,7 @@ def solve_joint(step_model: StepModel, hw: HardwareProfile, budget: Budget, *, s
     # ---- variables --------------------------------------------------------------------
     m = cp_model.CpModel()
     z = [m.new_bool_var(f"combo_sp{c.choice.sp_degree}_z{c.choice.zero_stage}_mb{c.choice.micro_batch}"
-                        f"_b{c.bits[0]}_a{c.bits[1]}") for c in combos]  # shape knobs
+                        f"_ga{c.choice.grad_accum}_b{c.bits[0]}_a{c.bits[1]}") for c in combos]  # shape knobs
     n = {e: m.new_int_var(0, L, f"blocks_{e}") for e in entries}  # blocks per checkpoint entry
     y = [m.new_bool_var(f"tokens_{t}") for t in levels]  # stopping budget level
     x = {f: m.new_bool_var(f"fraction_{f}") for f in fractions}  # data fraction

@@ -24,6 +24,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 SEQ_LEN = 16
 GLOBAL_BATCH = 4
@@ -218,9 +219,21 @@ def run_zero(out: Path, stages: list[int], steps: int = 2) -> None:
     dist.destroy_process_group()
 
 
-def run_mem(out: Path, cases: list[tuple[int, int]]) -> None:
-    """Per (sp_degree, zero_stage): two steps each followed by a held-out evaluation, as
-    `executor.train.run` does, then one step under MemTracker; rank 0 saves all ranks' peaks."""
+def mem_case(text: str) -> tuple[int, int, str]:
+    """``SP:STAGE[:PRECISION]`` -> (sp_degree, zero_stage, precision); precision fp32 when not
+    given, or bf16-mixed (FSDP2's MixedPrecisionPolicy at ZeRO 2/3, as `executor.train` runs it)."""
+    sp, stage, *rest = text.split(":")
+    return int(sp), int(stage), (rest[0] if rest else "fp32")
+
+
+def mem_file(sp: int, stage: int, precision: str = "fp32") -> str:
+    suffix = "" if precision == "fp32" else f"_{precision}"
+    return f"mem_sp{sp}_stage{stage}{suffix}.pt"
+
+
+def run_mem(out: Path, cases: list[tuple[int, int, str]]) -> None:
+    """Per (sp_degree, zero_stage, precision): two steps each followed by a held-out evaluation,
+    as `executor.train.run` does, then one step under MemTracker; rank 0 saves all ranks' peaks."""
     from functools import partial
 
     import torch
@@ -230,19 +243,20 @@ def run_mem(out: Path, cases: list[tuple[int, int]]) -> None:
     from executor.optimizers import build_optimizer
     from executor.parallel.launch import init_distributed
     from executor.parallel.ulysses import enable_ulysses, new_sequence_parallel_group
-    from executor.parallel.zero import apply_zero
+    from executor.parallel.zero import apply_zero, mixed_precision_policy
     from executor.train import micro_batch_loss
 
     torch.set_num_threads(1)
     device = torch.device("cpu")
     rank, world = init_distributed(device, timeout_s=60)
     vocab = mem_config().vocab_size
-    for sp, stage in cases:
+    for sp, stage, precision in cases:
         new_sequence_parallel_group(sp)
         model = build_mem_model()
         enable_ulysses(model, seq_len=MEM_SEQ_LEN)
+        decisions = SimpleNamespace(precision=precision, zero_stage=stage, devices=world)
         model, opt = apply_zero(model, partial(build_optimizer, bits=32, lr=1e-3), stage=stage,
-                                device=device)
+                                device=device, mp_policy=mixed_precision_policy(decisions))
         forward_loss = partial(micro_batch_loss, model, device, sp, rank % sp, world)
 
         def batch(i: int, sp: int = sp):
@@ -262,7 +276,7 @@ def run_mem(out: Path, cases: list[tuple[int, int]]) -> None:
         peak = measure_memory(lambda: step(2), model, opt)
         totals = gather_floats(peak["total"], world)
         if rank == 0:
-            torch.save({"per_rank": totals, "rank0": peak}, out / f"mem_sp{sp}_stage{stage}.pt")
+            torch.save({"per_rank": totals, "rank0": peak}, out / mem_file(sp, stage, precision))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -317,7 +331,7 @@ def run_mode(mode: str, out_path: Path, rest: list[str]) -> None:
     elif mode == "zero":
         run_zero(out_path, [int(s) for s in rest])
     elif mode == "mem":
-        run_mem(out_path, [tuple(int(x) for x in case.split(":")) for case in rest])
+        run_mem(out_path, [mem_case(case) for case in rest])
     elif mode == "fail":
         run_fail(out_path)
     elif mode == "hang":

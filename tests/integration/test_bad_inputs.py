@@ -78,6 +78,11 @@ def workdir(tmp_path_factory, cpu_profile) -> Path:
                        "plan_budget_str.json": {"budget": "x"}}.items():
         (d / name).write_text(json.dumps(raw | edit))
     (d / "garbage.json").write_bytes(b"\xff\xfe\x00\x81 not a plan")
+    from hardware_profiles import load
+    from hardware_profiles.profile_file import profile_toml
+
+    (d / "bad_profile.toml").write_text("\n".join("memory_efficiency = 1.5" if line.startswith("memory_efficiency =")
+                                                  else line for line in profile_toml(load("h100")).splitlines()))
     (d / "curve_neg.json").write_text(json.dumps(HeldoutCurve(
         E=2.5, B=2.9, beta=0.17, gamma=-0.03, kappa=1.3, zeta=0.5, d_ref_tokens=1e5, u_ref_tokens=4e4,
         tokens_per_step=1024.0, unique_tokens=4e4).to_dict()))
@@ -165,6 +170,11 @@ CLI_ROWS: dict[str, tuple[str, type, list[str]]] = {
                         ["device_hours=-1.0", "positive finite"]),
     "nan-budget": (f"{TINY} --budget-flops nan", BudgetError, ["flops=nan", "positive finite"]),
     "huge-flops": (f"{TINY} --budget-flops 1e300", BudgetError, ["flops=1e+300", "at most 1e+30"]),
+    "global-batch-zero": (f"{TINY} --budget-seconds 60 --global-batch-tokens 0", BudgetError,
+                          ["global_batch_tokens=0", "whole number of tokens per optimizer step"]),
+    "global-batch-indivisible": (f"{TINY} --budget-seconds 60 --global-batch-tokens 1000", BudgetError,
+                                 ["global_batch_tokens=1000", "dp_degree x micro_batch x seq_len x grad_accum",
+                                  "nearest valid global batches are 896 and 1024 tokens"]),
     "activation-bits-unknown": (f"{TINY} --budget-seconds 60 --activation-bits 32,4", TrainplanError,
                                 ["activation_bits=4", "32, 16, 8"]),
     "optimizer-bits-for-precision": (f"{TINY} --budget-seconds 60 --optimizer-bits 16", TrainplanError,
@@ -339,6 +349,13 @@ CLI_ROWS: dict[str, tuple[str, type, list[str]]] = {
                                  ["'no_such_run' does not exist", "--out folder"]),
     "calibrate-short-run": ("calibrate short_run", TrainplanError,
                             ["'short_run' has 2 timed steps", "at least 3", "Nothing was written"]),
+    # ---- hardware profile files
+    "hw-file-missing": ("solve --model tiny-llama --hw missing.toml --budget-seconds 60", TrainplanError,
+                        ["'missing.toml' does not exist", "--template h100"]),
+    "hw-file-bad-value": ("solve --model tiny-llama --hw bad_profile.toml --budget-seconds 60", TrainplanError,
+                          ["'bad_profile.toml'", "memory_efficiency = 1.5", "must be in (0, 1]"]),
+    "calibrate-profile-out-missing-folder": ("calibrate short_run --profile-out no_dir/x.toml", OutputPathError,
+                                             ["'no_dir/x.toml'", "existing folder"]),
 }
 NEEDS_NO_GPU = {"device-cuda-without-gpu", "plan-for-an-accelerator"}
 
@@ -480,6 +497,12 @@ API_ROWS = {
     "budget-not-a-budget": (
         lambda: solve("tiny-llama", "h100", 3600),
         TrainplanError, ["planner.Budget", "got int"]),
+    "grad-accum-zero": (
+        lambda: plan_for_choice("tiny-llama", "h100", seq_len=64, micro_batch=1, grad_accum=0),
+        TrainplanError, ["grad_accum=0", "whole number >= 1"]),
+    "global-batch-not-a-number": (
+        lambda: solve("tiny-llama", "h100", Budget(wall_clock_s=60), global_batch_tokens=4e6),
+        BudgetError, ["global_batch_tokens=4000000.0", "whole number of tokens", "e.g. 4194304"]),
 }
 
 

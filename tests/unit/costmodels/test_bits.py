@@ -10,8 +10,9 @@ import math
 import pytest
 import torch
 
-from costmodels.step.memory import CATEGORIES, adam_state_bytes, quantization_map_bytes
+from costmodels.step.memory import CATEGORIES
 from costmodels.step.model import Choice, StepModel
+from costmodels.step.optimizer_states import ADAMW_IMPLEMENTATION, adam_state_bytes, quantization_map_bytes
 from costmodels.step.precision import optimizer_bits_for
 from executor.optimizers import build_optimizer, set_lr
 from executor.train import apply_checkpointing
@@ -186,7 +187,7 @@ def test_memory_per_category_matches_memtracker(step_models, tiny_llama, measure
                precision=precision, optimizer_bits=opt_bits, devices=1, activation_bits=act_bits)
     wb, gb, master, _ = PRECISIONS[precision]
     states = model_state_bytes(sm.param_numels, weight_bytes=wb, grad_bytes=gb, master_bytes=master,
-                               optimizer_bits=opt_bits, zero_stage=0, shard_degree=1, foreach=False,
+                               optimizer_bits=opt_bits, zero_stage=0, shard_degree=1, adamw=ADAMW_IMPLEMENTATION,
                                as_executed=True)
     phases = step_phases(sm.head_memory(c), [sm.block_memory(c, i, "none") for i in range(len(sm.blocks))],
                          sm.tail_memory(c), states)

@@ -11,15 +11,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from costmodels.step.memory import (
-    CATEGORIES,
-    MIN_QUANT_NUMEL,
-    adam_state_bytes,
-    model_state_bytes,
-    quantization_map_bytes,
-    zero1_partition,
-)
+from costmodels.step.memory import CATEGORIES, model_state_bytes, zero1_partition
 from costmodels.step.model import Choice, StepModel
+from costmodels.step.optimizer_states import MIN_QUANT_NUMEL, adam_state_bytes, quantization_map_bytes
 from executor.optimizers import build_optimizer
 from executor.train import apply_checkpointing
 from hardware_profiles import load
@@ -159,7 +153,7 @@ def test_mixed_precision_adam_is_16_bytes_per_parameter():
     numels = [10**6, 4096, 1000, 7, 1]
     n = sum(numels)
     s = model_state_bytes(numels, weight_bytes=2, grad_bytes=2, master_bytes=4, optimizer_bits=32,
-                          zero_stage=0, shard_degree=1, foreach=False)
+                          zero_stage=0, shard_degree=1, adamw="single_tensor")
     per_param = (s.params + s.grads + s.optimizer - 4 * len(numels)) / n  # less AdamW's step tensors
     assert per_param == 16, f"{per_param} bytes per parameter, paper 16"
 
@@ -172,7 +166,7 @@ ZERO_FIG1 = [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.88)]
 def test_zero_stages_match_the_paper(stage, paper_gb):
     psi, n = 7_500_000_000, 64
     s = model_state_bytes([psi], weight_bytes=2, grad_bytes=2, master_bytes=4, optimizer_bits=32,
-                          zero_stage=stage, shard_degree=n, foreach=True)
+                          zero_stage=stage, shard_degree=n, adamw="foreach")
     got = (s.params + s.grads + s.optimizer) / 1e9
     assert math.isclose(got, paper_gb, rel_tol=0.005), f"stage {stage}: {got:.3f} GB, paper {paper_gb} GB"
     # each stage divides exactly its own terms by N
@@ -188,7 +182,7 @@ def test_zero1_shards_whole_tensors_as_torch_does():
     numels = [1, 5, 10, 3, 7]
     assert sorted(numels[i] for i in zero1_partition(numels, 2)) == [3, 10]
     kw = dict(weight_bytes=4, grad_bytes=4, master_bytes=0, optimizer_bits=32, zero_stage=1,
-              shard_degree=2, foreach=False)
+              shard_degree=2, adamw="single_tensor")
     run = model_state_bytes(numels, as_executed=True, **kw)
     assert run.optimizer == adam_state_bytes(10, 32) + adam_state_bytes(3, 32)
     assert model_state_bytes(numels, **kw).optimizer == sum(adam_state_bytes(n, 32) for n in numels) / 2
@@ -198,7 +192,7 @@ def test_executed_zero2_keeps_parameters_sharded_at_rest():
     """FSDP2's stage 2 shards parameters between steps (all-gathered from forward to backward,
     `FsdpLayout`); the paper's stage 2 replicates them."""
     kw = dict(weight_bytes=4, grad_bytes=4, master_bytes=0, optimizer_bits=32, zero_stage=2,
-              shard_degree=4, foreach=False)
+              shard_degree=4, adamw="single_tensor")
     assert model_state_bytes([1000], as_executed=True, **kw).params == 1000
     assert model_state_bytes([1000], **kw).params == 4000
 
@@ -233,14 +227,14 @@ def test_quantized_adam_bytes_per_parameter(bits, per_param):
 ])
 def test_model_state_bytes_errors(kwargs, match):
     base = dict(weight_bytes=2, grad_bytes=2, master_bytes=4, optimizer_bits=32, zero_stage=0,
-                shard_degree=1, foreach=False)
+                shard_degree=1, adamw="single_tensor")
     with pytest.raises(TrainplanError, match=match):
         model_state_bytes([10], **{**base, **kwargs})
 
 
 def test_empty_model_has_no_state_bytes():
     s = model_state_bytes([], weight_bytes=2, grad_bytes=2, master_bytes=4, optimizer_bits=32,
-                          zero_stage=0, shard_degree=1, foreach=False)
+                          zero_stage=0, shard_degree=1, adamw="single_tensor")
     assert (s.params, s.grads, s.optimizer, s.optimizer_step_temp) == (0, 0, 0, 0)
 
 

@@ -20,7 +20,7 @@ from hardware_profiles.profile import NUMERIC_FIELDS
 from trainplan_errors import TrainplanError, UnknownNameError
 
 GIB = 2**30
-DATASHEET = ["a100", "h100", "h200", "mi300a", "mi300x"]
+DATASHEET = ["a100-40gb", "a100", "h100", "h200", "mi300a", "mi300x"]  # sorted by file name
 
 
 def _toml_files():
@@ -76,7 +76,7 @@ def test_unknown_name_lists_every_name_and_alias():
     with pytest.raises(UnknownNameError) as info:
         load("h800")
     assert str(info.value) == (
-        "unknown hardware 'h800': known profiles are a100, cpu, h100, h200, mi300a, mi300x (alias mi300)"
+        "unknown hardware 'h800': known profiles are a100, a100-40gb, cpu, h100, h200, mi300a, mi300x (alias mi300)"
     )
     assert isinstance(info.value, KeyError) and isinstance(info.value, ValueError)
     with pytest.raises(TrainplanError, match="profile name or HardwareProfile"):
@@ -84,7 +84,7 @@ def test_unknown_name_lists_every_name_and_alias():
 
 
 def test_known_names():
-    assert hardware_profiles.known_names() == ["a100", "cpu", "h100", "h200", "mi300", "mi300a", "mi300x"]
+    assert hardware_profiles.known_names() == ["a100", "a100-40gb", "cpu", "h100", "h200", "mi300", "mi300a", "mi300x"]
 
 
 def test_datasheet_values():
@@ -343,7 +343,7 @@ def test_save_profile_is_what_load_returns(counted, quick_cpu):
 
 def test_list_and_describe_profiles(counted):
     names = [p.name for p in hardware_profiles.list_profiles()]
-    assert names == ["a100", "cpu", "h100", "h200", "mi300a", "mi300x"]
+    assert names == ["a100", "a100-40gb", "cpu", "h100", "h200", "mi300a", "mi300x"]
     rows = hardware_profiles.describe_profiles(include_cpu=False)
     by_name = {r["name"]: r for r in rows}
     assert set(by_name) == set(DATASHEET)
@@ -352,7 +352,7 @@ def test_list_and_describe_profiles(counted):
     assert by_name["h100"]["intra_node_gb_per_s"] == 450.0 and by_name["h100"]["inter_node_gb_per_s"] == 50.0
     assert by_name["a100"]["hbm_tb_per_s"] == 2.039
     assert all(r["source"] for r in rows)
-    assert len(hardware_profiles.describe_profiles()) == 6
+    assert len(hardware_profiles.describe_profiles()) == 7
 
 
 def test_import_does_not_import_torch():

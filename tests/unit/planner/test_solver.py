@@ -69,7 +69,8 @@ def test_memory_binds_70b_at_128k(plan_70b):
     assert limit == usable, (limit, usable)
     assert mem <= limit, f"plan predicts {mem / GIB:.1f} GiB, usable {limit / GIB:.1f} GiB"
     # binding: the same knobs without checkpointing would not fit
-    graph, _, numels = capture_model("llama3-70b", d.precision, activation_bits=(d.activation_bits,))
+    graph, _, numels = capture_model("llama3-70b", d.precision, activation_bits=(d.activation_bits,),
+                                       device_type=load("mi300").device_type)
     sm = StepModel(graph.regions, graph.blocks, numels, load("mi300"), n_heads=graph.n_heads,
                    n_kv_heads=graph.n_kv_heads, head_dim=graph.head_dim)
     plain = sm.evaluate(Choice(sp_degree=d.sp_degree, zero_stage=d.zero_stage, micro_batch=d.micro_batch,
@@ -326,15 +327,10 @@ def problems():
 def _evaluate_phases(sm: StepModel, c: Choice) -> dict[str, float]:
     """The highest bytes of each phase kind as `StepModel.evaluate` composes them (its peak is
     their maximum): `costmodels.step.memory.step_phases` over the same inputs."""
-    from costmodels.step.memory import model_state_bytes, step_phases
-    from costmodels.step.precision import PRECISIONS
+    from costmodels.step.memory import step_phases
 
-    wb, gb, mb, _ = PRECISIONS[c.precision]
-    states = model_state_bytes(sm.param_numels, weight_bytes=wb, grad_bytes=gb, master_bytes=mb,
-                               optimizer_bits=c.optimizer_bits, zero_stage=c.zero_stage,
-                               shard_degree=c.devices, foreach=sm.hw.device_type != "cpu",
-                               as_executed=True)
-    head = sm._mem("head", c.micro_batch, c.seq_len // c.sp_degree, "none")
+    states = sm.model_states(c)
+    head = sm.head_memory(c)
     blocks = [sm.block_memory(c, i, p) for i, p in enumerate(c.policies)]
     out: dict[str, float] = {}
     for m in step_phases(head, blocks, sm.tail_memory(c), states, fsdp=sm.fsdp_layout(c)):

@@ -1,0 +1,76 @@
+"""Gradient accumulation on two gloo processes: DDP (ZeRO 0, its all-reduce deferred with
+`no_sync` to the last micro-step) and FSDP2 (ZeRO 2, a reduce-scatter every micro-step), two
+micro-steps of one sequence per rank, train what one process accumulating four micro-steps of
+one sequence trains (the same four windows per step: `executor.data.batches.TokenBatches` hands
+each micro-step the next micro-batch of the stream; tests/unit/executor/test_grad_accum.py shows
+that equal to one step of four sequences), by the held-out loss after two optimizer steps
+(fp32; the held-out batches are the micro-batch's, so all three runs evaluate the same windows)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+
+import pytest
+
+from executor.data.batches import load_corpus
+from executor.record import RunRecord
+from executor.train import run
+from planner.api import plan_for_choice
+from planner.plan import Plan, layout_fields
+
+SEQ = 64
+STEPS = 2
+RTOL = 1e-5
+WORDS = ["to", "be", "or", "not", "that", "is", "the", "question", "whether", "tis", "nobler", "in",
+         "mind", "suffer", "slings", "and", "arrows", "of", "outrageous", "fortune"]
+
+
+@pytest.fixture(scope="module")
+def corpus_path(tmp_path_factory):
+    rng = random.Random(2)
+    path = tmp_path_factory.mktemp("corpus") / "words.txt"
+    path.write_text("\n".join(" ".join(rng.choice(WORDS) for _ in range(15)) for _ in range(600)) + "\n",
+                    encoding="utf-8")
+    return path
+
+
+def _with(plan: Plan, **decisions) -> Plan:
+    """`plan` with `decisions` changed, its tokens per step and `made_for` following them (the
+    memory and time predictions stay: these runs compare losses)."""
+    d = dataclasses.replace(plan.decisions, **decisions)
+    tps = d.dp_degree * d.micro_batch * d.seq_len * d.grad_accum
+    d = dataclasses.replace(d, max_tokens=STEPS * tps)
+    p = dataclasses.replace(plan.predictions, tokens_per_step=tps, total_tokens=STEPS * tps,
+                            made_for=layout_fields(d))
+    return dataclasses.replace(plan, decisions=d, predictions=p)
+
+
+@pytest.fixture(scope="module")
+def records(corpus_path, cpu_profile, tmp_path_factory, one_thread) -> dict[str, RunRecord]:
+    from executor.worker import launch
+
+    corpus = load_corpus([corpus_path], vocab_size=512)
+    base = plan_for_choice("tiny-llama", cpu_profile, seq_len=SEQ, micro_batch=1, grad_accum=2, devices=2,
+                           max_steps=STEPS, vocab_size=corpus.vocab_size, optimizer_bits=32)
+    out = {}
+    whole = _with(base, devices=1, dp_degree=1, grad_accum=4)
+    out["one process"] = run(whole, data=corpus, out=tmp_path_factory.mktemp("one"), device="cpu",
+                             progress=False, checkpoint_every=0, check_fits=False)
+    for name, stage in (("ddp", 0), ("fsdp2", 2)):
+        folder = tmp_path_factory.mktemp(name)
+        _with(base, zero_stage=stage).to_json(folder / "plan.json")
+        launch(folder / "plan.json", folder / "run", [str(corpus_path)], "cpu", check_fits=False)
+        out[name] = RunRecord.from_json(folder / "run" / "record.json")
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["ddp", "fsdp2"])
+def test_two_micro_steps_on_two_ranks_train_the_one_process_batch(records, name):
+    one, two = records["one process"], records[name]
+    assert two.world_size == 2 and two.steps == one.steps == STEPS and two.stop_reason == "budget"
+    assert two.tokens == one.tokens == STEPS * 4 * SEQ
+    assert math.isclose(two.final_heldout_loss, one.final_heldout_loss, rel_tol=RTOL), \
+        (two.final_heldout_loss, one.final_heldout_loss)
