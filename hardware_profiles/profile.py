@@ -370,14 +370,18 @@ class HardwareProfile:
         where = f"hardware profile file {str(path)!r}"
         p = Path(path)
         if not p.is_file():
-            raise TrainplanError(f"{where} does not exist or is not a file; give a .toml file with the keys of "
-                                 "a shipped profile (`trainplan profiles --template h100 > my-gpu.toml` writes one)")
+            raise TrainplanError(f"{where} does not exist or is not a file; give a .toml file with a shipped "
+                                 "profile's keys (`trainplan profiles --template h100 > my-gpu.toml`)")
         try:
             data = tomllib.loads(p.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError) as e:
             raise TrainplanError(f"{where} cannot be read: {getattr(e, 'strerror', None) or e}") from None
         except tomllib.TOMLDecodeError as e:
             raise TrainplanError(f"{where} is not valid TOML: {e}") from None
+        optional = ("aliases", "vendor", "source", "optimizer_s_per_param", "sources")  # a shipped file's keys:
+        if absent := [f.name for f in dataclasses.fields(cls) if f.name not in optional and f.name not in data]:
+            raise TrainplanError(f"{where}: missing key(s) {', '.join(absent)}; a profile file gives every "
+                                 "key of a shipped profile (`trainplan profiles --template h100` writes them)")
         try:
             profile = cls.from_dict(data)
         except TrainplanError as e:

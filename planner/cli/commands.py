@@ -72,7 +72,8 @@ def print_plan(plan: Plan) -> None:
     mem = ", ".join(f"{k} {v / gib:.2f}" for k, v in p.memory_bytes.items() if k != "total")
     print(f"  memory/device: {p.memory_bytes['total'] / gib:.2f} GiB of {p.memory_limit_bytes / gib:.2f} "
           f"usable (peak at {p.memory_phase}; GiB: {mem})")
-    br = ", ".join(f"{k} {v:.3g}" for k, v in p.step_time_breakdown_s.items())
+    br = ", ".join(f"{'exposed communication' if k == 'communication' else k} {v:.3g}"
+                   for k, v in p.step_time_breakdown_s.items())
     print(f"  step: {p.step_time_s:.4g} s ({br}), {p.flops_per_step:.3e} FLOPs/device, "
           f"{p.tokens_per_step:,} tokens, MFU {p.mfu:.1%}")
     print(f"  run: {p.total_tokens:,} tokens, {p.device_hours:.4g} device-hours, predicted final loss "
