@@ -33,7 +33,13 @@ PROFILE_OF_GPU = {"h100": "h100", "h200": "h200", "a100-80gb": "a100", "a100-40g
 
 
 class Case(BaseModel):
-    """One published measurement (fields as `/tmp`-free SCHEMA in the module docstring)."""
+    """One published measurement: a `[[case]]` table of the case file (module docstring). Units
+    are in the field names (`_s`, `_bytes`, `tokens_per_s_per_device`); sequences and batches are
+    in tokens and sequences.
+
+    Raises (pydantic `ValidationError`, a `ValueError`): an in-scope case missing a knob the
+    prediction needs, a GPU without a profile, checkpointing other than none/full, no published
+    figure, or memory without its kind."""
 
     model_config = ConfigDict(extra="allow", frozen=True)
 

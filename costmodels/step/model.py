@@ -310,9 +310,9 @@ class StepModel:
             tail_reduce = comm.all_reduce_s(tail_numel * rb, n, link)
             root_reduce = comm.all_reduce_s(max(0.0, root_numel - tail_numel) * rb, n, link)
         times = StepTimes(
-            head_fwd_s=head.fwd_s + head.n_fwd_ops * ov, head_bwd_s=_bwd_s(head, ov),
-            tail_fwd_s=tail.fwd_s + tail.n_fwd_ops * ov, tail_bwd_s=_bwd_s(tail, ov),
-            block_fwd_s=tuple(x.fwd_s + x.n_fwd_ops * ov + a2a for x in blocks),
+            head_fwd_s=_fwd_s(head, ov), head_bwd_s=_bwd_s(head, ov),
+            tail_fwd_s=_fwd_s(tail, ov), tail_bwd_s=_bwd_s(tail, ov),
+            block_fwd_s=tuple(_fwd_s(x, ov) + a2a for x in blocks),
             block_bwd_s=tuple(_bwd_s(x, ov) + a2a for x in blocks),
             root_gather_s=root_gather, block_gather_s=gather, root_reduce_s=root_reduce,
             block_reduce_s=reduce, tail_reduce_s=tail_reduce)
@@ -382,6 +382,11 @@ class StepModel:
         bw = min(hw.intra_node_bandwidth_bytes_per_s, hw.devices_per_node * hw.inter_node_bandwidth_bytes_per_s)
         return comm.Link(bandwidth_bytes_per_s=bw, latency_s=hw.inter_node_latency_s,
                          efficiency=hw.network_efficiency)
+
+
+def _fwd_s(x: RegionCost, op_overhead_s: float) -> float:
+    """Seconds of a region's forward on the compute stream: its ops and their per-op overhead."""
+    return x.fwd_s + x.n_fwd_ops * op_overhead_s
 
 
 def _bwd_s(x: RegionCost, op_overhead_s: float) -> float:
