@@ -360,14 +360,6 @@ class StepModel:
         shard = c.devices if c.zero_stage >= 1 else 1
         return adamw_traffic(sum(self.param_numels) / shard, len(self.param_numels), c.optimizer_bits)
 
-    def unsharded_bytes(self, c: Choice) -> float:
-        """Parameters FSDP (ZeRO-3) holds all-gathered during a block's forward or backward
-        beyond the root group (`fsdp_layout`): the block's whole parameters and its all-gather
-        buffer (forward) or the next block's, prefetched (backward)."""
-        if c.zero_stage != 3 or c.devices == 1:
-            return 0.0
-        return 2 * self.block_numel(c.precision, self.blocks[0]) * self.gather_bytes_per_param(c)
-
     def link(self, group: int) -> comm.Link:
         """The link a ring collective over `group` consecutive ranks runs on: the intra-node link
         inside one node; across nodes, the ring's bus bandwidth is the node's NICs together,
