@@ -12,6 +12,7 @@ Holds the grid (`Grid`, `FULL`, `QUICK`) and its constants, the junk-laced candi
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass
 
@@ -165,6 +166,7 @@ _WORKER: dict = {}
 
 def _init_worker(grid: Grid) -> None:
     torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"  # the cpu profile is measured at it (hardware_profiles.threads)
     _WORKER["data"] = build_data(grid)
 
 

@@ -24,6 +24,7 @@ import argparse
 import datetime as dt
 import itertools
 import json
+import os
 import platform
 import shutil
 import statistics
@@ -176,6 +177,7 @@ def main(argv=None) -> int:
     if a.threads < 1:
         ap.error(f"--threads must be at least 1, got {a.threads}")
     torch.set_num_threads(a.threads)
+    os.environ["OMP_NUM_THREADS"] = str(a.threads)  # runs and the cpu profile use it (hardware_profiles.threads)
     global HW, DEVICE, PRECISION
     HW, DEVICE, PRECISION = a.hw, a.device, a.precision
     out = Path(a.out)

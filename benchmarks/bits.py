@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import platform
 import shutil
 import sys
@@ -83,6 +84,7 @@ def _run(setting, steps: int, out: str, seed: int = 0, reuse: bool = False) -> d
     from planner.api import plan_for_choice
 
     torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"  # runs and the cpu profile use it (hardware_profiles.threads)
     if VOCAB not in _DATA:
         _DATA[VOCAB] = load_corpus(vocab_size=VOCAB)
     data = _DATA[VOCAB]

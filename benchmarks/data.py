@@ -45,6 +45,7 @@ import argparse
 import csv
 import datetime as dt
 import json
+import os
 import platform
 import sys
 import time
@@ -187,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
                        "pool": args.pool or grid.pool, "methods": methods,
                        "junk": grid.junk if args.junk is None else args.junk})
     torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"  # the cpu profile is measured at it (hardware_profiles.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows, summary = run_grid(grid, max(1, args.jobs),

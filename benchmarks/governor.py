@@ -72,6 +72,7 @@ import argparse
 import datetime as dt
 import json
 import math
+import os
 import platform
 import shutil
 import sys
@@ -136,6 +137,7 @@ def run_job(plan_json: str, out: str, eval_every: int, governed: bool, threads: 
     from planner.plan import Plan
 
     torch.set_num_threads(threads)
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # runs and the cpu profile use it (hardware_profiles.threads)
     plan = Plan.from_json(plan_json)
     shutil.rmtree(out, ignore_errors=True)
     gov = Governor.for_plan(plan, **GOVERNOR) if governed else None

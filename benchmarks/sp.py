@@ -63,13 +63,15 @@ def use_one_thread_per_rank(root: Path) -> None:
     """Make this process and its torchrun workers alike: one torch thread each, one private
     trainplan cache (`root`) holding the 1-thread cpu profile the predictions use.
 
-    torchrun runs its workers with OMP_NUM_THREADS=1; the cpu profile cache holds one entry keyed
-    by torch's thread count, so with the parent on all cores every launch would re-measure the
-    CPU in every rank at once and overwrite the user's entry. With one thread everywhere a
+    The cpu profile cache holds one entry keyed by the thread count runs use (OMP_NUM_THREADS,
+    else all cores: `hardware_profiles.threads`); with OMP_NUM_THREADS=1 set here the profile is
+    measured at one thread and every rank runs at one. With one thread everywhere a
     "device" is one core for SP 1 and 2 (SP 4 puts two ranks on each of 2 cores), the profile is
     measured once, and the user's cache is untouched. The tokenizer and token caches are
     linked from the user's cache."""
-    src = Path(os.environ.get("TRAINPLAN_CACHE_DIR") or "~/.cache/trainplan").expanduser()
+    from hardware_profiles.cache import cache_root
+
+    src = cache_root()
     root.mkdir(parents=True, exist_ok=True)
     for sub in ("tokenizers", "tokens"):
         if (src / sub).exists() and not (root / sub).exists():

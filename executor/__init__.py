@@ -6,21 +6,29 @@
 
 The public API: `run` (`executor.train.run`), `compare` (`executor.reporting.compare.compare`),
 `report` (`executor.reporting.report.report`) and the `RunRecord` they read and write
-(`executor.record.RunRecord`). `run` is loaded on first use: it imports torch, which reading
-and reporting a finished run (`trainplan report`) does not need.
+(`executor.record.RunRecord`). `run`, `compare` and `report` are loaded on first use: `run`
+imports torch, which reading and reporting a finished run (`trainplan report`) does not need,
+and `compare`/`report` import pandas, matplotlib and scipy, which a training process launched
+by torchrun (`executor.worker`, whose imports run this file first) does not need.
 """
 
 from executor.record import RunRecord
-from executor.reporting.compare import compare
-from executor.reporting.report import report
 
-__all__ = ["RunRecord", "compare", "report", "run"]  # noqa: F822 (`run`: module __getattr__ below)
+__all__ = ["RunRecord", "compare", "report", "run"]  # noqa: F822 (module __getattr__ below)
 
 
 def __getattr__(name: str):
-    # `run` imports torch (the training loop): loaded on first use, as `planner.solve` is
+    # loaded on first use, as `planner.solve` is
     if name == "run":
         from executor.train import run
 
         return run
+    if name == "compare":
+        from executor.reporting.compare import compare
+
+        return compare
+    if name == "report":
+        from executor.reporting.report import report
+
+        return report
     raise AttributeError(f"module 'executor' has no attribute {name!r}")

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import logging
 import os
 import shutil
 import warnings
@@ -45,6 +46,8 @@ from torch import nn
 from executor.record import RunRecord
 from planner.plan import Plan
 from trainplan_errors import PlanMismatchError, TrainplanError
+
+logger = logging.getLogger(__name__)
 
 CHECKPOINT_DIR = "checkpoint"
 LATEST = "latest"
@@ -233,6 +236,7 @@ def save_checkpoint(out: str | Path, model: nn.Module, opt, *, record: RunRecord
         for old in root.glob("step-*"):
             if old != final:
                 shutil.rmtree(old, ignore_errors=True)
+        logger.info("checkpoint after %d steps written to %s", record.steps, final)
     _barrier(world)
     return final
 
@@ -275,4 +279,5 @@ def load_checkpoint(path: str | Path, model: nn.Module, opt, *, corpus: dict[str
         if "cuda" in rng and dev.type == "cuda":
             torch.cuda.set_rng_state(rng["cuda"], dev)
     meta["record"] = RunRecord.from_json(json.dumps(meta["record"]))
+    logger.info("resuming after %d steps from checkpoint %s", meta["steps"], path)
     return meta

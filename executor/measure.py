@@ -22,11 +22,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
-from tqdm.auto import tqdm
 
 from executor.kernels import PROFILED_STEPS, merge_splits, profile_step
 from executor.record import RunRecord
 from modeling.flop_counting import CPU_ATTENTION_FLOP_FORMULAS
+from trainplan_errors import require_extra
 
 WARMUP_STEPS_UNMEASURED = 2
 """Steps before the measured ones: optimizer states exist from step 1 on, so step 2 is measured
@@ -217,12 +217,15 @@ def progress_bar(total: int, enabled: bool, initial: int = 0, file=None):
     """The training progress on `file` (default stderr): a tqdm bar when it is a terminal; when
     it is not (a log file, a pipe, CI), a plain line now and then (`LogProgress`), so that logs
     show signs of life without carriage-return noise (tqdm redraws its line with carriage
-    returns on any stream); nothing at all when not `enabled`."""
+    returns on any stream); nothing at all when not `enabled`. tqdm is imported for the bar alone
+    (`trainplan[run]`; MissingExtraError without it)."""
     stream = file if file is not None else sys.stderr
-    if enabled and not _is_tty(stream):
+    if not enabled:
+        return LogProgress(total, initial=initial, file=None)
+    if not _is_tty(stream):
         return LogProgress(total, initial=initial, file=stream)
-    return tqdm(total=total, initial=initial, disable=not enabled, desc="train", unit="step",
-                leave=False, file=stream)
+    tqdm = require_extra("tqdm.auto", "run", "the training progress bar").tqdm
+    return tqdm(total=total, initial=initial, desc="train", unit="step", leave=False, file=stream)
 
 
 def _is_tty(stream) -> bool:
@@ -237,7 +240,7 @@ class LogProgress:
     steps or per `every_s` seconds, whichever comes first, and one at the end if the last line
     was not already there, e.g. `train: step 30/300 (10%), loss 3.412, 12.3 s`. The calls are
     the tqdm bar's it replaces; a postfix is shown from the next line on, so set it before
-    `update` (as with tqdm's `set_postfix(..., refresh=False)`)."""
+    `update` (as with tqdm's `set_postfix(..., refresh=False)`). `file=None`: silent."""
 
     def __init__(self, total: int, *, initial: int = 0, file, every_s: float = 30.0,
                  fraction: float = 0.1, desc: str = "train"):
@@ -262,6 +265,8 @@ class LogProgress:
 
     def _line(self, now: float) -> None:
         self.t_last, self.n_last = now, self.n
+        if self.file is None:
+            return
         pct = f" ({100 * self.n / self.total:.0f}%)" if self.total else ""
         extra = "".join(f", {k} {v}" for k, v in self.postfix.items())
         print(f"{self.desc}: step {self.n}/{self.total}{pct}{extra}, {now - self.t0:.1f} s",

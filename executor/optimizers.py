@@ -13,7 +13,9 @@ a C++ toolchain and one compile per tensor shape (~5-20 s each): on CPU, and in 
 anywhere, the update runs eagerly (`AdamW4bit.step`), the same ops without fusion.
 
 bitsandbytes and torchao are imported when their width is asked for: together they take seconds
-to load and warn about kernels they cannot find, which 32- and 16-bit runs do not need.
+to load and warn about kernels they cannot find, which 32- and 16-bit runs do not need. Both
+come with `pip install 'trainplan[run]'`; without them an 8- or 4-bit plan raises
+`MissingExtraError` naming that extra.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from costmodels.step.precision import check_optimizer_bits as check_widths
+from trainplan_errors import require_extra
 
 BETAS = (0.9, 0.95)
 """AdamW's (beta1, beta2) for every width."""
@@ -46,6 +49,7 @@ def _dispatch_mode_active() -> bool:
 
 
 def _torchao_adamw4bit():
+    require_extra("torchao.optim", "run", "4-bit AdamW (optimizer_bits=4)")  # MissingExtraError without it
     from torchao.optim import AdamW4bit as _Base
 
     class AdamW4bit(_Base):
@@ -65,6 +69,7 @@ def build_optimizer(params, bits: int, lr: float, precision: str = "fp32") -> to
 
     Raises:
         TrainplanError: `bits` cannot run at `precision` (`check_optimizer_bits`).
+        MissingExtraError: 8 or 4 bits without bitsandbytes or torchao (`trainplan[run]`).
     """
     bits = check_optimizer_bits(bits, precision)
     if bits in (32, 16):
@@ -72,8 +77,7 @@ def build_optimizer(params, bits: int, lr: float, precision: str = "fp32") -> to
         # model prices)
         return torch.optim.AdamW(params, lr=lr, betas=BETAS, weight_decay=WEIGHT_DECAY, fused=True)
     if bits == 8:
-        import bitsandbytes as bnb
-
+        bnb = require_extra("bitsandbytes", "run", "8-bit AdamW (optimizer_bits=8)")
         return bnb.optim.AdamW8bit(params, lr=lr, betas=BETAS, weight_decay=WEIGHT_DECAY)
     # torchao keeps the learning rate as a tensor (`set_lr` updates it in place)
     return _torchao_adamw4bit()(params, lr=lr, betas=BETAS, weight_decay=WEIGHT_DECAY)

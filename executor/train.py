@@ -53,7 +53,9 @@ from executor.measure import any_rank, device_name, gather_floats, heldout_loss,
 from executor.optimizers import build_optimizer, set_lr
 from executor.parallel.launch import init_distributed
 from executor.record import RunRecord, same_hardware
+from executor.reporting.trackers import TrackerSpec, open_trackers
 from hardware_profiles import load as load_profile
+from hardware_profiles.threads import threads_per_rank
 from modeling import presets
 from modeling.activation_compression import compress_saved_activations
 from modeling.loss import lm_loss
@@ -216,7 +218,8 @@ def run(plan: Plan, model: nn.Module | None = None, data: TokenCorpus | None = N
         out: str | Path, device: str | None = None, progress: bool = True,
         eval_every: int | None = None, checkpoint_every: int | None = None,
         resume: bool = False, stop_after_steps: int | None = None,
-        governor: Governor | None = None, check_fits: bool = True) -> RunRecord:
+        governor: Governor | None = None, check_fits: bool = True,
+        trackers: TrackerSpec | None = None, threads: int | None = None) -> RunRecord:
     """Run `plan` for real on one process; returns and writes `out/record.json`.
 
     The record is rewritten at every evaluation and when the run ends, however it ends; its
@@ -237,6 +240,9 @@ def run(plan: Plan, model: nn.Module | None = None, data: TokenCorpus | None = N
         at a budget stop) or `diverged`; it evaluates every max_steps // 50 steps by default.
     check_fits: first check that the plan's processes and predicted memory fit this machine
         (`executor.fit_check.check_fits`); False skips it.
+    threads: torch's intra-op threads in the steps (restored after); None: OMP_NUM_THREADS if set,
+        else the usable cores // ranks (`hardware_profiles.threads`, as the cpu profile is measured).
+    trackers: TensorBoard, wandb, trackio: rank 0 reports to them (`executor.reporting.trackers`).
 
     Raises:
         PlanMismatchError: model or corpus do not match the plan; on resume, a plan or corpus
@@ -255,8 +261,11 @@ def run(plan: Plan, model: nn.Module | None = None, data: TokenCorpus | None = N
         check_resume_plan(plan, out)
     dev = resolve_device(plan, device)
     rank, world = _init_world(plan, dev)
+    threads, threads_before = threads_per_rank(world, threads), torch.get_num_threads()
     if check_fits:
         check_plan_fits(plan, dev, in_worker=world > 1)
+    if trackers is not None:
+        trackers.check()  # a tracker not installed: before the model is built and the data scored
     out.mkdir(parents=True, exist_ok=True)
     data = data or load_corpus(vocab_size=plan.vocab_size)
     check_corpus_for_plan(data, seq_len=d.seq_len, vocab_size=plan.vocab_size)  # before building
@@ -307,12 +316,14 @@ def run(plan: Plan, model: nn.Module | None = None, data: TokenCorpus | None = N
         opt.zero_grad(set_to_none=True)
         return loss
 
+    tracker = open_trackers(trackers, plan, rec, out=out, rank=rank)  # rank 0's; closed in the finally below
     stop = {"reason": gov.ended, "by": ""}  # a resumed run the governor had ended: nothing to run
     old = _catch_signals(stop)
     t_start, wall_before = time.perf_counter(), rec.wall_s
     bar = progress_bar(d.max_steps, progress, initial=start)
     step, failure = start, None
     try:
+        torch.set_num_threads(threads)
         for step in range(start, gov.end(d.max_steps)):
             if any_rank(bool(stop["reason"]), world):
                 stop["reason"] = "interrupted"
@@ -334,6 +345,7 @@ def run(plan: Plan, model: nn.Module | None = None, data: TokenCorpus | None = N
                 rec.wall_s = wall_before + time.perf_counter() - t_start
                 if rank == 0:
                     rec.to_json(out / "record.json")
+            tracker.log(rec)  # this step's scalars, flushed
             if gov.on and (reason := gov.after_step(rec)):
                 if reason == "marginal_gain" and (not rec.heldout_loss or rec.heldout_loss[-1][0] != rec.steps):
                     # ended at once (no cooldown) between evaluations: the final loss at the stop
@@ -346,8 +358,10 @@ def run(plan: Plan, model: nn.Module | None = None, data: TokenCorpus | None = N
         failure = e
     finally:
         bar.close()
+        torch.set_num_threads(threads_before)
         for s, h in old.items():
             signal.signal(s, h)
+        tracker.close(rec)  # never raises: the record is written next
     rec.wall_s = wall_before + time.perf_counter() - t_start
     if failure is None:
         _finish(rec, stop, plan, model, opt, checkpoint_every, ckpt)

@@ -13,7 +13,9 @@ from executor.checkpoint import check_resume_plan
 from executor.data.batches import load_corpus
 from executor.fit_check import check_fits as check_plan_fits
 from executor.parallel.launch import run_torchrun
+from executor.reporting.trackers import FLAGS, TrackerSpec
 from executor.train import resolve_device, run
+from hardware_profiles.threads import THREADS_ENV, threads_per_rank
 from planner.plan import Plan
 
 LAUNCH_MARGIN_S = 300.0
@@ -22,12 +24,17 @@ LAUNCH_MARGIN_S = 300.0
 
 def launch(plan_path: str | Path, out: Path, data: list[str] | None, device: str | None, *,
            resume: bool = False, checkpoint_every: int | None = None,
-           stop_after_steps: int | None = None, check_fits: bool = True) -> bool:
+           stop_after_steps: int | None = None, check_fits: bool = True, threads: int | None = None,
+           trackers: TrackerSpec | None = None) -> bool:
     """Run the plan at `plan_path` on `decisions.devices` processes; rank 0 writes
     `out/record.json`. `resume`, `checkpoint_every`, `stop_after_steps`: as in
     `executor.train.run`, on every rank. `check_fits`: first check that the processes and
     their predicted memory fit this machine (`executor.fit_check.check_fits`; each CUDA rank
-    then checks its own device); False skips it, also in the workers.
+    then checks its own device); False skips it, also in the workers. `threads`: torch threads
+    per rank; None: OMP_NUM_THREADS if set, else the usable cores // ranks
+    (`hardware_profiles.threads.threads_per_rank`); passed to the workers as OMP_NUM_THREADS
+    (torchrun would set it to 1). `trackers`: as in `executor.train.run` (rank 0 reports;
+    checked here first).
 
     SIGINT (Ctrl-C) or SIGTERM to this process stops the job: torchrun passes SIGTERM on to
     the workers, which agree on the step, checkpoint and write the record (within
@@ -41,6 +48,9 @@ def launch(plan_path: str | Path, out: Path, data: list[str] | None, device: str
             the message names the rank and ends with its stderr.
     """
     plan = Plan.from_json(plan_path)
+    per_rank = threads_per_rank(plan.decisions.devices, threads)
+    if trackers is not None:
+        trackers.check()
     if check_fits:
         check_plan_fits(plan, resolve_device(plan, device))
     out.mkdir(parents=True, exist_ok=True)
@@ -61,11 +71,14 @@ def launch(plan_path: str | Path, out: Path, data: list[str] | None, device: str
         args += ["--stop-after-steps", str(stop_after_steps)]
     if not check_fits:
         args.append("--no-fit-check")
+    if trackers is not None:
+        args += trackers.argv()
     predicted = plan.predictions.step_time_s * plan.decisions.max_steps
     old = _sigterm_as_keyboard_interrupt()
     try:
         run_torchrun("executor.worker", args, plan.decisions.devices,
-                     timeout_s=3 * predicted + LAUNCH_MARGIN_S, log_dir=out / "logs")
+                     timeout_s=3 * predicted + LAUNCH_MARGIN_S, log_dir=out / "logs",
+                     env={THREADS_ENV: str(per_rank)})
     except KeyboardInterrupt:  # run_torchrun has stopped the job (workers checkpoint on SIGTERM)
         return True
     finally:
@@ -99,12 +112,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--checkpoint-every", type=int)
     ap.add_argument("--stop-after-steps", type=int, help="for tests: act as if interrupted then")
     ap.add_argument("--no-fit-check", action="store_true", help="skip executor.fit_check")
+    for flag in FLAGS.values():  # --tensorboard DIR, --wandb-project NAME, --trackio-project NAME
+        ap.add_argument(flag)
     a = ap.parse_args(argv)
     plan = Plan.from_json(a.plan)
     data = load_corpus(a.data or None, vocab_size=plan.vocab_size)
     run(plan, data=data, out=a.out, device=a.device, progress=False, resume=a.resume,
         checkpoint_every=a.checkpoint_every, stop_after_steps=a.stop_after_steps,
-        check_fits=not a.no_fit_check)
+        check_fits=not a.no_fit_check, trackers=TrackerSpec.from_args(a))
     return 0
 
 

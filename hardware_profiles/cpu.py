@@ -1,10 +1,17 @@
 """The local `cpu` profile: measured by a micro-benchmark, cached per host.
 
 `load_cpu()` (what `hardware_profiles.load("cpu")` calls) returns, in order: the cache file
-`$TRAINPLAN_CACHE_DIR/hardware/cpu.json` (default `~/.cache/trainplan/hardware/cpu.json`) when it
-was written on this host with the same torch version and torch thread count; else a profile
-measured earlier in this process under the same key; else a fresh `measure_cpu()`, which it
-writes to the cache. A cache file that cannot be read back is re-measured with a warning.
+`<cache root>/hardware/cpu.json` (`hardware_profiles.cache.cache_root`: $TRAINPLAN_CACHE_DIR, else
+the platform's user cache, `~/.cache/trainplan` on Linux) when it was written on this host with
+the same torch version and thread count; else a profile measured earlier in this process under
+the same key; else a fresh `measure_cpu()`, which it writes to the cache. A cache file that
+cannot be read back is re-measured with a warning.
+
+The thread count is the one runs use: `hardware_profiles.threads.threads_per_rank(1)` (the
+OMP_NUM_THREADS the user set, else the usable cores), which `executor.train.run` sets for a
+one-process run; `measure_cpu` measures at it, whatever torch's threads are in the calling
+process. (A run of n processes gives each cores // n threads; the profile describes a
+one-process run.)
 
 torch is imported inside the functions that need it (as in `hardware_profiles.cpu_probes`):
 every entry point imports `hardware_profiles`, and a datasheet profile needs no torch.
@@ -22,7 +29,9 @@ import warnings
 from pathlib import Path
 
 import hardware_profiles.cpu_probes as probes
+from hardware_profiles.cache import cache_root
 from hardware_profiles.profile import HardwareProfile
+from hardware_profiles.threads import threads_per_rank, torch_threads
 from trainplan_errors import TrainplanError
 
 CACHE_FORMAT = 4
@@ -43,26 +52,29 @@ _MEMO: dict[tuple[str, str, int], HardwareProfile] = {}
 
 
 def cache_path() -> Path:
-    """Path of the cached cpu profile: $TRAINPLAN_CACHE_DIR/hardware/cpu.json."""
-    root = os.environ.get("TRAINPLAN_CACHE_DIR") or os.path.join("~", ".cache", "trainplan")
-    return Path(root).expanduser() / "hardware" / "cpu.json"
+    """Path of the cached cpu profile: `<cache root>/hardware/cpu.json`
+    (`hardware_profiles.cache.cache_root`)."""
+    return cache_root() / "hardware" / "cpu.json"
 
 
 def _host_key() -> tuple[str, str, int]:
+    """(hostname, torch version, the threads a one-process run uses: `threads_per_rank(1)`)."""
     import torch
 
-    return (socket.gethostname(), torch.__version__, torch.get_num_threads())
+    return (socket.gethostname(), torch.__version__, threads_per_rank(1))
 
 
 # ---------------------------------------------------------------- the profile
 
 
-def measure_cpu(dtype: str = "fp32", quick: bool = False) -> HardwareProfile:
+def measure_cpu(dtype: str = "fp32", quick: bool = False, threads: int | None = None) -> HardwareProfile:
     """Measure this machine as a `HardwareProfile` named "cpu" (one "device" = the whole CPU).
 
-    - Matmul: square `torch.mm` at n = 64 .. 2048 (quick: 32 .. 256) with
-      `torch.get_num_threads()` threads, best of 5 (quick: 3) timed repeats of at least 20 ms
-      (quick: 3 ms) each, within 0.6 s per size (see `cpu_probes.best_op_s` for why the
+    Every probe runs at `threads` torch threads (default `threads_per_rank(1)`: the count a
+    one-process run uses, see the module text); torch's threads are restored after.
+
+    - Matmul: square `torch.mm` at n = 64 .. 2048 (quick: 32 .. 256), best of 5 (quick: 3) timed
+      repeats of at least 20 ms (quick: 3 ms) each, within 0.6 s per size (see `cpu_probes.best_op_s` for why the
       best); every size up to 1024 (quick: 256) is timed unless the best call at 512 (quick:
       128) took over 0.25 s (quick: 0.05 s), and 2048 only when it would take at most that
       (`cpu_probes.matmul_rates`). `peak_flops_per_s[d]` is the best
@@ -85,14 +97,20 @@ def measure_cpu(dtype: str = "fp32", quick: bool = False) -> HardwareProfile:
       `network_efficiency` = 1 as the rates are achieved ones.
 
     Takes about 4-7 s on 2 cores under load (quick: well under 2 s). Raises `TrainplanError` for a dtype
-    other than fp32, bf16 or fp16.
+    other than fp32, bf16 or fp16, or a thread count that is not a whole number >= 1.
     """
-    import torch
-
     if dtype not in probes.TORCH_DTYPES:
         raise TrainplanError(f"measure_cpu(dtype={dtype!r}): known dtypes are {', '.join(probes.TORCH_DTYPES)}")
+    with torch_threads(threads_per_rank(1, threads)) as n:
+        return _measure(dtype, quick, n)
+
+
+def _measure(dtype: str, quick: bool, threads: int) -> HardwareProfile:
+    """`measure_cpu`'s body, at the `threads` torch threads it has set."""
+    import torch
+
     budget_s = 1.0 if quick else 6.0  # for the matmuls; copy and TCP add well under a second
-    host, version, threads = _host_key()
+    host, version = socket.gethostname(), torch.__version__
     when = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     where = f"measured by hardware_profiles.cpu.measure_cpu on {host}, {threads} torch threads, torch {version}, {when}"
     if quick:
@@ -176,7 +194,8 @@ def save_profile(profile: HardwareProfile) -> Path:
     """Write `profile` as this host's cached cpu profile (what `load("cpu")` returns next);
     calibration refits the measured profile and saves it here. Returns the file's path.
 
-    The cache is keyed by hostname, torch version and torch thread count at the time of saving.
+    The cache is keyed by hostname, torch version and the thread count runs use when it is saved
+    (`threads_per_rank(1)`).
     Raises `TrainplanError` for a profile not named "cpu" (the GPU profiles are the TOML files).
     """
     if profile.name != "cpu":

@@ -17,12 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from hardware_profiles.profile_schema import check_profile
 from trainplan_errors import TrainplanError
 
 V = TypeVar("V")
-
-#: torch device types a profile may name.
-DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu")
 
 #: Other spellings of the dtype keys of `peak_flops_per_s` accepted by `HardwareProfile.peak`.
 DTYPE_SYNONYMS = {
@@ -81,33 +79,13 @@ class FrozenMap(Mapping[str, V]):
         return f"FrozenMap({self._data!r})"
 
 
-def _bad(field_name: str, value: Any, want: str) -> TrainplanError:
-    return TrainplanError(f"HardwareProfile.{field_name} = {value!r}: {want}")
-
-
-def _number(field_name: str, value: Any, *, positive: bool = True) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise _bad(field_name, value, "must be a finite number")
-    if positive and value <= 0:
-        raise _bad(field_name, value, "must be > 0")
-    if not positive and value < 0:
-        raise _bad(field_name, value, "must be >= 0")
-    return value
-
-
-def _fraction(field_name: str, value: Any) -> float:
-    value = _number(field_name, value)
-    if value > 1:
-        raise _bad(field_name, value, "must be in (0, 1]")
-    return float(value)
-
-
 @dataclass(frozen=True, kw_only=True, slots=True)
 class HardwareProfile:
     """One device type: capacity, peak rates, links and efficiency curves, each with a source.
 
-    Build one with `hardware_profiles.load(name)`, or directly (all numbers checked in
-    `__post_init__`, which raises `TrainplanError` naming the field and its value).
+    Build one with `hardware_profiles.load(name)`, or directly: every field is checked against
+    the file format, `hardware_profiles.profile_schema.ProfileSchema`, which raises
+    `TrainplanError` naming the field, its value and what is valid.
     """
 
     name: str
@@ -159,87 +137,19 @@ class HardwareProfile:
     """Field name (or "peak_flops_per_s.<dtype>") -> where its value comes from; read-only."""
 
     def __post_init__(self) -> None:
-        setattr_ = object.__setattr__  # frozen: normalise through object.__setattr__
-        if not isinstance(self.name, str) or not self.name.strip() or self.name != self.name.strip():
-            raise _bad("name", self.name, "must be a non-empty string without surrounding spaces")
-        aliases: tuple[object, ...]
-        try:
-            aliases = (self.aliases,) if isinstance(self.aliases, str) else tuple(self.aliases)
-        except TypeError:
-            aliases = (None,)
-        if not all(isinstance(a, str) and a.strip() for a in aliases):
-            raise _bad("aliases", self.aliases, "must be a list of non-empty strings")
-        setattr_(self, "aliases", aliases)
-        if not isinstance(self.vendor, str):
-            raise _bad("vendor", self.vendor, "must be a string")
-        if self.device_type not in DEVICE_TYPES:
-            raise _bad("device_type", self.device_type, f"must be one of {', '.join(DEVICE_TYPES)}")
-        if not isinstance(self.source, str):
-            raise _bad("source", self.source, "must be a string")
-
-        for name in ("hbm_bytes", "memory_reserve_bytes"):
-            value = _number(name, getattr(self, name), positive=name == "hbm_bytes")
-            setattr_(self, name, int(round(value)))  # bytes are whole; calibration may give floats
-        if self.memory_reserve_bytes >= self.hbm_bytes:
-            raise _bad(
-                "memory_reserve_bytes", self.memory_reserve_bytes,
-                f"must be < hbm_bytes ({self.hbm_bytes})",
-            )
-        for name in ("hbm_bandwidth_bytes_per_s", "intra_node_bandwidth_bytes_per_s",
-                     "inter_node_bandwidth_bytes_per_s"):
-            setattr_(self, name, float(_number(name, getattr(self, name))))
-        for name in ("intra_node_latency_s", "inter_node_latency_s"):
-            setattr_(self, name, float(_number(name, getattr(self, name), positive=False)))
-        dpn = self.devices_per_node
-        if isinstance(dpn, bool) or not isinstance(dpn, int) or dpn < 1:
-            raise _bad("devices_per_node", dpn, "must be an integer >= 1")
-        for name in ("memory_efficiency", "network_efficiency"):
-            setattr_(self, name, _fraction(name, getattr(self, name)))
-
-        if not isinstance(self.peak_flops_per_s, Mapping) or not self.peak_flops_per_s:
-            raise _bad("peak_flops_per_s", self.peak_flops_per_s, "must be a non-empty mapping dtype -> FLOP/s")
-        peaks = {}
-        for dtype, value in self.peak_flops_per_s.items():
-            if not isinstance(dtype, str) or dtype != dtype.lower():
-                raise _bad("peak_flops_per_s", dict(self.peak_flops_per_s), f"dtype key {dtype!r} must be lower case")
-            peaks[dtype] = float(_number(f"peak_flops_per_s[{dtype!r}]", value))
-        setattr_(self, "peak_flops_per_s", FrozenMap(peaks))
-
-        setattr_(self, "matmul_efficiency", self._checked_curve(self.matmul_efficiency))
-
-        if not isinstance(self.optimizer_s_per_param, Mapping):
-            raise _bad("optimizer_s_per_param", self.optimizer_s_per_param,
-                       "must be a mapping optimizer bits (\"32\", \"8\") -> seconds per parameter")
-        rates = {}
-        for bits, value in self.optimizer_s_per_param.items():
-            if str(bits) not in ("32", "16", "8", "4"):
-                raise _bad("optimizer_s_per_param", dict(self.optimizer_s_per_param),
-                           f"key {bits!r} must be optimizer bits 32, 16, 8 or 4")
-            rates[str(bits)] = float(_number(f"optimizer_s_per_param[{bits!r}]", value))
-        setattr_(self, "optimizer_s_per_param", FrozenMap(rates))
-
-        if not isinstance(self.sources, Mapping) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in self.sources.items()
-        ):
-            raise _bad("sources", self.sources, "must be a mapping of field name -> source string")
-        setattr_(self, "sources", FrozenMap(self.sources))
-
-    @staticmethod
-    def _checked_curve(curve: Any) -> tuple[tuple[float, float], ...]:
-        try:
-            points = tuple((p[0], p[1]) for p in curve if len(p) == 2)
-            ok = len(points) == len(curve) and len(points) > 0
-        except (TypeError, IndexError, KeyError):
-            ok = False
-        if not ok:
-            raise _bad("matmul_efficiency", curve, "must be a non-empty list of [op_flops, efficiency] pairs")
-        out = []
-        for op_flops, eff in points:
-            out.append((float(_number("matmul_efficiency op_flops", op_flops)),
-                        _fraction("matmul_efficiency efficiency", eff)))
-        if any(b[0] <= a[0] for a, b in zip(out, out[1:], strict=False)):
-            raise _bad("matmul_efficiency", curve, "op_flops must be strictly increasing")
-        return tuple(out)
+        # one validation, `ProfileSchema`'s; then the checked values, normalised: whole bytes
+        # (calibration may give floats), tuples, read-only mappings
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        checked = check_profile(_plain(fields), name="HardwareProfile")
+        for f in dataclasses.fields(self):
+            value = getattr(checked, f.name)
+            if f.name in ("hbm_bytes", "memory_reserve_bytes"):
+                value = int(round(value))
+            elif isinstance(value, dict):
+                value = FrozenMap(value)
+            elif isinstance(value, list):
+                value = tuple(tuple(v) if isinstance(v, tuple) else v for v in value)
+            object.__setattr__(self, f.name, value)  # frozen: normalise through object.__setattr__
 
     # ---------------------------------------------------------------- queries
 
@@ -335,28 +245,18 @@ class HardwareProfile:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> HardwareProfile:
-        """Inverse of `to_dict` (also reads a parsed TOML profile).
+        """Inverse of `to_dict` (also reads a parsed TOML profile): the keys of a profile file
+        (`hardware_profiles.profile_schema.ProfileSchema`).
 
         Raises `TrainplanError` naming unknown or missing keys, or an invalid value.
         """
-        if not isinstance(data, Mapping):
-            raise TrainplanError(f"hardware profile must be a mapping, got {type(data).__name__}")
-        fields_ = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - set(fields_))
-        if unknown:
-            raise TrainplanError(
-                f"hardware profile {data.get('name', '?')!r}: unknown key(s) {', '.join(unknown)}; "
-                f"valid keys are {', '.join(fields_)}"
-            )
-        missing = sorted(
-            n for n, f in fields_.items()
-            if n not in data and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        )
-        if missing:
-            raise TrainplanError(
-                f"hardware profile {data.get('name', '?')!r}: missing key(s) {', '.join(missing)}"
-            )
-        return cls(**dict(data))
+        name = data.get("name", "?") if isinstance(data, Mapping) else "?"
+        return cls._from_data(data, where=f"hardware profile {name!r}: ")
+
+    @classmethod
+    def _from_data(cls, data: Any, *, where: str) -> HardwareProfile:
+        checked = check_profile(_plain(data), where=where)
+        return cls(**{f.name: getattr(checked, f.name) for f in dataclasses.fields(cls)})
 
     @classmethod
     def from_file(cls, path: str | Path) -> HardwareProfile:
@@ -378,19 +278,27 @@ class HardwareProfile:
             raise TrainplanError(f"{where} cannot be read: {getattr(e, 'strerror', None) or e}") from None
         except tomllib.TOMLDecodeError as e:
             raise TrainplanError(f"{where} is not valid TOML: {e}") from None
-        optional = ("aliases", "vendor", "source", "optimizer_s_per_param", "sources")  # a shipped file's keys:
-        if absent := [f.name for f in dataclasses.fields(cls) if f.name not in optional and f.name not in data]:
-            raise TrainplanError(f"{where}: missing key(s) {', '.join(absent)}; a profile file gives every "
-                                 "key of a shipped profile (`trainplan profiles --template h100` writes them)")
         try:
-            profile = cls.from_dict(data)
+            profile = cls._from_data(data, where=f"{where}: ")
         except TrainplanError as e:
-            raise TrainplanError(f"{where}: {e}") from None
+            hint = ("; a profile file gives every key of a shipped profile (`trainplan profiles --template h100` "
+                    "writes them)") if ": missing key(s) " in str(e) else ""
+            raise TrainplanError(f"{e}{hint}") from None
         missing = profile.missing_sources()
         if missing:
             raise TrainplanError(f"{where}: no source for {', '.join(missing)}; give each a line in its "
                                  f"[sources] table, e.g. \"{missing[0]}\" = \"measured on ...\"")
         return profile
+
+
+def _plain(value: Any) -> Any:
+    """`value` with mappings as dicts and tuples as lists, as a parsed file holds them (what
+    `ProfileSchema` reads); anything else as it is."""
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
 
 
 def _calibrated(old: str) -> str:

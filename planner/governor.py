@@ -312,9 +312,9 @@ def read_heldout_curve(path) -> HeldoutCurve:
         curve = HeldoutCurve.from_dict(raw)
     except OSError as e:
         raise TrainplanError(f"{where}: cannot read it: {e.strerror}; {_CURVE_FILE}") from None
-    except TrainplanError as e:  # constants out of range (HeldoutCurve.from_dict)
+    except TrainplanError as e:  # not the curve file's schema (HeldoutCurve.from_dict)
         raise TrainplanError(f"{where}: {e}; {_CURVE_FILE}") from None
-    except (ValueError, TypeError, AttributeError, RecursionError) as e:
+    except (ValueError, RecursionError) as e:  # not UTF-8, not JSON
         raise TrainplanError(f"{where}: not a held-out curve: {str(e).splitlines()[0][:120]}; "
                              f"{_CURVE_FILE}") from None
     return curve

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
+from planner.plan_schema import PlanSchema
 from trainplan_errors import PlanMismatchError
+from trainplan_errors.validation import one_line
 
 PLAN_FORMAT = 1
 
@@ -176,12 +180,16 @@ class Plan:
 
     @classmethod
     def from_json(cls, text_or_path: str | Path) -> Plan:
-        """Read a plan from JSON text or a file path.
+        """Read a plan from JSON text or a file path, validated by the plan file's schema
+        (`planner.plan_schema.PlanSchema`: types, ranges, the relations between decisions) and
+        checked that its predictions were made for its decisions (`edited_layout`).
 
         Raises:
-            PlanMismatchError: not a trainplan plan, wrong format version or missing fields.
+            PlanMismatchError: not a trainplan plan, wrong format version, or a key that is
+                missing, unknown or invalid (named, with its value and what is valid).
         """
         src = str(text_or_path)
+        where = "plan JSON" if src.lstrip().startswith("{") else f"plan {src!r}"
         try:
             if not src.lstrip().startswith("{"):
                 src = Path(src).read_text()
@@ -196,17 +204,18 @@ class Plan:
                 f"not a trainplan plan of format {PLAN_FORMAT}: got format "
                 f"{raw.get('format') if isinstance(raw, dict) else type(raw).__name__!r}; give a plan "
                 "written by `trainplan solve --json`")
+        corrupt = "the plan file is corrupt or edited: solve it again"
         try:
-            raw["decisions"] = Decisions(**{**raw["decisions"],
-                                            "checkpoint": tuple(raw["decisions"]["checkpoint"])})
-            raw["predictions"] = Predictions(**raw["predictions"])
-            raw["solver"] = SolverFacts(**raw["solver"])
-            raw["notes"] = tuple(raw.get("notes", ()))
-            known = {f.name for f in fields(cls)}
-            return cls(**{k: v for k, v in raw.items() if k in known})
-        except (KeyError, TypeError) as e:
-            raise PlanMismatchError(f"plan JSON is missing or has unexpected fields: {e}; give a plan "
-                                    "written by `trainplan solve --json` (or solve it again)") from None
+            p = PlanSchema.model_validate(raw)
+        except ValidationError as e:
+            raise PlanMismatchError(f"{where}: {one_line(e, PlanSchema)}; {corrupt}") from None
+        plan = cls(**{**p.model_dump(exclude={"decisions", "predictions", "solver"}), "notes": tuple(p.notes)},
+                   decisions=Decisions(**{**p.decisions.model_dump(), "checkpoint": tuple(p.decisions.checkpoint)}),
+                   predictions=Predictions(**p.predictions.model_dump()), solver=SolverFacts(**p.solver.model_dump()))
+        edited = edited_layout(plan)
+        if edited is not None:
+            raise PlanMismatchError(f"{where}: {edited}; {corrupt}")
+        return plan
 
 
 LAYOUT_FIELDS = ("devices", "sp_degree", "dp_degree", "zero_stage", "micro_batch", "seq_len",

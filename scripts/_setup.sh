@@ -1,6 +1,7 @@
 # Sourced by demo.sh and test.sh: create .venv if missing, install torch pinned and first
 # (only when it is not importable: a version range would pull a multi-GB CUDA build),
-# then the project. EXTRAS selects optional dependencies (e.g. "test").
+# then the project. EXTRAS selects optional dependencies (pyproject.toml): "run,demo" for
+# scripts/demo.sh, "test" (run, demo and the test tools) for scripts/test.sh; none: the planner.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY=${PYTHON:-python3}

@@ -2,10 +2,13 @@
 
 The `cpu` hardware profile is measured once per session (quick mode, about a second) and saved
 into a session temporary cache, so `load("cpu")`, `solve(..., "cpu", ...)` and the corpus
-cache never touch `~/.cache/trainplan` and never re-measure. `TRAINPLAN_CACHE_DIR` stays set
+cache never touch the user's cache and never re-measure. `TRAINPLAN_CACHE_DIR` stays set
 for the whole session, so subprocesses (`python -m planner`, torchrun workers) use the same
-cache. The cache file is keyed by host, torch version and torch thread count
-(`hardware_profiles.cpu`); a torchrun worker with another thread count measures its own.
+cache. The cache file is keyed by host, torch version and the thread count runs use
+(`hardware_profiles.cpu`, `hardware_profiles.threads`): the session sets OMP_NUM_THREADS=1, as
+a user would, so the profile is measured at one thread and every run (in this process, a
+subprocess or a torchrun worker) trains at one thread, as the benchmarks do: the suite shares
+two cores with other work, where multi-threaded steps stall.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ def trainplan_cache(tmp_path_factory) -> Iterator[Path]:
     root = tmp_path_factory.mktemp("trainplan_cache")
     mp = pytest.MonkeyPatch()
     mp.setenv("TRAINPLAN_CACHE_DIR", str(root))
+    mp.setenv("OMP_NUM_THREADS", "1")
     cpu.save_profile(cpu.measure_cpu(quick=True))
     yield root
     mp.undo()
@@ -68,8 +72,8 @@ def _torch_threads(n: int) -> Iterator[None]:
 
     For real training steps in tests: the suite shares two cores with other work, and small
     multi-threaded GEMMs under contention run up to 50x slower (spinning OpenMP workers); bytes
-    and FLOPs do not depend on the thread count. Do not load the `cpu` profile inside the
-    block: its cache is keyed by the thread count, so it would be measured again."""
+    and FLOPs do not depend on the thread count. (`executor.train.run` sets its own threads:
+    OMP_NUM_THREADS, 1 in this session, or its `threads` argument.)"""
     import torch
 
     before = torch.get_num_threads()

@@ -66,3 +66,13 @@ def make_record(**overrides) -> RunRecord:
         flops_per_step=2.5e12, stop_reason="governor", wall_s=12.0)
     kw.update(overrides)
     return RunRecord(**kw)
+
+
+def tensorboard_scalars(folder) -> dict[str, list[tuple[int, float]]]:
+    """The scalars of the TensorBoard event files in `folder`, read back by TensorBoard's own
+    reader: tag -> [(step, value)] in the order written (values are float32)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(folder), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}

@@ -4,10 +4,14 @@ This package is the bottom of the import graph (`planner`, `executor` -> `modeli
 `costmodels` -> `hardware_profiles` -> `trainplan_errors`; the import-linter contract in
 pyproject.toml) and imports nothing of trainplan, so every package can raise these errors and
 imports them from here. The CLI catches `TrainplanError`, prints its message on one line and
-exits with status 2.
+exits with status 2 (bad input), 3 (`InfeasibleError`) or 1 (a run that failed:
+`TrainingDivergedError`, out of memory, a dead worker); `planner.cli.main.EXIT_CODES`.
 """
 
 from __future__ import annotations
+
+import importlib
+from types import ModuleType
 
 
 class TrainplanError(ValueError):
@@ -68,3 +72,27 @@ class DeviceError(TrainplanError):
 class CaptureError(TrainplanError):
     """A model that cannot be captured as a graph (not a causal LM of the supported layout, or
     its forward/backward cannot be traced, e.g. data-dependent control flow)."""
+
+
+class MissingExtraError(TrainplanError):
+    """An optional dependency that is not installed: the message names the package, what needs
+    it and the extra that installs it, e.g. "8-bit AdamW needs bitsandbytes, which is not
+    installed: pip install 'trainplan[run]' (No module named 'bitsandbytes')". The base install
+    plans; `[run]` adds what a training run needs, `[demo]` the demo's corpus (pyproject.toml)."""
+
+
+def require_extra(module: str, extra: str, needed_for: str) -> ModuleType:
+    """Import the optional `module` (e.g. "bitsandbytes") of the extra `extra` ("run", "demo")
+    where `needed_for` (e.g. "8-bit AdamW") needs it.
+
+    Raises:
+        MissingExtraError: the module cannot be imported; names it, `needed_for` and the
+            install command `pip install 'trainplan[<extra>]'`.
+    """
+    try:
+        return importlib.import_module(module)
+    except ImportError as err:
+        package = module.split(".")[0]
+        why = (str(err).splitlines() or [type(err).__name__])[0]
+        raise MissingExtraError(f"{needed_for} needs {package}, which is not installed: "
+                                f"pip install 'trainplan[{extra}]' ({why})") from err

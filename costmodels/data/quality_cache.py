@@ -1,7 +1,7 @@
 """The on-disk cache of fitted selection-quality multipliers, per (model, vocabulary).
 
 Fits are written by `save_quality_fits` (e.g. `python benchmarks/data.py --save-fits`) under the
-cache root of `costmodels.loss.cache` and read back by `load_quality_fits`, which the planner's
+cache root (`hardware_profiles.cache.cache_root`) and read back by `load_quality_fits`, which the planner's
 method choice (`planner.data_choice`) prefers to `costmodels.data.quality.DEFAULT_QUALITY`.
 
 Like `costmodels.loss.cache`, a small JSON cache of fitted constants (`QualityFit`s) kept in
@@ -28,7 +28,7 @@ QUALITY_CACHE_FORMAT = 1
 
 def quality_path(model: str, vocab_size: int, cache_dir: str | Path | None = None) -> Path:
     """`<cache root>/quality/<model>-v<vocab_size>.json` (the cache root as
-    `costmodels.loss.cache.cache_root`; characters other than letters, digits, `.`, `_`, `-` in
+    `hardware_profiles.cache.cache_root`; characters other than letters, digits, `.`, `_`, `-` in
     the model name become `_`)."""
     return model_file("quality", model, vocab_size, cache_dir)
 

@@ -1,8 +1,8 @@
 """Locally fitted loss laws, cached as JSON per (model, vocabulary size).
 
 `trainplan calibrate` (`executor.calibrate.law`) fits L(D) = E + B / D**beta to the held-out curves
-of real runs and writes `$TRAINPLAN_CACHE_DIR/laws/<model>-v<vocab_size>.json` (default cache
-root `~/.cache/trainplan`); `planner.api.solve` reads it back with `load_local_law` for the
+of real runs and writes `<cache root>/laws/<model>-v<vocab_size>.json` (the root:
+`hardware_profiles.cache.cache_root`); `planner.api.solve` reads it back with `load_local_law` for the
 `cpu` profile. Pure: json + `LossLaw`, no torch, so the planner can import it.
 
 File layout (format 1): {"format", "model", "vocab_size", "created", "law": {LossLaw fields},
@@ -13,7 +13,7 @@ back; the rest documents the fit.
 The one disk access in `costmodels.loss` besides `costmodels.data.quality_cache`, kept here on
 purpose: the cost models stay pure functions of graph x profile x choice, and these small JSON
 files only hold the fitted constants those functions take (a `LossLaw`), read once by the
-planner and written by calibration. `model_file` and `cache_root` are the layout both share.
+planner and written by calibration. `model_file` is the layout both share.
 """
 
 from __future__ import annotations
@@ -28,18 +28,13 @@ from typing import Any
 
 from costmodels.loss.bits import BitsPenalty
 from costmodels.loss.law import LossLaw
+from hardware_profiles.cache import cache_root
 from trainplan_errors import TrainplanError
 
 LAW_CACHE_FORMAT = 1
 """Version of the law file layout; a file of another version is ignored."""
 
 _LAW_FIELDS = ("E", "A", "B", "alpha", "beta", "r_d_star", "r_n_star", "units", "source")
-
-
-def cache_root(cache_dir: str | Path | None = None) -> Path:
-    """The trainplan cache root: `cache_dir`, else $TRAINPLAN_CACHE_DIR, else ~/.cache/trainplan."""
-    root = cache_dir or os.environ.get("TRAINPLAN_CACHE_DIR") or os.path.join("~", ".cache", "trainplan")
-    return Path(root).expanduser()
 
 
 def law_path(model: str, vocab_size: int, cache_dir: str | Path | None = None) -> Path:

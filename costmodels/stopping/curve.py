@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import ArrayLike
 from scipy.optimize import OptimizeWarning, least_squares
-from scipy.stats import norm
+from scipy.special import ndtri
 
 from trainplan_errors import TrainplanError
 
@@ -135,7 +135,8 @@ class CurveFit:
 def _z(confidence: float) -> float:
     if not 0.0 < confidence < 1.0:
         raise TrainplanError(f"confidence must be in (0, 1), got {confidence!r}")
-    return float(norm.ppf(0.5 + confidence / 2.0))
+    # the standard normal quantile: scipy.stats.norm.ppf is ndtri (without scipy.stats' import)
+    return float(ndtri(0.5 + confidence / 2.0))
 
 
 _ALL_PARAMS = ("E", "D", "alpha", "t0")

@@ -44,14 +44,19 @@ import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Annotated, Any, Literal, get_args
 
 import numpy as np
 from numpy.typing import ArrayLike
-from scipy.stats import norm
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from scipy.special import ndtri
 
 from trainplan_errors import TrainplanError
+from trainplan_errors.validation import one_line
 
-PARAMS = ("E", "B", "beta", "gamma", "kappa", "zeta")
+Param = Literal["E", "B", "beta", "gamma", "kappa", "zeta"]
+PARAMS: tuple[Param, ...] = get_args(Param)
+"""The constants of eq. (1), in the order `heldout_loss` takes them."""
 BETA_BOUNDS = (0.01, 3.0)
 """Bounds on the fresh-data exponent beta (dimensionless)."""
 KAPPA_BOUNDS = (0.25, 4.0)
@@ -214,7 +219,7 @@ class HeldoutCurve:
         g = central_jacobian(lambda th: self._eval(th, s).ravel(), self._theta(),
                              [PARAMS.index(n) for n in self.param_names]).T
         sd = np.sqrt(np.maximum(np.einsum("ik,ij,jk->k", g, cov, g), 0.0)).reshape(mean.shape)
-        z = float(norm.ppf(0.5 + confidence / 2.0))
+        z = float(ndtri(0.5 + confidence / 2.0))  # the normal quantile, scipy.stats.norm.ppf
         return mean - z * sd, mean + z * sd
 
     def for_run(self, *, tokens_per_step: float, unique_tokens: float | None) -> HeldoutCurve:
@@ -235,21 +240,20 @@ class HeldoutCurve:
         return d
 
     @classmethod
-    def from_dict(cls, raw: dict) -> HeldoutCurve:
-        """Inverse of `to_dict`.
+    def from_dict(cls, raw: Any) -> HeldoutCurve:
+        """Inverse of `to_dict`: `raw` validated by the curve file's schema, `HeldoutCurveSchema`.
 
-        Raises: TrainplanError when a constant is not a real finite number or is outside the
-        fit's own bounds, a parameter name is unknown or the covariance has the wrong shape;
-        TypeError / ValueError when `raw` is not such a mapping (missing or unknown fields)."""
-        kw = dict(raw)
-        kw["param_names"] = tuple(kw.get("param_names", PARAMS))
-        kw["cov"] = tuple(tuple(float(v) for v in r) for r in kw.get("cov", ()))
-        kw["early_offsets"] = tuple(tuple(r) for r in kw.get("early_offsets", ()))
-        curve = cls(**kw)
-        bad = _curve_problem(curve)
-        if bad:
-            raise TrainplanError(bad)
-        return curve
+        Raises: TrainplanError naming the first bad key, its value and what is valid (a constant
+        that is not a real finite number or is outside the fit's own bounds, an unknown parameter
+        name, a covariance of the wrong shape), or the unknown or missing keys."""
+        try:
+            c = HeldoutCurveSchema.model_validate(raw)
+        except ValidationError as e:
+            raise TrainplanError(one_line(e, HeldoutCurveSchema)) from None
+        kw = {f.name: getattr(c, f.name) for f in dataclasses.fields(cls)}
+        kw["param_names"], kw["cov"] = tuple(c.param_names), tuple(tuple(r) for r in c.cov)
+        kw["early_offsets"] = tuple(tuple(r) for r in c.early_offsets)
+        return cls(**kw)
 
 
 LOSS_MAX_NATS = 100.0
@@ -261,48 +265,56 @@ COOLDOWN_GAIN_MAX_NATS = 1.0
 (a gain of 1e9 once gave a predicted loss of -1e9)."""
 
 
-def _curve_problem(c: HeldoutCurve) -> str | None:
-    """What makes `c` unusable as eq. (1) (None when nothing): constants that are not real
-    finite numbers or out of the fit's own bounds (`fit_heldout_curve`), unknown parameter
-    names, a covariance of the wrong shape."""
-    ranges = {"E": (0.0, LOSS_MAX_NATS), "B": (0.0, LOSS_MAX_NATS), "beta": BETA_BOUNDS,
-              "gamma": (0.0, LOSS_MAX_NATS),
-              "kappa": KAPPA_BOUNDS, "zeta": ZETA_BOUNDS, "d_ref_tokens": (0.0, None),
-              "u_ref_tokens": (0.0, None), "tokens_per_step": (0.0, None), "noise_nats": (0.0, None),
-              "rms_nats": (0.0, None), "cooldown_gain_nats": (-COOLDOWN_GAIN_MAX_NATS, COOLDOWN_GAIN_MAX_NATS)}
-    for name, (lo, hi) in ranges.items():
-        v = getattr(c, name)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            return f"{name}={v!r} must be a finite number"
-        strict = name in ("d_ref_tokens", "u_ref_tokens", "tokens_per_step")
-        if (lo is not None and (v <= lo if strict else v < lo)) or (hi is not None and v > hi):
-            valid = ([f"{'>' if strict else '>='} {lo}"] if lo is not None else []) + \
-                ([f"<= {hi}"] if hi is not None else [])
-            return f"{name}={v!r} is out of range ({', '.join(valid)})"
-    if not set(c.param_names) <= set(PARAMS) or len(set(c.param_names)) != len(c.param_names):
-        return f"param_names={list(c.param_names)!r} must be distinct names of {list(PARAMS)}"
-    if c.cov and (len(c.cov) != len(c.param_names) or any(len(r) != len(c.param_names) for r in c.cov)):
-        return f"cov must be {len(c.param_names)} x {len(c.param_names)} (one row per name in param_names)"
-    u = c.unique_tokens
-    if u is not None and (isinstance(u, bool) or not isinstance(u, (int, float)) or not math.isfinite(u) or u <= 0):
-        return f"unique_tokens={u!r} must be null (fresh data) or a finite number > 0"
-    if any(isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) for r in c.cov for v in r):
-        return "cov must hold numbers (inf for a fit without a covariance), not NaN"
-    if isinstance(c.n_points, bool) or not isinstance(c.n_points, int) or c.n_points < 0:
-        return f"n_points={c.n_points!r} must be a whole number >= 0"
-    if not isinstance(c.source, str):
-        return f"source={c.source!r} must be a string"
-    if not isinstance(c.model, str):
-        return f"model={c.model!r} must be a model name (a string; '' when not recorded)"
-    if isinstance(c.vocab_size, bool) or not isinstance(c.vocab_size, int) or c.vocab_size < 0:
-        return f"vocab_size={c.vocab_size!r} must be a whole number >= 0 (0 when not recorded)"
-    for row in c.early_offsets:
-        ok = len(row) == 3 and all(isinstance(v, (int, float)) and not isinstance(v, bool)
-                                   and math.isfinite(v) for v in row)
-        if not ok or row[0] < 0 or row[1] <= 0 or abs(row[2]) > EARLY_OFFSET_MAX_NATS:
-            return (f"early_offsets row {list(row)!r} must be [unique tokens >= 0 (0: fresh), steps > 0, "
-                    f"offset within +-{EARLY_OFFSET_MAX_NATS:g} nats]")
-    return None
+class HeldoutCurveSchema(BaseModel):
+    """The held-out curve file (`HeldoutCurve.to_dict`, e.g. `benchmarks/governor.py`'s
+    governor_curve.json), declared once: the fields of `HeldoutCurve` (documented there), each
+    constant within the fit's own bounds (`costmodels.stopping.heldout_fit.fit_heldout_curve`);
+    strict (no bool or string for a number, no NaN or infinity but in `cov`). Its JSON Schema is
+    `docs/schemas/heldout_curve.schema.json`; why pydantic: `trainplan_errors.validation`."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, frozen=True,
+                              title="trainplan held-out curve")
+
+    E: float = Field(ge=0, le=LOSS_MAX_NATS)
+    B: float = Field(ge=0, le=LOSS_MAX_NATS)
+    beta: float = Field(ge=BETA_BOUNDS[0], le=BETA_BOUNDS[1])
+    gamma: float = Field(ge=0, le=LOSS_MAX_NATS)
+    kappa: float = Field(ge=KAPPA_BOUNDS[0], le=KAPPA_BOUNDS[1])
+    zeta: float = Field(ge=ZETA_BOUNDS[0], le=ZETA_BOUNDS[1])
+    d_ref_tokens: float = Field(gt=0)
+    u_ref_tokens: float = Field(gt=0)
+    tokens_per_step: float = Field(gt=0)
+    unique_tokens: Annotated[float, Field(gt=0)] | None
+    param_names: list[Param] = list(PARAMS)
+    cov: list[list[Annotated[float, Field(allow_inf_nan=True)]]] = []
+    noise_nats: float = Field(default=0.0, ge=0)
+    rms_nats: float = Field(default=0.0, ge=0)
+    cooldown_gain_nats: float = Field(default=0.0, ge=-COOLDOWN_GAIN_MAX_NATS, le=COOLDOWN_GAIN_MAX_NATS)
+    n_points: int = Field(default=0, ge=0)
+    early_offsets: list[Annotated[tuple[Annotated[float, Field(ge=0)], Annotated[float, Field(gt=0)],
+                                        Annotated[float, Field(ge=-EARLY_OFFSET_MAX_NATS, le=EARLY_OFFSET_MAX_NATS)]],
+                                  Field(strict=False)]] = []
+    """Rows [unique tokens >= 0 (0: fresh), steps > 0, offset in nats]."""
+    model: str = ""
+    vocab_size: int = Field(default=0, ge=0)
+    source: str = ""
+
+    @field_validator("param_names")
+    @classmethod
+    def _distinct(cls, v: list[str]) -> list[str]:
+        if len(set(v)) != len(v):
+            raise ValueError(f"must be distinct names of {', '.join(PARAMS)}")
+        return v
+
+    @field_validator("cov")
+    @classmethod
+    def _square(cls, v: list[list[float]], info: ValidationInfo) -> list[list[float]]:
+        n = len(info.data.get("param_names", PARAMS))
+        if v and (len(v) != n or any(len(r) != n for r in v)):
+            raise ValueError(f"must be {n} x {n} (one row per name in param_names)")
+        if any(math.isnan(x) for r in v for x in r):
+            raise ValueError("must hold numbers (inf for a fit without a covariance), not NaN")
+        return v
 
 
 def heldout_loss(theta: Sequence[float] | np.ndarray, tokens: ArrayLike, unique: ArrayLike | None, d_ref: float,

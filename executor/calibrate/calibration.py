@@ -140,7 +140,7 @@ def calibrate(run_dirs: list[str | Path], *, capture_model: CaptureModel, cache_
             (`executor.calibrate.step_time.CaptureModel`; the command line passes
             `planner.capture.setup.capture_model`).
         cache_dir: trainplan cache root for this call (cpu profile and laws); default
-            $TRAINPLAN_CACHE_DIR, else ~/.cache/trainplan.
+            `hardware_profiles.cache.cache_root()`.
         verbose: print a before/after table.
         time_basis: "wall" (default: the median step's wall time) or "cpu" (its process CPU
             time, `RunRecord.step_cpu_times_s`: for one-thread runs on a machine other jobs

@@ -90,7 +90,7 @@ def load_corpus(paths: Sequence[str | Path] | None = None, *, vocab_size: int = 
     vocab_size: requested BPE vocabulary size, >= 257.
     heldout_frac: share of the token stream held out at its end, 0 <= heldout_frac < 1; raised to
         `min_heldout_tokens` (two sequences' worth) when the corpus has at least twice that.
-    cache_dir: cache root; default `$TRAINPLAN_CACHE_DIR`, else `~/.cache/trainplan`.
+    cache_dir: cache root; default `hardware_profiles.cache.cache_root()`.
 
     Raises DataError for an empty corpus, a missing file, an unsupported extension, non-UTF-8
     bytes, a .jsonl line without "text", or an invalid vocab_size / heldout_frac.

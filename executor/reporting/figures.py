@@ -9,7 +9,7 @@ frames and the plotted data, not pixels), plus the few readers that find their i
 - `frontier_frame` / `frontier_figure`: the Pareto frontier of plans with the chosen one marked,
   from a run folder's `frontier.csv` (written by the planner when it computes a frontier).
 - `append_calibration_history` / `read_calibration_history` / `calibration_figure`: prediction
-  error before and after each calibration, kept in `$TRAINPLAN_CACHE_DIR/calibration_history.csv`.
+  error before and after each calibration, kept in `<cache root>/calibration_history.csv`.
 - `error_figure`: rel_err per term (one or several runs) against each term's tolerance.
 - `png_bytes`: a Figure as PNG bytes, without the PNG's software/URL metadata.
 
@@ -32,11 +32,12 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter
 
 from costmodels.loss.bits import bits_loss_penalty
-from costmodels.loss.cache import cache_root, law_path, load_local_law, read_local_law_file
+from costmodels.loss.cache import law_path, load_local_law, read_local_law_file
 from costmodels.loss.law import LossLaw, learning_curve
 from executor.record import RunRecord
 from executor.reporting.frames import MIB
 from executor.reporting.governor_panel import curve_frame, plot_governor
+from hardware_profiles.cache import cache_root
 from planner.plan import Plan
 
 __all__ = ["CALIBRATION_COLUMNS", "CALIBRATION_HISTORY", "LOSS_BAND_REL", "append_calibration_history",
@@ -267,7 +268,7 @@ def frontier_figure(frame: pd.DataFrame) -> Figure:
 
 def calibration_history_path(cache_dir: str | Path | None = None) -> Path:
     """`<cache root>/calibration_history.csv` (cache root: `cache_dir`, else
-    $TRAINPLAN_CACHE_DIR, else ~/.cache/trainplan)."""
+    `hardware_profiles.cache.cache_root()`)."""
     return cache_root(cache_dir) / CALIBRATION_HISTORY
 
 

@@ -1,6 +1,11 @@
 """The plan-vs-actual report as one self-contained HTML page per run (`write_run_report`), and a
 page comparing runs (`write_runs_report`).
 
+The pages are rendered by jinja2 from the templates in `executor/reporting/templates/` (package
+data): `base.html.j2` (the layout, with the style sheet `report.css` inlined), `run.html.j2`,
+`runs.html.j2` and `macros.html.j2` (a figure, the predictions table, the tolerance note), with
+autoescaping on. This module computes what they show: text and numbers formatted, figures drawn.
+
 A page has no external reference: figures are PNGs inlined as `data:image/png;base64,...`, the
 style sheet is inline, there is no script. It opens offline in any browser.
 
@@ -14,12 +19,14 @@ from __future__ import annotations
 
 import base64
 import datetime as _dt
-import html
 import json
 import math
 import os
+from functools import cache
 from pathlib import Path
+from typing import Any
 
+import jinja2
 import pandas as pd
 from matplotlib.figure import Figure
 
@@ -31,60 +38,48 @@ from executor.reporting.plots import plot_loss, plot_memory, plot_step_time
 from executor.reporting.verdicts import HELD, NOT_HELD, TOLERANCES, summary_line, verdict_frame
 from planner.plan import Plan
 
-__all__ = ["CSS", "write_run_report", "write_runs_report"]
-
-CSS = """
-body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:2em auto;
-max-width:1100px;padding:0 1em;color:#222;line-height:1.4}
-h1{font-size:1.5em;margin-bottom:.2em} h2{font-size:1.2em;margin-top:1.6em;border-bottom:1px solid #ddd}
-.verdict{font-size:1.35em;font-weight:600;padding:.5em .8em;border-radius:6px;margin:.6em 0}
-.verdict.ok{background:#e3f4e3;color:#14591b} .verdict.bad{background:#fbe7e5;color:#8a1c10}
-table{border-collapse:collapse;margin:.6em 0} td,th{padding:.25em .7em;border-bottom:1px solid #e6e6e6}
-th{text-align:left;background:#f6f6f6} td.num{text-align:right;font-variant-numeric:tabular-nums}
-tr.held td.v{color:#14591b;font-weight:600} tr.not-held td.v{color:#8a1c10;font-weight:600}
-tr.not-held{background:#fff6f5} tr.not-measured td.v,tr.no-prediction td.v{color:#777}
-dl.facts{display:grid;grid-template-columns:max-content auto;gap:.2em 1.2em} dt{font-weight:600}
-dd{margin:0} figure{margin:1.2em 0} img{max-width:100%;height:auto;border:1px solid #eee}
-figcaption{color:#555;font-size:.92em;max-width:900px} .note{color:#555;font-size:.92em}
-"""
-"""The pages' inline style sheet (no external reference)."""
+__all__ = ["environment", "render", "write_run_report", "write_runs_report"]
 
 
-# --- HTML pieces ------------------------------------------------------------------------------
+# --- templates and their pieces ---------------------------------------------------------------
 
 
-def _e(x) -> str:
-    return html.escape(str(x), quote=True)
+@cache
+def environment() -> jinja2.Environment:
+    """The templates' jinja2 environment: package data of `executor.reporting`, autoescaped,
+    an undefined name an error (`jinja2.StrictUndefined`)."""
+    return jinja2.Environment(loader=jinja2.PackageLoader("executor.reporting", "templates"),
+                              autoescape=True, undefined=jinja2.StrictUndefined,
+                              trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
 
 
-def _img(fig: Figure, alt: str) -> str:
-    data = base64.b64encode(F.png_bytes(fig)).decode("ascii")
-    return f'<img alt="{_e(alt)}" src="data:image/png;base64,{data}">'
+def render(template: str, **context: Any) -> str:
+    """`template` (`run.html.j2`, `runs.html.j2`) rendered with `context` and the time now
+    (`generated`, UTC)."""
+    generated = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
+    return environment().get_template(template).render(generated=generated, **context)
 
 
-def _figure(fig: Figure, title: str, caption: str) -> str:
-    return (f"<figure><h3>{_e(title)}</h3>{_img(fig, title)}"
-            f"<figcaption>{_e(caption)}</figcaption></figure>")
+def _figure(fig: Figure, title: str, caption: str) -> dict[str, str]:
+    """A figure as the `figure` macro shows it: title, caption, the PNG in base64."""
+    return {"title": title, "caption": caption,
+            "png_base64": base64.b64encode(F.png_bytes(fig)).decode("ascii")}
 
 
-def _verdict_table(v: pd.DataFrame, with_run: bool = False) -> str:
-    head = ["run"] * with_run + ["term", "predicted", "measured", "rel_err", "tolerance", "verdict"]
+def _verdict_rows(v: pd.DataFrame) -> list[dict[str, str]]:
+    """The `verdict_table` macro's rows: each term's cells as text, its verdict's CSS class."""
     rows = []
     for r in v.itertuples(index=False):
-        err = F.pct_text(r.rel_err)
-        tol = "-" if not math.isfinite(r.tolerance) else f"±{r.tolerance:.0%}"
-        mark = {HELD: "✓ held", NOT_HELD: "✗ not held"}.get(r.verdict, r.verdict)
-        cells = ([f"<td>{_e(r.run)}</td>"] if with_run else []) + [
-            f"<td>{_e(r.label)}</td>", f'<td class="num">{_e(format_value(r.predicted, r.unit))}</td>',
-            f'<td class="num">{_e(format_value(r.measured, r.unit))}</td>',
-            f'<td class="num">{_e(err)}</td>', f'<td class="num">{_e(tol)}</td>',
-            f'<td class="v">{_e(mark)}</td>']
-        rows.append(f'<tr class="{r.verdict.replace(" ", "-")}">{"".join(cells)}</tr>')
-    return ("<table><thead><tr>" + "".join(f"<th>{h}</th>" for h in head) + "</tr></thead><tbody>"
-            + "".join(rows) + "</tbody></table>")
+        rows.append({
+            "run": str(r.run), "label": str(r.label), "css_class": r.verdict.replace(" ", "-"),
+            "predicted": format_value(r.predicted, r.unit), "measured": format_value(r.measured, r.unit),
+            "rel_err": F.pct_text(r.rel_err),
+            "tolerance": "-" if not math.isfinite(r.tolerance) else f"±{r.tolerance:.0%}",
+            "verdict": {HELD: "✓ held", NOT_HELD: "✗ not held"}.get(r.verdict, r.verdict)})
+    return rows
 
 
-def _facts(plan: Plan, record: RunRecord, run_dir: Path) -> str:
+def _facts(plan: Plan, record: RunRecord, run_dir: Path) -> list[tuple[str, str]]:
     d, p, s = plan.decisions, plan.predictions, plan.solver
     ck = {e: d.checkpoint.count(e) for e in dict.fromkeys(d.checkpoint)}
     dev = f"{d.devices} device{'s' if d.devices != 1 else ''}"
@@ -114,28 +109,15 @@ def _facts(plan: Plan, record: RunRecord, run_dir: Path) -> str:
     notes = [*plan.notes, *record.notes]
     if notes:
         items.append(("notes", "; ".join(notes)))
-    return ('<dl class="facts">' + "".join(f"<dt>{_e(k)}</dt><dd>{_e(v)}</dd>" for k, v in items)
-            + "</dl>")
+    return items
 
 
-def _tolerance_note() -> str:
-    tol = ", ".join(f"{k.replace('_', ' ')} ±{v:.0%}" for k, v in TOLERANCES.items())
-    return (f'<p class="note">A prediction holds when |rel_err| is within its tolerance ({_e(tol)}); '
-            "rel_err = (predicted - measured) / measured. Memory is tensor bytes per device at the "
-            "peak, FLOPs per device per step, tokens over all ranks, loss in nats/token.</p>")
+def _tolerances() -> str:
+    return ", ".join(f"{k.replace('_', ' ')} ±{v:.0%}" for k, v in TOLERANCES.items())
 
 
-def _page(title: str, body: list[str]) -> str:
-    generated = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
-    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-            f"<title>{_e(title)}</title><style>{CSS}</style></head><body>\n"
-            + "\n".join(body)
-            + f'\n<p class="note">Generated by trainplan at {_e(generated)}.</p>\n</body></html>\n')
-
-
-def _verdict_block(line: str, verdicts: pd.DataFrame) -> str:
-    ok = bool(len(verdicts)) and not (verdicts["verdict"] == NOT_HELD).any()
-    return f'<p id="verdict" class="verdict {"ok" if ok else "bad"}">{_e(line)}</p>'
+def _verdict_ok(verdicts: pd.DataFrame) -> bool:
+    return bool(len(verdicts)) and not (verdicts["verdict"] == NOT_HELD).any()
 
 
 def _json_ready(v: pd.DataFrame) -> list[dict]:
@@ -153,8 +135,8 @@ def _panel(draw, frames: ReportFrames, size=(8, 4.2)) -> Figure:
 
 
 def _run_figures(plan: Plan, record: RunRecord, frames: ReportFrames, verdicts: pd.DataFrame,
-                 run_dir: Path, cache_dir) -> tuple[list[str], list[str]]:
-    """(figure blocks, notes on figures that could not be drawn)."""
+                 run_dir: Path, cache_dir) -> tuple[list[dict[str, str]], list[str]]:
+    """(figures as `_figure` gives them, notes on figures that could not be drawn)."""
     blocks, notes = [], []
     blocks.append(_figure(F.error_figure(verdicts), "Prediction error per term",
                           "Each bar is (predicted - measured) / measured. The green band is the "
@@ -208,16 +190,11 @@ def write_run_report(plan: Plan, record: RunRecord, out: str | Path, *, frames: 
     verdicts = verdict_frame(compare(plan, record))
     line = summary_line(verdicts, record.same_hardware)
     figs, fig_notes = _run_figures(plan, record, frames, verdicts, out, cache_dir)
-    d = plan.decisions
-    title = f"{plan.model} on {plan.hw} x {d.devices}: plan vs actual"
-    body = [f"<h1>{_e(title)}</h1>", _verdict_block(line, verdicts), _facts(plan, record, out),
-            "<h2>Predictions</h2>", _verdict_table(verdicts), _tolerance_note(),
-            "<h2>Figures</h2>", *figs, *(f'<p class="note">{_e(n)}</p>' for n in fig_notes),
-            '<h2>Files</h2><p class="note">Beside this page: <a href="comparison.csv">comparison.csv'
-            '</a> (the table), <a href="summary.json">summary.json</a> (verdicts), <a href="plan.json">'
-            'plan.json</a>, <a href="record.json">record.json</a>, <a href="report.png">report.png</a>.</p>']
+    page = render("run.html.j2", title=f"{plan.model} on {plan.hw} x {plan.decisions.devices}: plan vs actual",
+                  verdict_line=line, verdict_ok=_verdict_ok(verdicts), facts=_facts(plan, record, out),
+                  rows=_verdict_rows(verdicts), tolerances=_tolerances(), figures=figs, figure_notes=fig_notes)
     paths = {"html": out / "report.html", "summary": out / "summary.json"}
-    paths["html"].write_text(_page(title, body), encoding="utf-8")
+    paths["html"].write_text(page, encoding="utf-8")
     summary = {"summary": line, "held": int((verdicts["verdict"] == HELD).sum()),
                "compared": int(verdicts["verdict"].isin([HELD, NOT_HELD]).sum()),
                "same_hardware": bool(record.same_hardware), "tolerances": TOLERANCES,
@@ -238,25 +215,20 @@ def write_runs_report(runs: list[tuple[str, Path, Plan, RunRecord, str]], verdic
     linked by its path relative to `out`. Called by `executor.reporting.report.compare_runs`,
     which writes the other files.
     """
-    rows = "".join(
-        f"<tr><td>{_e(label)}</td><td>{_e(p.model)}</td><td>{_e(p.hw)} x {p.decisions.devices}</td>"
-        f"<td>{_e(r.device)}</td><td>{_e(r.stop_reason or 'unknown')} after {r.steps:,} steps</td>"
-        f"<td>{_e(line)}</td></tr>" for label, _, p, r, line in runs)
     held = int((verdicts["verdict"] == HELD).sum())
     n = int(verdicts["verdict"].isin([HELD, NOT_HELD]).sum())
-    line = f"{len(runs)} runs: {held} of {n} predictions held"
-    title = f"trainplan: {len(runs)} runs compared"
-    body = [f"<h1>{_e(title)}</h1>", _verdict_block(line, verdicts),
-            "<h2>Runs</h2><table><thead><tr><th>run</th><th>model</th><th>planned for</th>"
-            f"<th>ran on</th><th>stop</th><th>verdict</th></tr></thead><tbody>{rows}</tbody></table>",
-            _figure(F.error_figure(verdicts), "Prediction error per term and run",
+    rows = [{"label": label, "model": p.model, "planned_for": f"{p.hw} x {p.decisions.devices}",
+             "device": r.device, "stop": f"{r.stop_reason or 'unknown'} after {r.steps:,} steps",
+             "verdict": line, "href": Path(os.path.relpath(d / "report.html", out)).as_posix(),
+             "report_path": str((d / "report.html").resolve())}
+            for label, d, p, r, line in runs]
+    error = _figure(F.error_figure(verdicts), "Prediction error per term and run",
                     "One bar per run: (predicted - measured) / measured; the green band is the "
-                    "term's tolerance. Hatched bars are predictions that did not hold."),
-            "<h2>Predictions</h2>", _verdict_table(verdicts, with_run=True), _tolerance_note(),
-            '<h2>Run reports</h2><ul>' + "".join(
-                f'<li><a href="{_e(Path(os.path.relpath(d / "report.html", out)).as_posix())}">'
-                f"{_e(label)}</a>: {_e(str((d / 'report.html').resolve()))}</li>"
-                for label, d, *_ in runs) + "</ul>"]
+                    "term's tolerance. Hatched bars are predictions that did not hold.")
+    page = render("runs.html.j2", title=f"trainplan: {len(runs)} runs compared",
+                  verdict_line=f"{len(runs)} runs: {held} of {n} predictions held",
+                  verdict_ok=_verdict_ok(verdicts), runs=rows, error_figure=error,
+                  rows=_verdict_rows(verdicts), tolerances=_tolerances())
     path = out / "report.html"
-    path.write_text(_page(title, body), encoding="utf-8")
+    path.write_text(page, encoding="utf-8")
     return path

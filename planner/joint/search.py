@@ -150,6 +150,7 @@ def uniform_start(combos: Sequence[Combo], entries: Sequence[str], L: int, mem_c
     return None if best is None else best[1]
 
 
+
 Lightest = tuple[float, int, int, int, str]
 """(bytes per device, SP degree, ZeRO stage, micro-batch, the widths (and a gradient
 accumulation above 1) in words) of a plan."""

@@ -26,6 +26,7 @@ from costmodels.step.model import Choice, StepModel
 from hardware_profiles import HardwareProfile
 from planner.budget import Budget
 from planner.joint.combos import BYTES_PER_UNIT, Combo, combo_memory, make_combo, memory_rows, phase_peaks, units
+from planner.joint.polish import cheapest_tokens
 from planner.joint.remat_menu import BlockMenus, MenuSource, add_menus, by_recompute, menu_index, named_entries
 from planner.joint.search import (
     budget_cap,
@@ -281,32 +282,18 @@ def solve_joint(step_model: StepModel, hw: HardwareProfile, budget: Budget, *, s
 
     costs = [per_token(c2) for c2 in combos]
     unit = max(fx + L * max(bl.values()) for fx, bl in costs) / POLISH_LEVELS
-    m.add(y[k] == 1)
-    m.add(x[f] == 1)
-    token_cost = m.new_int_var(0, POLISH_LEVELS + L + 1, "cost_per_token")  # units of `unit`
-    width = {b: m.new_bool_var(f"polish_bits_{b[0]}_{b[1]}") for b in bits_pen}
-    m.add_exactly_one(width.values())
-    for zc, c2, (fx, bl) in zip(z, combos, costs, strict=False):
-        m.add_implication(zc, width[c2.bits])
-        m.add(token_cost >= units(fx, unit) + sum(n[e] * units(bl[e], unit) for e in entries)
-              ).only_enforce_if(zc)
+    cost_units = [(units(fx, unit), {e: units(bl[e], unit) for e in entries}) for fx, bl in costs]
+    tie_units = None
     if wall is None:  # a FLOP budget: of equal FLOPs per token, the faster tokens
         tunit = max((c2.fixed_s + L * max(x.block_s for x in c2.menu.values())) / c2.tokens_per_step
                     for c2 in combos) / POLISH_LEVELS
-        time_cost = m.new_int_var(0, POLISH_LEVELS + L + 1, "seconds_per_token")
-        for zc, c2 in zip(z, combos, strict=False):
-            m.add(time_cost >= units(c2.fixed_s / c2.tokens_per_step, tunit) + sum(
-                n[e] * units(c2.cost_of(e).block_s / c2.tokens_per_step, tunit) for e in entries)
-                  ).only_enforce_if(zc)
-        m.minimize(token_cost * (POLISH_LEVELS + L + 2) + time_cost)
-    else:
-        m.minimize(token_cost)
-    m.clear_hints()
-    for e in entries:
-        m.add_hint(n[e], counts[e])
-    for i, zc in enumerate(z):
-        m.add_hint(zc, i == ci)
-    _deterministic(solver.parameters, min(time_limit_s, POLISH_TIME_S), seed, 1)  # see the loop
+        tie_units = [(units(c2.fixed_s / c2.tokens_per_step, tunit),
+                      {e: units(c2.cost_of(e).block_s / c2.tokens_per_step, tunit) for e in entries})
+                     for c2 in combos]
+
+    def configure(s: cp_model.CpSolver) -> None:
+        _deterministic(s.parameters, min(time_limit_s, POLISH_TIME_S), seed, 1)
+
     # per optimizer width (the loss differs by its penalty, the grid hides the token
     # difference): the cheapest tokens of each width at the chosen level, then the lowest
     # predicted loss once the budget is spent
@@ -317,18 +304,18 @@ def solve_joint(step_model: StepModel, hw: HardwareProfile, budget: Budget, *, s
     # than the incumbent cannot win: not solved
     floor = law.predict(n_params, max_tokens, unique_tokens=max(1.0, f * data_tokens))
     groups: dict[float, list] = {}
-    for b in sorted(width, key=lambda b: (bits_pen[b] != bits_pen[c.bits], bits_pen[b])):
+    for b in sorted(bits_pen, key=lambda b: (bits_pen[b] != bits_pen[c.bits], bits_pen[b])):
         groups.setdefault(bits_pen[b], []).append(b)
     for pen, group in groups.items():
         mine = c.bits in group
         if not mine and floor + pen >= best[0][0]:
             continue
-        for b2, v in width.items():  # these widths only, by their domains (CP-SAT 9.15 aborted
-            dom = m.proto.variables[v.index].domain  # this solve interleaved: 1 worker)
-            dom[0], dom[1] = 0, int(b2 in group)
-        if solver.solve(m) in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-            c2 = combos[next(i for i, v in enumerate(z) if solver.value(v))]
-            counts2 = {e: solver.value(n[e]) for e in n}
+        polished = cheapest_tokens(combos, [i for i, c2 in enumerate(combos) if c2.bits in group], entries, L,
+                                   mem_cap, levels[k],
+                                   lambda c2: budget_terms(c2, entries, L, wall, budget, devices),
+                                   cost_units, tie_units, configure)
+        if polished is not None:
+            c2, counts2 = combos[polished.index], polished.counts
             got = spent(c2, counts2, L, wall, budget, devices, law, n_params, f, data_tokens,
                         levels[k], bits_pen)
             if got[0] < best[0][0] or (mine and got[0] <= best[0][0]):

@@ -2,7 +2,8 @@
 
 Each CLI row runs `planner.cli.main.main(argv)` in a scratch folder (so the paths in messages are the
 table's) and checks: exit status 2, exactly one stderr line starting `trainplan: error:`, no
-traceback, the bad value and the valid alternatives in that line, and the error's type. API rows
+traceback, the bad value and the valid alternatives in that line, and the error's type (a
+run that failed exits 1, an infeasible budget 3: `planner.cli.main.EXIT_CODES`). API rows
 call the library and check the typed error and its message. Fast: no row solves a large model,
 and the one training run (a NaN loss) is 2 steps of tiny-llama.
 """
@@ -189,10 +190,10 @@ CLI_ROWS: dict[str, tuple[str, type, list[str]]] = {
                           ["'garbage.json': not a held-out curve", "HeldoutCurve.to_dict()"]),
     "curve-gain-out-of-range": (f"{TINY} --budget-seconds 60 --heldout-curve curve_gain.json "
                                 "--loss-value-device-hours-per-nat 1", TrainplanError,
-                                ["cooldown_gain_nats=1000000000.0 is out of range (>= -1.0, <= 1.0)"]),
+                                ["cooldown_gain_nats=1000000000.0 must be a finite number in [-1, 1]"]),
     "curve-out-of-range": (f"{TINY} --budget-seconds 60 --heldout-curve curve_neg.json "
                            "--loss-value-device-hours-per-nat 1", TrainplanError,
-                           ["'curve_neg.json': gamma=-0.03 is out of range (>= 0.0, <= 100.0)",
+                           ["'curve_neg.json': gamma=-0.03 must be a finite number in [0, 100]",
                             "HeldoutCurve.to_dict()"]),
     "curve-of-another-model": (f"{TINY} --budget-seconds 60 --heldout-curve curve_8b.json "
                                "--loss-value-device-hours-per-nat 1", TrainplanError,
@@ -244,7 +245,7 @@ CLI_ROWS: dict[str, tuple[str, type, list[str]]] = {
     "non-integer-devices": (f"{TINY} --budget-seconds 60 --devices x", SystemExit,
                             ["--devices: invalid int value: 'x'"]),
     "unknown-command": ("bogus", SystemExit, ["invalid choice: 'bogus'", "'solve'", "'calibrate'"]),
-    "calibrate-no-folders": ("calibrate", SystemExit, ["required: run_dirs", "trainplan calibrate --help"]),
+    "calibrate-no-folders": ("calibrate", SystemExit, ["required: RUN_DIR", "trainplan calibrate --help"]),
     # ---- run: plan, output folder, device
     "missing-plan-file": ("run no_such_plan.json --out out", PlanMismatchError,
                           ["cannot read plan 'no_such_plan.json'", "No such file"]),
@@ -255,11 +256,11 @@ CLI_ROWS: dict[str, tuple[str, type, list[str]]] = {
     "plan-seed-huge": ("run plan_seed_huge.json --out out", PlanMismatchError,
                        ["decisions.seed=1180591620717411303424 must be a whole number in [0, 2^63)"]),
     "plan-lr-true": ("run plan_lr_true.json --out out", PlanMismatchError,
-                     ["decisions.lr=True must be a positive finite number"]),
+                     ["decisions.lr=True must be a finite number > 0"]),
     "plan-checkpoint-sets-str": ("run plan_sets_str.json --out out", PlanMismatchError,
-                                 ["decisions.checkpoint_sets='x' must be an object of checkpoint entry name"]),
+                                 ["decisions.checkpoint_sets='x' must be an object with a list of strings per key"]),
     "plan-budget-str": ("run plan_budget_str.json --out out", PlanMismatchError,
-                        ["budget='x' must be an object of budget fields"]),
+                        ["budget='x' must be an object with a finite number per key"]),
     "plan-format-true": ("run plan_format_true.json --out out", PlanMismatchError,
                          ["not a trainplan plan of format 1: got format True"]),
     "plan-wrong-format": ("run plan_format_2.json --out out", PlanMismatchError,
@@ -281,7 +282,7 @@ CLI_ROWS: dict[str, tuple[str, type, list[str]]] = {
                                ['decisions.checkpoint=["full", "full", "full", "full"] (predicted for ["none"',
                                 "edited after the predictions"]),
     "plan-step-time-negative": ("run plan_step_time.json --out out", PlanMismatchError,
-                                ["predictions.step_time_s=-1", "positive finite number of seconds"]),
+                                ["predictions.step_time_s=-1", "must be a finite number > 0"]),
     "plan-path-empty": ("run '' --out out", TrainplanError, ["PLAN is empty", "trainplan solve --json"]),
     "data-empty-path": ("run plan.json --out out --data ''", TrainplanError,
                         ["--data '' has an empty path", "leave --data out"]),
@@ -353,7 +354,7 @@ CLI_ROWS: dict[str, tuple[str, type, list[str]]] = {
     "hw-file-missing": ("solve --model tiny-llama --hw missing.toml --budget-seconds 60", TrainplanError,
                         ["'missing.toml' does not exist", "--template h100"]),
     "hw-file-bad-value": ("solve --model tiny-llama --hw bad_profile.toml --budget-seconds 60", TrainplanError,
-                          ["'bad_profile.toml'", "memory_efficiency = 1.5", "must be in (0, 1]"]),
+                          ["'bad_profile.toml'", "memory_efficiency=1.5", "must be a finite number in (0, 1]"]),
     "calibrate-profile-out-missing-folder": ("calibrate short_run --profile-out no_dir/x.toml", OutputPathError,
                                              ["'no_dir/x.toml'", "existing folder"]),
 }
@@ -379,11 +380,12 @@ def test_cli_row(row, workdir, monkeypatch, capsys):
 
 def test_nan_loss(workdir, monkeypatch, capsys, one_thread):
     """`trainplan run nan_plan.json --out nan_out --data words.txt`: lr=1e30 makes the loss NaN
-    at step 2 (0-based 1 or 2); the run stops at once, keeps its record, exits 2 with one line."""
+    at step 2 (0-based 1 or 2); the run stops at once, keeps its record, exits 1 (a run that
+    failed) with one line."""
     monkeypatch.chdir(workdir)
     rc, exc = _spy_main(["run", "nan_plan.json", "--out", "nan_out", "--data", "words.txt"], monkeypatch)
     line = one_error_line(capsys.readouterr().err)
-    assert rc == 2 and isinstance(exc, TrainingDivergedError), (rc, exc)
+    assert rc == 1 and isinstance(exc, TrainingDivergedError), (rc, exc)
     assert "nan" in line.lower() and "lower the learning rate" in line and "lr=1e+30" in line, line
     rec = RunRecord.from_json(workdir / "nan_out" / "record.json")
     assert rec.stop_reason == "nan" and rec.steps < 4, rec
@@ -426,7 +428,7 @@ def test_seq_len_rules_out_sp(monkeypatch, capsys):
     argv = "solve --model llama3-8b --hw h100 --devices 8 --seq-len 131070 --budget-device-hours 100"
     rc, exc = _spy_main(argv.split(), monkeypatch)
     line = one_error_line(capsys.readouterr().err)
-    assert rc == 2 and isinstance(exc, InfeasibleError)
+    assert rc == 3 and isinstance(exc, InfeasibleError)
     for needle in ("per-device memory binds", "seq_len=131070 limits sp_degree to 1, 2",
                    "divisible by 8, e.g. 131072", "up to 8"):
         assert needle in line, (needle, line)

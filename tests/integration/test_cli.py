@@ -1,5 +1,5 @@
-"""planner.cli.main: bad input exits 2 with one `trainplan: error:` line and no traceback; profiles;
-solve --json writes a loadable plan."""
+"""planner.cli.main: bad input exits 2 (an infeasible budget 3) with one `trainplan: error:` line and
+no traceback; profiles; solve --json writes a loadable plan."""
 
 from __future__ import annotations
 
@@ -43,11 +43,15 @@ ERRORS = {
 }
 
 
+INFEASIBLE = {"infeasible memory", "budget below a step"}  # exit status 3
+
+
 @pytest.mark.parametrize("argv, needles", ERRORS.values(), ids=ERRORS.keys())
-def test_bad_input_exits_2_with_one_line(capsys, argv, needles):
+def test_bad_input_exits_2_with_one_line(capsys, argv, needles, request):
     rc = main(argv)
     out, err = capsys.readouterr()
-    assert rc == 2, f"exit status {rc}, expected 2; stderr: {err}"
+    expected = 3 if request.node.callspec.id in INFEASIBLE else 2
+    assert rc == expected, f"exit status {rc}, expected {expected}; stderr: {err}"
     line = _one_error_line(err)
     for needle in needles:
         assert needle in line, f"{needle!r} not in {line!r}"
@@ -93,8 +97,15 @@ def test_devices_3_for_tiny_llama_is_pure_data_parallel(capsys, tmp_path):
     assert (d.devices, d.sp_degree, d.dp_degree) == (3, 1, 3), d
 
 
-def test_profiles_no_cpu_lists_the_accelerators(capsys):
-    assert main(["profiles", "--no-cpu"]) == 0
+@pytest.mark.parametrize("argv", [["profiles"], ["profiles", "--no-cpu"]], ids=["default", "no-cpu"])
+def test_profiles_lists_the_accelerators_without_measuring(capsys, argv, monkeypatch):
+    import hardware_profiles
+
+    def no_cpu(*a, **k):
+        raise AssertionError("the cpu profile was loaded or measured")
+
+    monkeypatch.setattr(hardware_profiles, "load_cpu", no_cpu)
+    assert main(argv) == 0
     out = capsys.readouterr().out
     names = [line.split()[0] for line in out.strip().splitlines()[1:]]
     assert names == list(ACCELERATORS), out
@@ -116,18 +127,18 @@ def test_an_interrupted_run_or_demo_says_how_to_continue(tmp_path, capsys):
     """`run` and `demo` share the early-stop message: one line, the out folder shell-quoted."""
     import types
 
-    from planner.cli.commands import stopped_early
+    from planner.cli.commands import RunStoppedEarly, check_run_ended
 
     plan = types.SimpleNamespace(decisions=types.SimpleNamespace(max_steps=290))
     out = tmp_path / "a run"
     done = types.SimpleNamespace(stop_reason="budget", steps=290, checkpoint="")
-    assert not stopped_early(plan, done, out)
-    assert not stopped_early(plan, types.SimpleNamespace(stop_reason="marginal_gain", steps=9, checkpoint=""), out)
+    check_run_ended(plan, done, out)
+    check_run_ended(plan, types.SimpleNamespace(stop_reason="marginal_gain", steps=9, checkpoint=""), out)
     stopped = types.SimpleNamespace(stop_reason="interrupted", steps=30, checkpoint=str(out / "checkpoint"))
-    assert stopped_early(plan, stopped, out)
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "interrupted after 30 of 290 steps" in err[0]
-    assert f"trainplan run --out '{out}' --resume" in err[0]
+    with pytest.raises(RunStoppedEarly) as e:
+        check_run_ended(plan, stopped, out)
+    assert "interrupted after 30 of 290 steps" in str(e.value)
+    assert f"trainplan run --out '{out}' --resume" in str(e.value)
 
 
 

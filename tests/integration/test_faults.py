@@ -99,7 +99,7 @@ def test_out_of_memory_is_a_clean_error_with_a_partial_record(make_plan, corpus,
                                                               tmp_path, monkeypatch, capsys,
                                                               one_thread):
     """The CPU allocator's error in step 3's forward: the CLI prints one line naming the step,
-    the predicted peak and what to change, exits 2; the record keeps steps 0..2."""
+    the predicted peak and what to change, exits 1 (a run that failed); the record keeps steps 0..2."""
     import modeling.presets
 
     plan = make_plan()
@@ -115,7 +115,7 @@ def test_out_of_memory_is_a_clean_error_with_a_partial_record(make_plan, corpus,
     code = main(["run", str(tmp_path / "plan.json"), "--out", str(out), "--data", str(corpus_path),
                  "--device", "cpu"])
     line = one_error_line(capsys.readouterr().err)
-    assert code == 2, line
+    assert code == 1, line
     assert line.startswith("trainplan: error: out of memory in step 3 on cpu"), line
     predicted_mib = f"{plan.predictions.memory_bytes['total'] / 2**20:.3g} MiB"
     for part in (predicted_mib, "smaller micro-batch (now 2)", "activation checkpointing",

@@ -178,10 +178,11 @@ def test_a_kill_during_a_checkpoint_write_keeps_the_previous_one(make_plan, corp
 
 @pytest.fixture(scope="module")
 def two_process(corpus, corpus_path, cpu_profile, tmp_path_factory):
-    """SP 2 x ZeRO stage 2 (FSDP2, every parameter sharded over both ranks) on two gloo
-    processes, three torchrun launches shared by the tests below: the whole run through
-    `trainplan run` (folder `full`), the same plan stopped after step 3 (`executor.worker.launch`,
-    folder `run`; its record and checkpoint shards read before) and resumed in place.
+    """SP 2 x ZeRO stage 2 (FSDP2, every parameter sharded over both ranks) with two
+    accumulated micro-steps of one sequence per optimizer step, on two gloo processes, three
+    torchrun launches shared by the tests below: the whole run through `trainplan run` (folder
+    `full`), the same plan stopped after step 3 (`executor.worker.launch`, folder `run`; its
+    record and checkpoint shards read before) and resumed in place.
     Returns (plan, full folder, stopped record, stopped checkpoint's files, resumed folder)."""
     import subprocess
     import sys
@@ -189,7 +190,7 @@ def two_process(corpus, corpus_path, cpu_profile, tmp_path_factory):
     from executor.worker import launch
 
     base = tmp_path_factory.mktemp("two_process")
-    plan = plan_for_choice("tiny-llama", cpu_profile, seq_len=64, micro_batch=2, max_steps=8,
+    plan = plan_for_choice("tiny-llama", cpu_profile, seq_len=64, micro_batch=1, grad_accum=2, max_steps=8,
                            vocab_size=corpus.vocab_size, data_tokens=corpus.n_train_tokens, devices=2,
                            sp_degree=2, zero_stage=2, optimizer_bits=32)
     plan.to_json(base / "plan.json")
@@ -236,3 +237,23 @@ def test_two_process_run_through_the_cli(two_process):
     assert all(math.isfinite(loss) for _, loss in record.train_loss), record.train_loss
     assert (out / "report.png").exists() and (out / "comparison.csv").exists()
     assert json.loads((out / "plan.json").read_text())["decisions"]["sp_degree"] == 2
+
+
+@pytest.mark.slow
+def test_two_process_accumulation_trains_the_one_process_batch(two_process, corpus, cpu_profile, tmp_path,
+                                                                one_thread):
+    """FSDP2 reduce-scatters the sharded gradient at every micro-step and the optimizer steps
+    after the second (`executor.accumulation`): the two-process run reaches the held-out loss
+    of one process accumulating the same two micro-batches (fp32; SP splits each sequence, so
+    both runs read the same windows). DDP's deferred all-reduce (`no_sync`) is
+    tests/integration/test_grad_accum_parallel.py's."""
+    _, full_dir, _, _, _ = two_process
+    one = plan_for_choice("tiny-llama", cpu_profile, seq_len=64, micro_batch=1, grad_accum=2,
+                          max_steps=8, vocab_size=corpus.vocab_size, data_tokens=corpus.n_train_tokens,
+                          optimizer_bits=32)
+    ref = run(one, data=corpus, out=tmp_path / "one", device="cpu", progress=False, checkpoint_every=0,
+              check_fits=False)
+    full = RunRecord.from_json(full_dir / "record.json")
+    assert full.tokens == ref.tokens == 8 * 2 * 64, (full.tokens, ref.tokens)
+    assert math.isclose(full.final_heldout_loss, ref.final_heldout_loss, rel_tol=1e-5), \
+        (full.final_heldout_loss, ref.final_heldout_loss)

@@ -28,7 +28,8 @@ def test_solved_checkpoint_sets_run_and_match(tmp_path, cpu_profile):
                  memory_limit_bytes=cap)
     assert any(p.startswith("remat:") for p in plan.decisions.checkpoint), plan.decisions.checkpoint
     assert plan.predictions.memory_bytes["total"] <= cap
-    plan = dataclasses.replace(plan, decisions=dataclasses.replace(plan.decisions, max_steps=5))
+    plan = dataclasses.replace(plan, decisions=dataclasses.replace(  # 5 steps, the warm-up within them
+        plan.decisions, max_steps=5, warmup_steps=min(plan.decisions.warmup_steps, 5)))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -88,7 +89,7 @@ def test_sim_noise_is_the_larger_of_the_fits_residual_and_the_second_difference_
                                  (0.0, 0.0, 0.1), (0.0, 10.0), (0.0, True, 0.1)])
 def test_a_curve_file_with_a_bad_early_offset_is_refused(fit, row):
     raw = fit.to_dict() | {"early_offsets": [list(row)]}
-    with pytest.raises(TrainplanError, match="early_offsets row"):
+    with pytest.raises(TrainplanError, match=r"^early_offsets\[0\].* must be "):
         HeldoutCurve.from_dict(raw)
 
 
@@ -142,15 +143,15 @@ def test_the_curve_records_its_pilots_model_and_a_plan_of_another_is_refused(pil
             HeldoutCurve.from_dict(fit.to_dict() | bad)
 
 
-@pytest.mark.parametrize("bad, needle", [(dict(E=1e300), "E=1e+300 is out of range"),
-                                         (dict(B=1e300), "B=1e+300 is out of range"),
+@pytest.mark.parametrize("bad, needle", [(dict(E=1e300), "E=1e+300 must be a finite number in [0, 100]"),
+                                         (dict(B=1e300), "B=1e+300 must be a finite number in [0, 100]"),
                                          (dict(unique_tokens=math.nan), "unique_tokens=nan"),
                                          (dict(unique_tokens=-5.0), "unique_tokens=-5.0"),
                                          (dict(n_points="x"), "n_points='x'"), (dict(source=5), "source=5")])
 def test_a_curve_file_with_an_impossible_constant_is_refused(fit, bad, needle):
     """Constants no pilot fit gives are refused where a curve is read (a B of 1e300 overflowed in
     the governor's fit; an E of 1e300 printed an end loss of 1e300 nats)."""
-    with pytest.raises(TrainplanError, match=needle.replace("+", r"\+").replace("(", r"\(")):
+    with pytest.raises(TrainplanError, match=re.escape(needle)):
         HeldoutCurve.from_dict(fit.to_dict() | bad)
     cov = [list(r) for r in fit.cov]
     cov[0][0] = math.nan

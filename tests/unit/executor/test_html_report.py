@@ -36,6 +36,7 @@ from executor.reporting.figures import (
     read_calibration_history,
 )
 from executor.reporting.frames import report_frames
+from executor.reporting.html import environment, render
 from executor.reporting.plots import plot_report
 from executor.reporting.report import compare_runs, report
 from executor.reporting.verdicts import TOLERANCES, summary_line, term_label, tolerance, verdict_frame
@@ -230,6 +231,17 @@ def test_report_html_is_self_contained_with_numbers_and_images(tmp_path):
     summary = json.loads(files["summary"].read_text())
     assert (summary["held"], summary["compared"]) == (8, 10)
     assert summary["summary"].startswith("8 of 10")
+
+
+def test_report_templates_are_package_data_and_escape_what_they_show():
+    assert {"base.html.j2", "run.html.j2", "runs.html.j2", "macros.html.j2", "report.css"} <= \
+        set(environment().list_templates())
+    evil = "<script>alert('x')</script>"
+    text = render("run.html.j2", title=evil, verdict_line="All 1 predictions held", verdict_ok=True,
+                  facts=[("notes", evil)], rows=[], tolerances="", figures=[], figure_notes=[evil])
+    assert "<script>" not in text and text.count("&lt;script&gt;alert(&#39;x&#39;)&lt;/script&gt;") == 4
+    assert text.startswith("<!DOCTYPE html>") and "td.num{text-align:right" in text  # the style sheet inlined
+    assert '<p id="verdict" class="verdict ok">All 1 predictions held</p>' in text
 
 
 def test_compare_runs_and_cli(tmp_path, monkeypatch, capsys):

@@ -13,10 +13,12 @@ import pytest
 from executor.data.batches import load_corpus
 from executor.record import RunRecord
 from executor.reporting.report import report
+from executor.reporting.trackers import TrackerSpec, comparison_scalars
 from executor.train import run
 from planner.api import solve
 from planner.budget import Budget
 from planner.plan import Plan, layout_fields
+from tests.support import tensorboard_scalars
 
 SEQ_LEN = 64
 STEPS = 6
@@ -69,7 +71,8 @@ def ran(plan, corpus, tmp_path_factory, torch_threads):
     out = tmp_path_factory.mktemp("run")
     # device given: the run does not load the cpu profile, whose cache is keyed by threads
     with torch_threads(1):
-        record = run(plan, data=corpus, out=out, device="cpu", progress=False)
+        record = run(plan, data=corpus, out=out, device="cpu", progress=False,
+                     trackers=TrackerSpec(tensorboard=str(out / "tb")))
     return record, out
 
 
@@ -93,6 +96,22 @@ def test_run_trains_and_stops_at_the_budget(ran, plan):
         f"held-out loss {held:.3f} after {STEPS} steps, first train loss {first:.3f}"
     assert record.per_rank_peak_bytes == [record.peak_memory_bytes["total"]]
     assert RunRecord.from_json(out / "record.json") == record
+
+
+def test_run_reports_its_record_to_tensorboard(ran, plan):
+    record, out = ran
+    got = tensorboard_scalars(out / "tb")
+    approx = [(s + 1, pytest.approx(loss, rel=1e-6)) for s, loss in record.train_loss]
+    assert got["train/loss_nats"] == approx
+    assert got["heldout/loss_nats"] == [(s, pytest.approx(loss, rel=1e-6)) for s, _, loss in record.heldout_loss]
+    assert [v for _, v in got["time/step_s"]] == pytest.approx(record.step_times_s, rel=1e-6)
+    assert got["memory/peak_bytes"] == [(3, pytest.approx(record.peak_memory_bytes["total"], rel=1e-6))]
+    assert got["train/tokens"][-1] == (STEPS, record.tokens)
+    final = comparison_scalars(plan, record)
+    assert {"predicted/peak_memory_bytes", "measured/peak_memory_bytes", "predicted/step_time_s",
+            "measured/step_time_s", "predicted/final_loss_nats", "measured/final_loss_nats"} <= set(final)
+    for tag, value in final.items():
+        assert got[tag][-1] == (STEPS, pytest.approx(value, rel=1e-6)), tag
 
 
 def test_flops_per_step_exact(ran, plan):

@@ -120,10 +120,12 @@ def test_missing_key_is_named(tmp_path):
 
 
 @pytest.mark.parametrize(("key", "value", "want"), [
-    ("memory_efficiency", 1.5, "HardwareProfile.memory_efficiency = 1.5: must be in (0, 1]"),
-    ("hbm_bytes", "80GB", "HardwareProfile.hbm_bytes = '80GB': must be a finite number"),
-    ("device_type", "tpu", "must be one of cpu, cuda, mps, xpu"),
-    ("matmul_efficiency", [[1e9, 0.5], [1e8, 0.6]], "op_flops must be strictly increasing"),
+    ("memory_efficiency", 1.5, "': memory_efficiency=1.5 must be a finite number in (0, 1]"),
+    ("hbm_bytes", "80GB", "': hbm_bytes='80GB' must be a finite number > 0"),
+    ("device_type", "tpu", "device_type='tpu' must be cpu, cuda, mps or xpu"),
+    ("matmul_efficiency", [[1e9, 0.5], [1e8, 0.6]], "op_flops strictly increasing"),
+    ("devices_per_node", True, "devices_per_node=True must be a whole number >= 1"),
+    ("peak_flops_per_s", {"BF16": 1e12}, "peak_flops_per_s key 'BF16' must be a string matching"),
 ])
 def test_invalid_value_names_it_and_what_is_valid(tmp_path, key, value, want):
     assert want in _bad(tmp_path, _text(**{key: value}))

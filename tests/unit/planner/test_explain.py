@@ -115,7 +115,7 @@ def test_cli_prints_the_explanation_on_one_line(capsys):
     rc = main(["solve", "--model", "tiny-llama", "--hw", "cpu", "--seq-len", "256",
                "--budget-flops", "1e9"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert rc == 2 and len(err) == 1, err
+    assert rc == 3 and len(err) == 1, err  # infeasible
     assert err[0].startswith("trainplan: error: the compute budget binds"), err[0]
     assert "smallest change that fits (re-solved): a budget of flops=" in err[0], err[0]
 
@@ -139,7 +139,7 @@ def test_time_limit_before_any_plan_asks_for_a_longer_limit(monkeypatch, capsys)
             "--budget-device-hours", "100"]
     rc = main(args + ["--time-limit", "0.001"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert rc == 2 and len(err) == 1, err
+    assert rc == 3 and len(err) == 1, err  # infeasible: no plan
     assert "no plan found within the solver time limit of 0.001 s" in err[0], err[0]
     assert "raise --time-limit" in err[0] and "binds" not in err[0], err[0]
     with pytest.raises(InfeasibleError) as e:

@@ -92,7 +92,7 @@ def limited(llama8b_3dev):
 
 
 def test_time_limit_gives_the_best_feasible_plan_with_its_gap(limited, capsys):
-    from planner.cli.commands import print_plan
+    from planner.cli.plan_text import print_plan
 
     plan = limited
     s = plan.solver

@@ -313,17 +313,6 @@ def test_plans_from_one_to_1024_devices(problem_405b, devices):
 # ---------------------------------------------------------------- memory: the joint model is evaluate's
 
 
-@pytest.fixture(scope="module")
-def problems():
-    """tiny-llama (4 layers), llama3-8b (32) and llama3-70b (80) on H100s, captured once;
-    micro-batches 1 and 4 (those test_joint_memory_is_evaluates_phase_by_phase checks; fewer
-    block shapes to solve menus for in test_solved_plans_fit_by_their_own_prediction)."""
-    from planner.joint.problem import prepare
-
-    return {m: prepare(m, "h100", seq_len=s, micro_batches=(1, 4))
-            for m, s in (("tiny-llama", 2048), ("llama3-8b", 8192), ("llama3-70b", 8192))}
-
-
 def _evaluate_phases(sm: StepModel, c: Choice) -> dict[str, float]:
     """The highest bytes of each phase kind as `StepModel.evaluate` composes them (its peak is
     their maximum): `costmodels.step.memory.step_phases` over the same inputs."""

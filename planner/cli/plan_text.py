@@ -1,0 +1,58 @@
+"""The plan as the `trainplan` command line prints it (`print_plan`): decisions, memory, step,
+run, governor and solver, one block of lines on stdout, by `trainplan solve` and `trainplan demo`.
+"""
+
+from __future__ import annotations
+
+from planner.plan import Plan
+
+__all__ = ["print_plan"]
+
+
+def print_plan(plan: Plan) -> None:
+    """Print `plan` as `trainplan solve` shows it: decisions, memory, step, run, governor, solver."""
+    d, p = plan.decisions, plan.predictions
+    ck = {e: d.checkpoint.count(e) for e in dict.fromkeys(d.checkpoint)}
+    gib = 2**30
+    print(f"plan: {plan.model} ({plan.model_n_params / 1e9:.3g}B params, {plan.model_n_layers} layers) "
+          f"on {d.devices} x {plan.hw}, seq_len {d.seq_len}")
+    print(f"  decisions: sp_degree={d.sp_degree} dp_degree={d.dp_degree} zero_stage={d.zero_stage} "
+          f"micro_batch={d.micro_batch} grad_accum={d.grad_accum} precision={d.precision} "
+          f"optimizer_bits={d.optimizer_bits} activation_bits={d.activation_bits}")
+    print(f"             checkpoint per block: {', '.join(f'{n} x {e}' for e, n in ck.items())}")
+    print(f"             data_fraction={d.data_fraction} ({d.data_method}) max_tokens={d.max_tokens:,} "
+          f"max_steps={d.max_steps:,}")
+    if p.scoring_flops > 0 or d.selection_every_steps:
+        when = (f"re-scored every {d.selection_every_steps} steps" if d.selection_every_steps
+                else "scored once before training")
+        print(f"             data selection: {d.data_method}, {when}; {p.scoring_flops:.3g} scoring "
+              "FLOPs charged to the budget")
+    mem = ", ".join(f"{k} {v / gib:.2f}" for k, v in p.memory_bytes.items() if k != "total")
+    print(f"  memory/device: {p.memory_bytes['total'] / gib:.2f} GiB of {p.memory_limit_bytes / gib:.2f} "
+          f"usable (peak at {p.memory_phase}; GiB: {mem})")
+    br = ", ".join(f"{'exposed communication' if k == 'communication' else k} {v:.3g}"
+                   for k, v in p.step_time_breakdown_s.items())
+    print(f"  step: {p.step_time_s:.4g} s ({br}), {p.flops_per_step:.3e} FLOPs/device, "
+          f"{p.tokens_per_step:,} tokens, MFU {p.mfu:.1%}")
+    print(f"  run: {p.total_tokens:,} tokens, {p.device_hours:.4g} device-hours, predicted final loss "
+          f"{p.final_loss:.3f} nats")
+    if d.governor_threshold > 0 and p.predicted_stop_step is not None:
+        if p.predicted_stop_step >= d.max_steps:
+            when = f"the budget binds first ({d.max_steps:,} steps)"
+        elif p.predicted_end_step is not None and p.predicted_end_step > p.predicted_stop_step:
+            when = (f"predicted stop at step {p.predicted_stop_step:,} of {d.max_steps:,}, cooldown to "
+                    f"{p.predicted_end_step:,}")
+        else:
+            when = (f"predicted stop at step {p.predicted_stop_step:,} of {d.max_steps:,}, at once "
+                    "(held-out loss no longer falling)")
+        print(f"  governor: stop below {d.governor_threshold:.3g} nats/step of loss drop; {when}; "
+              f"end loss {p.predicted_end_loss:.3f} nats")
+        picked = next((n for n in plan.notes if "picked from the curve" in n), None)
+        if picked:
+            print("  budget: " + picked[picked.index("budget ") + len("budget "):].split(";")[0])
+    s = plan.solver
+    status = s.status
+    if s.status == "FEASIBLE":  # the time limit ended the search: best found, not proven optimal
+        status += f" (not optimal, gap {s.gap:.3%}; time limit {s.time_limit_s:g} s)"
+    print(f"  solver: {status} in {s.wall_s:.2f} s (objective {s.objective:.0f}, bound {s.bound:.0f}, "
+          f"seed {s.seed})")

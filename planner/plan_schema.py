@@ -1,0 +1,163 @@
+"""The plan file format, declared once: `PlanSchema`, a strict pydantic model of the JSON
+`Plan.to_json` writes, through which `Plan.from_json` reads every plan; its JSON Schema is
+`docs/schemas/plan.schema.json`.
+
+Strict (pydantic's strict mode): a number is an int or a float, never a bool or a string; whole
+numbers are ints (`8.0` is not a bit width); no NaN or infinity. The fields and their meaning
+are `planner.plan`'s dataclasses (`Decisions`, `Predictions`, `SolverFacts`, `Plan`); a key a
+plan of format 1 may leave out (written before the field existed) has the dataclass's default.
+Relations between fields that a type cannot state are validators here (sp_degree x dp_degree =
+devices, warm-up within the steps, one checkpoint entry per layer); whether the predictions
+belong to the decisions is `planner.plan.edited_layout`, which `Plan.from_json` applies after.
+Why pydantic rather than checks by hand: `trainplan_errors.validation`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from costmodels.step.precision import optimizer_bits_for
+
+__all__ = ["DecisionsSchema", "PlanSchema", "PredictionsSchema", "SolverFactsSchema"]
+
+_CONFIG = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, frozen=True)
+
+
+def _whole(v: Any) -> Any:
+    """A Literal of ints takes 8.0 and True even in strict mode: refuse what is not an int."""
+    if type(v) is not int:
+        raise PydanticCustomError("int_type", "Input should be a valid integer")
+    return v
+
+
+Count = Annotated[int, Field(ge=1)]
+"""A whole number >= 1."""
+NonNegative = Annotated[float, Field(ge=0)]
+Names = list[str]
+
+
+class DecisionsSchema(BaseModel):
+    """`planner.plan.Decisions` as the plan file holds it."""
+
+    model_config = _CONFIG
+
+    devices: Count
+    sp_degree: Count
+    dp_degree: Count
+    zero_stage: Annotated[Literal[0, 1, 2, 3], BeforeValidator(_whole)]
+    micro_batch: Count
+    grad_accum: Count = 1
+    seq_len: Count
+    checkpoint: Names
+    precision: Literal["fp32", "bf16-mixed", "bf16"]
+    optimizer_bits: Annotated[Literal[32, 16, 8, 4], BeforeValidator(_whole)]
+    activation_bits: Annotated[Literal[32, 16, 8], BeforeValidator(_whole)] = 32
+    data_fraction: float = Field(gt=0, le=1)
+    data_method: Literal["random", "loss", "influence", "dsir"]
+    max_tokens: Count
+    max_steps: Count
+    governor_threshold: NonNegative = 0.0
+    lr: float = Field(default=3e-3, gt=0)
+    checkpoint_sets: dict[str, Names] = {}
+    warmup_steps: int = Field(default=20, ge=0)
+    seed: int = Field(default=0, ge=0, lt=2**63)
+    selection_every_steps: int = Field(default=0, ge=0)
+
+    @field_validator("optimizer_bits")
+    @classmethod
+    def _runs_at_precision(cls, v: int, info: ValidationInfo) -> int:
+        precision = info.data.get("precision")
+        valid = optimizer_bits_for(precision) if precision else (v,)
+        if v not in valid:
+            raise ValueError(f"must be {', '.join(map(str, valid[:-1]))} or {valid[-1]} at precision {precision!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _layout(self) -> DecisionsSchema:
+        if self.sp_degree * self.dp_degree != self.devices:
+            raise ValueError(f"sp_degree={self.sp_degree} x dp_degree={self.dp_degree} must equal "
+                             f"devices={self.devices}")
+        if self.warmup_steps > self.max_steps:
+            raise ValueError(f"warmup_steps={self.warmup_steps} must be at most max_steps={self.max_steps} (a "
+                             "solved plan warms up over a tenth of its steps, at most 20)")
+        if self.seq_len % self.sp_degree:
+            raise ValueError(f"sp_degree={self.sp_degree} must divide seq_len={self.seq_len}")
+        return self
+
+
+class PredictionsSchema(BaseModel):
+    """`planner.plan.Predictions` as the plan file holds it."""
+
+    model_config = _CONFIG
+
+    memory_bytes: dict[str, NonNegative]
+    memory_phase: str
+    memory_limit_bytes: NonNegative
+    step_time_s: float = Field(gt=0)
+    step_time_breakdown_s: dict[str, float]
+    flops_per_step: NonNegative
+    model_flops_per_step: NonNegative
+    tokens_per_step: Count
+    total_tokens: int = Field(ge=0)
+    device_hours: NonNegative
+    final_loss: float
+    mfu: NonNegative
+    predicted_stop_step: Annotated[int, Field(ge=0)] | None = None
+    predicted_end_step: Annotated[int, Field(ge=0)] | None = None
+    predicted_end_loss: float | None = None
+    made_for: dict[str, Any] = {}
+    scoring_flops: NonNegative = 0.0
+
+    @field_validator("memory_bytes")
+    @classmethod
+    def _with_total(cls, v: dict[str, float]) -> dict[str, float]:
+        if "total" not in v:
+            raise ValueError("must hold bytes by category with a total")
+        return v
+
+
+class SolverFactsSchema(BaseModel):
+    """`planner.plan.SolverFacts` as the plan file holds it."""
+
+    model_config = _CONFIG
+
+    status: str
+    objective: float
+    bound: float
+    wall_s: NonNegative
+    seed: int = Field(ge=0)
+    time_limit_s: NonNegative
+    n_variables: int = Field(default=0, ge=0)
+    n_constraints: int = Field(default=0, ge=0)
+    gap: NonNegative = 0.0
+
+
+class PlanSchema(BaseModel):
+    """A plan file: `planner.plan.Plan` as `Plan.to_json` writes it (format 1)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, frozen=True, title="trainplan plan")
+
+    model: str = Field(pattern=r"\S")
+    model_n_params: Count
+    model_n_layers: Count
+    hw: str
+    budget: dict[str, float]
+    data_tokens: Count
+    vocab_size: Count
+    decisions: DecisionsSchema
+    predictions: PredictionsSchema
+    solver: SolverFactsSchema
+    created: str = ""
+    format: Annotated[Literal[1], BeforeValidator(_whole)]
+    """Required in a file (its version, read before the rest); `Plan`'s default in Python."""
+    notes: Names = []
+
+    @model_validator(mode="after")
+    def _one_entry_per_layer(self) -> PlanSchema:
+        n = len(self.decisions.checkpoint)
+        if n != self.model_n_layers:
+            raise ValueError(f"checkpoint has {n} entries, must be one name per layer ({self.model_n_layers})")
+        return self
