@@ -133,7 +133,9 @@ def load(name_or_profile: str | HardwareProfile, *, remeasure: bool = False) -> 
         return HardwareProfile.from_file(name_or_profile.strip())
     name = _lookup().get(key)
     if name is None:
-        raise UnknownNameError(f"unknown hardware {name_or_profile!r}: known profiles are {_known_text()}")
+        hint = ("; a profile file's name ends in .toml (`trainplan profiles --template h100` writes one)"
+                if "/" in name_or_profile or "." in name_or_profile.strip() else "")
+        raise UnknownNameError(f"unknown hardware {name_or_profile!r}: known profiles are {_known_text()}{hint}")
     if name == CPU:
         return load_cpu(remeasure=remeasure)
     return _datasheet_profiles()[name]

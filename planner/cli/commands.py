@@ -282,8 +282,9 @@ def cmd_run(args) -> int:
         raise
     except TrainplanError as e:
         raise DeviceError(str(e)) from None
+    trackers = _trackers(args)  # a missing tracker extra is named before the corpus is read
     data = _corpus_for(plan, args.data, sys.stderr.isatty() and not args.quiet)
-    opts = dict(resume=args.resume, checkpoint_every=args.checkpoint_every, trackers=_trackers(args))
+    opts = dict(resume=args.resume, checkpoint_every=args.checkpoint_every, trackers=trackers)
     if plan.decisions.devices > 1:
         from executor.reporting.report import load_run
         from executor.worker import launch

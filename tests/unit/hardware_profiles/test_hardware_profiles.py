@@ -83,6 +83,13 @@ def test_unknown_name_lists_every_name_and_alias():
         load(3)
 
 
+def test_a_profile_file_not_named_toml_gets_a_hint(tmp_path):
+    path = tmp_path / "h8.txt"
+    path.write_text("not read")
+    with pytest.raises(UnknownNameError, match=r"unknown hardware '.*h8\.txt'.*ends in \.toml"):
+        load(str(path))
+
+
 def test_known_names():
     assert hardware_profiles.known_names() == ["a100", "a100-40gb", "cpu", "h100", "h200", "mi300", "mi300a", "mi300x"]
 
