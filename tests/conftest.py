@@ -14,7 +14,6 @@ two cores with other work, where multi-threaded steps stall.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -66,28 +65,17 @@ def tiny_llama() -> Callable:
     return build
 
 
-@contextmanager
-def _torch_threads(n: int) -> Iterator[None]:
-    """torch intra-op threads set to `n` inside the block, restored after.
-
-    For real training steps in tests: the suite shares two cores with other work, and small
-    multi-threaded GEMMs under contention run up to 50x slower (spinning OpenMP workers); bytes
-    and FLOPs do not depend on the thread count. (`executor.train.run` sets its own threads:
-    OMP_NUM_THREADS, 1 in this session, or its `threads` argument.)"""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="session")
 def torch_threads() -> Callable:
-    """`with torch_threads(n): ...` (see `_torch_threads`)."""
-    return _torch_threads
+    """`with torch_threads(n): ...`: torch's intra-op threads set to `n` inside the block, restored
+    after (`hardware_profiles.threads.torch_threads`). For real training steps in tests: the suite
+    shares two cores with other work, and small multi-threaded GEMMs under contention run up to
+    50x slower (spinning OpenMP workers); bytes and FLOPs do not depend on the thread count.
+    (`executor.train.run` sets its own threads: OMP_NUM_THREADS, 1 in this session, or its
+    `threads` argument.)"""
+    from hardware_profiles.threads import torch_threads as threads
+
+    return threads
 
 
 @pytest.fixture(scope="session")
@@ -124,5 +112,7 @@ def measured_peak() -> Callable:
 @pytest.fixture(scope="module")
 def one_thread(cpu_profile) -> Iterator[None]:
     """One torch thread for a whole module (the cpu profile is loaded before)."""
-    with _torch_threads(1):
+    from hardware_profiles.threads import torch_threads
+
+    with torch_threads(1):
         yield
