@@ -81,7 +81,7 @@ def build_data(grid: Grid) -> Data:
     n_windows = (corpus.n_train_tokens - 1) // SEQ_LEN
     pool = np.sort(rng.choice(n_windows, size=grid.pool, replace=False))
     junk = np.sort(rng.choice(pool, size=round(grid.junk * grid.pool), replace=False))
-    tokens = corpus.train_tokens.clone()
+    tokens = torch.from_numpy(np.array(corpus.train_tokens, dtype=np.int64))  # a copy: the corpus is a memmap
     for w in junk:
         tokens[w * SEQ_LEN + 1:(w + 1) * SEQ_LEN] = torch.from_numpy(
             rng.integers(0, corpus.vocab_size, SEQ_LEN - 1))
@@ -113,9 +113,9 @@ def step_flops(data: Data) -> float:
 def train(plan, data: Data, keep: np.ndarray, eval_at: set[int]) -> tuple[float, list]:
     """Train a fresh tiny-llama on the kept windows for plan.decisions.max_steps; returns (final
     held-out loss, [(steps, loss)] at `eval_at` and at the end)."""
+    from executor.apply.applied import lr_at
     from executor.data.batches import TokenBatches
     from executor.optimizers import build_optimizer
-    from executor.train import lr_at
     from modeling.loss import lm_loss
     from modeling.presets import build_model
 

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import inspect
 import json
 import platform
 import shutil
@@ -148,8 +147,7 @@ _RUNS: dict[tuple, tuple] = {}
 
 def _run(plan, data, out: Path):
     """(measured peak bytes, FLOPs per step) of one real run, once per distinct
-    plan (strategies often land on the same sets). The plan's solved checkpoint sets go to
-    `apply_checkpointing` (passed here when `executor.train` does not pass them itself yet)."""
+    plan (strategies often land on the same sets)."""
     import executor.train as train
 
     d = plan.decisions
@@ -158,13 +156,7 @@ def _run(plan, data, out: Path):
         return _RUNS[key]
 
     shutil.rmtree(out, ignore_errors=True)
-    orig = train.apply_checkpointing
-    if "checkpoint_sets" not in inspect.getsource(train._build):
-        train.apply_checkpointing = lambda m, p, sets=None: orig(m, p, sets or plan.decisions.checkpoint_sets)
-    try:
-        rec = train.run(plan, data=data, out=out, progress=False, eval_every=STEPS, checkpoint_every=0)
-    finally:
-        train.apply_checkpointing = orig
+    rec = train.run(plan, data=data, out=out, progress=False, eval_every=STEPS, checkpoint_every=0)
     _RUNS[key] = rec.peak_memory_bytes.get("total", float("nan")), rec.flops_per_step
     return _RUNS[key]
 
@@ -174,9 +166,9 @@ def _interleaved_times(plans: list, data, rounds: int = ROUNDS) -> list[float]:
     executor's own pieces (`apply_checkpointing`, `build_optimizer`, `lm_loss`), one step of
     each in turn so that other load on the machine hits them alike: each plan's fastest step
     after one warm-up round."""
+    from executor.apply.checkpointing import apply_checkpointing
     from executor.data.batches import TokenBatches
     from executor.optimizers import build_optimizer
-    from executor.train import apply_checkpointing
     from modeling.loss import lm_loss
     from modeling.presets import build_model
 

@@ -4,17 +4,23 @@
     >>> executor.compare(plan, record)                            # DataFrame: term, predicted, measured, unit, rel_err
     >>> executor.report(plan, record, out="runs/r1")              # CSV, JSON, PNG figure and report.html
 
-The public API: `run` (`executor.train.run`), `compare` (`executor.reporting.compare.compare`),
+Or apply a plan to your own model and training loop, and still get the report:
+
+    >>> applied = executor.apply_plan(plan, model)                # checkpoint sets, DDP/ZeRO/FSDP2, SP
+    >>> with applied.measure("runs/mine") as m: ...               # m.step(train_step) per step
+
+The public API: `run` (`executor.train.run`), `apply_plan` (`executor.apply.applied.apply_plan`,
+returning an `executor.apply.applied.AppliedPlan`), `compare` (`executor.reporting.compare.compare`),
 `report` (`executor.reporting.report.report`) and the `RunRecord` they read and write
-(`executor.record.RunRecord`). `run`, `compare` and `report` are loaded on first use: `run`
-imports torch, which reading and reporting a finished run (`trainplan report`) does not need,
-and `compare`/`report` import pandas, matplotlib and scipy, which a training process launched
-by torchrun (`executor.worker`, whose imports run this file first) does not need.
+(`executor.record.RunRecord`). `run`, `apply_plan`, `compare` and `report` are loaded on first
+use: `run` and `apply_plan` import torch, which reading and reporting a finished run (`trainplan
+report`) does not need, and `compare`/`report` import pandas, matplotlib and scipy, which a
+training process launched by torchrun (`executor.worker`, whose imports run this file first) does not need.
 """
 
 from executor.record import RunRecord
 
-__all__ = ["RunRecord", "compare", "report", "run"]  # noqa: F822 (module __getattr__ below)
+__all__ = ["AppliedPlan", "RunRecord", "apply_plan", "compare", "report", "run"]  # noqa: F822 (module __getattr__ below)
 
 
 def __getattr__(name: str):
@@ -23,6 +29,10 @@ def __getattr__(name: str):
         from executor.train import run
 
         return run
+    if name in ("apply_plan", "AppliedPlan"):
+        from executor.apply import applied
+
+        return getattr(applied, name)
     if name == "compare":
         from executor.reporting.compare import compare
 

@@ -9,6 +9,8 @@ Layout under the run directory::
                                         optimizer.pt: ZeRO-1 only (see below)
                                         trainplan.json: steps done, tokens, plan, corpus, the
                                         RunRecord so far
+                                        tokenizer.json: a copy of the run's tokenizer, when its
+                                        corpus names one (`executor.weights.export` writes it out)
 
 Atomic: a checkpoint is written into `step-N.tmp`, renamed to `step-N`, and only then is
 `latest` replaced (temporary file + `os.replace`); older step directories are removed last. A
@@ -52,6 +54,7 @@ logger = logging.getLogger(__name__)
 CHECKPOINT_DIR = "checkpoint"
 LATEST = "latest"
 META = "trainplan.json"
+TOKENIZER = "tokenizer.json"
 CHECKPOINT_FORMAT = 1
 PLAN_FIELDS_THAT_TRAIN = ("model", "model_n_params", "model_n_layers", "hw", "vocab_size",
                           "decisions")
@@ -220,6 +223,8 @@ def save_checkpoint(out: str | Path, model: nn.Module, opt, *, record: RunRecord
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a write that was killed
         tmp.mkdir(parents=True)
+        if corpus.get("tokenizer") and Path(corpus["tokenizer"]).is_file():  # kept with the weights
+            shutil.copyfile(corpus["tokenizer"], tmp / TOKENIZER)
     _barrier(world)
     if _is_zero1(opt):
         opt.consolidate_state_dict(to=0)

@@ -4,13 +4,14 @@
 `check_fits` before the model is built, so that a plan solved for other hardware fails with one
 line naming both numbers instead of swapping, being OOM-killed or failing in a worker:
 
-- CPU: all `decisions.devices` processes run on this host (torchrun `--standalone`); they must
+- CPU: this host's processes (all `decisions.devices` of them under torchrun `--standalone`,
+  `devices / nnodes` on each of several nodes) must
   number at most `CPU_PROCESSES_PER_CORE` per core, and together their predicted peak
   (`predictions.memory_bytes["total"]` per device, tensor bytes) must fit the RAM available now
   (psutil's `virtual_memory().available` when installed, else /proc/meminfo's MemAvailable;
   either capped by the cgroup limit). Torch's own runtime in each process (a few hundred MiB of
   libraries) is not in the prediction and not counted here.
-- CUDA/ROCm: one process per device; there must be `decisions.devices` of them
+- CUDA/ROCm: one process per device; there must be as many here as this host's processes
   (`torch.cuda.device_count()`), and the predicted per-device peak must fit each device's free
   memory (`torch.cuda.mem_get_info`). The parent checks the count only (querying free memory
   would open a CUDA context on every device in the parent); each worker checks its own device.
@@ -60,14 +61,17 @@ def _solve_hint(plan: Plan, dev: torch.device) -> str:
             f"smaller micro-batch), {SKIP_HINT}")
 
 
-def check_fits(plan: Plan, dev: torch.device, *, in_worker: bool = False) -> None:
+def check_fits(plan: Plan, dev: torch.device, *, in_worker: bool = False,
+               processes: int | None = None) -> None:
     """Raise `PlanDoesNotFitError` unless `plan` can run on `dev` here (see the module text).
 
     `in_worker`: called by one rank of a torchrun job (its launcher checked the host); only a
-    CUDA rank's own device memory is checked then.
+    CUDA rank's own device memory is checked then. `processes`: the plan's processes on this
+    host (one node's share of a multi-node job); None: all `decisions.devices`.
     """
     d = plan.decisions
-    n = d.devices
+    n = d.devices if processes is None else processes
+    here = "" if n == d.devices else f" ({n} of its {d.devices} on this node)"
     edited = edited_layout(plan)
     if edited:  # the memory checked below is the plan's prediction
         raise PlanMismatchError(f"plan: {edited}; solve again (or planner.api.plan_for_choice) for the "
@@ -79,7 +83,7 @@ def check_fits(plan: Plan, dev: torch.device, *, in_worker: bool = False) -> Non
         cores = os.cpu_count() or 1
         if n > CPU_PROCESSES_PER_CORE * cores:
             raise PlanDoesNotFitError(
-                f"plan runs {n} processes (one per device) but this machine has {cores} CPU "
+                f"plan runs {n} processes (one per device){here} but this machine has {cores} CPU "
                 f"core(s): at most {CPU_PROCESSES_PER_CORE * cores} processes "
                 f"({CPU_PROCESSES_PER_CORE} per core) can share it; {_solve_hint(plan, dev)}")
         have = available_ram_bytes()
@@ -94,9 +98,9 @@ def check_fits(plan: Plan, dev: torch.device, *, in_worker: bool = False) -> Non
     count = torch.cuda.device_count()
     if not in_worker and n > count:
         raise PlanDoesNotFitError(
-            f"plan uses {n} devices but torch sees {count} {dev.type} device(s) here; "
+            f"plan uses {n} devices{here} but torch sees {count} {dev.type} device(s) here; "
             f"{_solve_hint(plan, dev)}")
-    if not in_worker and n > 1:
+    if not in_worker and d.devices > 1:
         return  # each worker checks its own device's free memory
     index = dev.index if dev.index is not None else torch.cuda.current_device()
     free, total = torch.cuda.mem_get_info(index)

@@ -165,7 +165,7 @@ class GovernedLoop:
 def pilot_curve(plan, record, *, skip_fraction: float = 0.2):
     """A finished run's held-out points as a `costmodels.stopping.heldout_curve.PilotCurve`, to calibrate
     the planner's curve on (`costmodels.stopping.heldout_fit.fit_heldout_curve`): the points at a constant
-    learning rate (after `warmup_steps`, up to the step `executor.train.lr_at` starts its
+    learning rate (after `warmup_steps`, up to the step `executor.apply.applied.lr_at` starts its
     cooldown, the last 20% of `max_steps`), less the first `skip_fraction` of them (default 0.2,
     the share `executor.calibrate.law.SKIP_FRACTION` skips as warm-up; kept apart as `early_steps` and
     `early_losses`, the start the planner adds to the fitted curve); with the run's final

@@ -1,40 +1,34 @@
-"""Apply a Plan to a real torch training run and measure it.
+"""Run a Plan for real: trainplan's own training loop over the plan's corpus, measured and
+checkpointed.
 
-One process per rank. The plan's checkpoint menu entries become `torch.utils.checkpoint`
-selective checkpointing per block, its optimizer bits an optimizer (bitsandbytes for 8 bits),
-its data fraction, method and token budget the sampler
-(`executor.data.dynamic_selection.PlannedBatches`) and the step count; `sp_degree`/`zero_stage`
-above one device go through `executor.parallel.ulysses` and `executor.parallel.zero` under torchrun.
-An optimizer step runs `grad_accum` micro-steps (`executor.accumulation`), each on the next micro-batch.
+One process per rank. The model (the preset's, or the caller's) gets the plan applied by
+`executor.apply.applied.apply_plan`, the function a user's own loop calls too: checkpoint sets
+(with the op check), `sp_degree`/`zero_stage` above one device through `executor.parallel.ulysses`
+and `executor.parallel.zero` under torchrun, the optimizer of its bits. The plan's data fraction,
+method and token budget become the sampler (`executor.data.dynamic_selection.PlannedBatches`) and
+the step count. An optimizer step runs `grad_accum` micro-steps (`executor.accumulation`), each on
+the next micro-batch, at the learning rate of `executor.apply.applied.lr_at` times the governor's.
 Measured: peak tensor memory by category (MemTracker, one step after warm-up), FLOPs of one step
 (FlopCounterMode), every step's wall time, train loss, held-out loss, the data selection's scoring
-FLOPs. Interrupts, checkpoints and resuming:
-`executor.checkpoint`; the measurement helpers: `executor.measure`.
-
-`executor.parallel.ulysses` and `executor.parallel.zero` are imported in the functions that use
-them, by multi-device runs only: they load transformers' attention interface and FSDP2's
-internals (seconds), which torch builds without distributed support do not have.
+FLOPs. Interrupts, checkpoints and resuming: `executor.checkpoint`; the measurement helpers:
+`executor.measure`.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import signal
 import threading
 import time
-from contextlib import nullcontext
-from functools import partial
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from costmodels.checkpoint_sets import CheckpointSet, KeyCounter, resolve, sets_from_mapping
 from costmodels.stopping.rule import Governor
 from executor.accumulation import accumulate_gradients
+from executor.apply.applied import apply_plan, init_world, lr_at, resolve_device
 from executor.checkpoint import (
     OutOfMemoryRunError,
     check_resume_plan,
@@ -50,153 +44,16 @@ from executor.data.dynamic_selection import PlannedBatches
 from executor.fit_check import check_fits as check_plan_fits
 from executor.governor import GovernedLoop
 from executor.measure import any_rank, device_name, gather_floats, heldout_loss, measured_step, progress_bar
-from executor.optimizers import build_optimizer, set_lr
-from executor.parallel.launch import init_distributed
+from executor.optimizers import set_lr
 from executor.record import RunRecord, same_hardware
 from executor.reporting.trackers import TrackerSpec, open_trackers
-from hardware_profiles import load as load_profile
 from hardware_profiles.threads import threads_per_rank
 from modeling import presets
-from modeling.activation_compression import compress_saved_activations
-from modeling.loss import lm_loss
 from planner.plan import Plan
-from trainplan_errors import PlanMismatchError, TrainingDivergedError, TrainplanError, UnknownNameError
+from trainplan_errors import TrainingDivergedError, TrainplanError
 
 EVAL_BATCHES = 4
 """Held-out micro-batches of each evaluation (`executor.data.batches.heldout_batches`)."""
-
-
-def resolve_device(plan: Plan, override: str | None = None) -> torch.device:
-    """The device a plan runs on: `override`, else the plan's profile's device type (for a profile
-    read from a file, `--hw FILE.toml`, which `load` does not know by name: the accelerator here).
-
-    Raises:
-        TrainplanError: the plan targets an accelerator and none is present.
-    """
-    if override:
-        return torch.device(override)
-    if plan.hw == "cpu":  # no need to load (and maybe measure) the cpu profile in every rank
-        return torch.device("cpu")
-    try:
-        kind = load_profile(plan.hw).device_type
-    except UnknownNameError:
-        kind = getattr(torch.accelerator.current_accelerator(check_available=True), "type", "cuda")
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise TrainplanError(
-            f"plan targets {plan.hw!r} (a CUDA/ROCm device) but torch sees none here; "
-            "run it with --device cpu to execute it on the CPU (times are then not compared)")
-    return torch.device(kind)
-
-
-def sac_forward(orig, entry: CheckpointSet, *args, **kwargs):
-    """Run `orig` under torch's selective activation checkpointing with `entry`'s saved set.
-
-    The policy function names each op call of this forward by its node key (`KeyCounter`: the
-    overload and its call count, as `costmodels.checkpoint_sets.node_keys` names the captured forward's
-    nodes) and answers MUST_SAVE for the keys `entry` keeps, MUST_RECOMPUTE otherwise (views
-    and other ops that make no storage are never kept). torch calls the policy in the forward
-    only and replays by call index, so a fresh counter per forward is the whole state."""
-
-    def context_fn():
-        counter = KeyCounter()
-
-        def policy_fn(ctx, op, *a, **kw):
-            if entry.saves(counter.key(str(op))):
-                return CheckpointPolicy.MUST_SAVE
-            return CheckpointPolicy.MUST_RECOMPUTE
-
-        return create_selective_checkpoint_contexts(policy_fn)
-
-    return checkpoint(orig, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
-
-
-def apply_checkpointing(model: nn.Module, policies: tuple[str, ...],
-                        sets: dict[str, list[str]] | None = None) -> None:
-    """Wrap each transformer layer's forward in the checkpoint its entry names (parameter
-    names are unchanged). `sets`: the plan's `Decisions.checkpoint_sets`, the saved node keys of
-    each solved entry (`remat:k`) that `policies` names.
-
-    Raises:
-        PlanMismatchError: the model has a different number of layers than the plan, or the
-            plan names an entry it does not define.
-    """
-    layers = cast(nn.ModuleList, model.get_submodule("model.layers"))  # a transformers causal LM's blocks
-    if len(layers) != len(policies):
-        raise PlanMismatchError(f"plan has checkpoint choices for {len(policies)} layers, "
-                                f"the model has {len(layers)}")
-    known = sets_from_mapping(sets)
-    for layer, policy in zip(layers, policies, strict=False):
-        try:
-            entry = resolve(policy, known)
-        except TrainplanError as e:
-            raise PlanMismatchError(str(e)) from None
-        if entry.checkpointed:
-            layer.forward = partial(sac_forward, layer.forward, entry)
-
-
-def lr_at(step: int, plan: Plan) -> float:
-    """Warmup-stable-decay: linear warmup, constant, linear cooldown over the last 20% of the
-    planned steps (Hu et al. 2024, MiniCPM; lets a run stop at any budget with a cooldown)."""
-    d = plan.decisions
-    peak = d.lr
-    if step < d.warmup_steps:
-        return peak * (step + 1) / d.warmup_steps
-    cool = max(1, int(0.2 * d.max_steps))
-    start = d.max_steps - cool
-    return peak if step < start else peak * max(0.05, (d.max_steps - step) / cool)
-
-
-def micro_batch_loss(model, dev, sp: int, sp_rank: int, world: int, x, y) -> torch.Tensor:
-    """Loss of one micro-batch (nats/token, a scalar): x, y (b, s) token ids and next-token
-    targets, `model` on device `dev`. Under Ulysses SP (`sp` ranks per sequence, this one
-    `sp_rank`, `world` ranks in all) each rank feeds its contiguous sequence shard with global
-    positions; `executor.parallel.ulysses.sp_loss` makes the averaged gradients equal the
-    single-process ones."""
-    if world == 1:
-        return lm_loss(model(input_ids=x.to(dev)).logits, y.to(dev))
-    from executor.parallel.ulysses import sp_loss  # multi-device only: see the module docstring
-
-    sl = x.shape[1] // sp
-    lo, hi = sp_rank * sl, (sp_rank + 1) * sl
-    pos = torch.arange(lo, hi, device=dev).unsqueeze(0).expand(x.shape[0], -1)
-    logits = model(input_ids=x[:, lo:hi].to(dev), position_ids=pos, use_cache=False).logits
-    return sp_loss(logits, y[:, lo:hi].to(dev), None, None)
-
-
-def _init_world(plan: Plan, dev: torch.device) -> tuple[int, int]:
-    d = plan.decisions
-    world_env = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_env != d.devices:
-        raise TrainplanError(
-            f"plan uses {d.devices} device(s) but this process group has {world_env}: "
-            "use `trainplan run PLAN --out DIR`, which launches torchrun with the plan's count")
-    if world_env == 1:
-        return 0, 1
-    return init_distributed(dev)
-
-
-def _build(plan: Plan, model: nn.Module | None, data: TokenCorpus, dev: torch.device, world: int):
-    """The model (built from the preset when None), checkpointed per the plan and sharded per
-    its ZeRO stage, and its optimizer."""
-    d = plan.decisions
-    if model is None:
-        dtype = torch.bfloat16 if d.precision == "bf16" else torch.float32  # bf16-mixed: autocast
-        model = presets.build_model(plan.model, device=dev, dtype=dtype, vocab_size=data.vocab_size, seed=d.seed)
-    n_params = sum(p.numel() for p in model.parameters())
-    if n_params != plan.model_n_params:
-        raise PlanMismatchError(f"plan was made for {plan.model} with {plan.model_n_params:,} "
-                                f"parameters; this model has {n_params:,}")
-    apply_checkpointing(model, d.checkpoint, d.checkpoint_sets)
-    model.train()
-    factory = partial(build_optimizer, bits=d.optimizer_bits, lr=d.lr, precision=d.precision)
-    if world == 1:
-        return model, factory(model.parameters())
-    from executor.parallel.ulysses import enable_ulysses, new_sequence_parallel_group  # see the module docstring
-    from executor.parallel.zero import apply_zero, mixed_precision_policy
-
-    new_sequence_parallel_group(d.sp_degree)
-    enable_ulysses(model, seq_len=d.seq_len)
-    return apply_zero(model, factory, stage=d.zero_stage, device=dev, mp_policy=mixed_precision_policy(d))
 
 
 def _catch_signals(stop: dict) -> dict:
@@ -260,7 +117,7 @@ def run(plan: Plan, model: nn.Module | None = None, data: TokenCorpus | None = N
     if resume:
         check_resume_plan(plan, out)
     dev = resolve_device(plan, device)
-    rank, world = _init_world(plan, dev)
+    rank, world = init_world(plan, dev)
     threads, threads_before = threads_per_rank(world, threads), torch.get_num_threads()
     if check_fits:
         check_plan_fits(plan, dev, in_worker=world > 1)
@@ -269,13 +126,16 @@ def run(plan: Plan, model: nn.Module | None = None, data: TokenCorpus | None = N
     out.mkdir(parents=True, exist_ok=True)
     data = data or load_corpus(vocab_size=plan.vocab_size)
     check_corpus_for_plan(data, seq_len=d.seq_len, vocab_size=plan.vocab_size)  # before building
-    model, opt = _build(plan, model, data, dev, world)
-    dp_rank, sp_rank = rank // d.sp_degree, rank % d.sp_degree
+    if model is None:
+        dtype = torch.bfloat16 if d.precision == "bf16" else torch.float32  # bf16-mixed: autocast
+        model = presets.build_model(plan.model, device=dev, dtype=dtype, vocab_size=data.vocab_size, seed=d.seed)
+    applied = apply_plan(plan, model, device=dev)  # checkpoint sets, SP, ZeRO, optimizer: executor.apply
+    model, opt, dp_rank = applied.model, applied.optimizer, applied.dp_rank
     held = heldout_batches(data.heldout_tokens, seq_len=d.seq_len, micro_batch=d.micro_batch,
                            max_batches=EVAL_BATCHES)
-    forward_loss = partial(micro_batch_loss, model, dev, d.sp_degree, sp_rank, world)
+    forward_loss = applied.forward_loss
     eval_every = eval_every or GovernedLoop.default_eval_every(plan, governor)
-    corpus = {"name": data.name, "sha256": data.sha256}
+    corpus = {"name": data.name, "sha256": data.sha256, "tokenizer": data.tokenizer_path}
     ckpt: dict[str, Any] = dict(out=out, plan=plan, corpus=corpus, dev=dev, rank=rank, world=world)
     if resume:
         latest = latest_checkpoint(out)
@@ -295,21 +155,13 @@ def run(plan: Plan, model: nn.Module | None = None, data: TokenCorpus | None = N
                              record=rec, progress=progress)  # the data subset: executor.data.dynamic_selection
     gov = GovernedLoop.for_run(plan, governor, record=rec if resume else None, out=out, rank=rank,
                                world=world)
-    from executor.parallel.zero import mixed_precision_policy  # torch.distributed: see _build
-
-    autocast = (torch.autocast(dev.type, dtype=torch.bfloat16)
-                if d.precision == "bf16-mixed" and mixed_precision_policy(d) is None
-                else nullcontext())
-
     ga = d.grad_accum
 
     def train_step(step: int) -> float:  # `ga` micro-steps on micro-batches step x ga + j; mean loss
         set_lr(opt, lr_at(step, plan) * gov.lr(step))
 
-        def forward(j: int) -> torch.Tensor:
-            x, y = batches.batch(step * ga + j)
-            with autocast, compress_saved_activations(d.activation_bits):
-                return forward_loss(x, y)
+        def forward(j: int) -> torch.Tensor:  # under the plan's autocast and activation compression
+            return applied.loss(*batches.batch(step * ga + j))
 
         loss = accumulate_gradients(forward, grad_accum=ga, model=model, zero_stage=d.zero_stage, world=world)
         opt.step()

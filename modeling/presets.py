@@ -123,7 +123,10 @@ def build_model(name: str, *, device: str | torch.device = "meta", dtype: torch.
     """Instantiate preset `name` as a `transformers` causal LM.
 
     On `device="meta"` no memory is allocated (planning a 405B model is free); on a real
-    device the weights are randomly initialised with `seed` (training from scratch).
+    device the weights are randomly initialised with `seed` (training from scratch). Parameters
+    and buffers take `dtype`, except the rotary `inv_freq` buffers, which stay fp32 as
+    transformers keeps them when it loads a model (`.to(bf16)` would round the frequencies by
+    up to 0.4%: 0.7 rad of rotation error at position 4,000).
 
     Raises:
         UnknownNameError: unknown preset.
@@ -141,7 +144,11 @@ def build_model(name: str, *, device: str | torch.device = "meta", dtype: torch.
         torch.manual_seed(seed)
         with torch.device(device):
             model = cls(cfg)
+    rotary = {name: buf for name, buf in model.named_buffers() if name.endswith("inv_freq")}
     model.to(dtype=dtype)  # type: ignore[call-arg]  # transformers' stub of `to` misses `self`
+    for name, buf in rotary.items():  # RoPE frequencies stay fp32, as transformers loads them
+        owner, _, attr = name.rpartition(".")
+        model.get_submodule(owner).register_buffer(attr, buf, persistent=False)
     model.config.use_cache = False
     # how a Plan recognises the model it was made for (torch's stub types module attributes as
     # tensors or modules)

@@ -69,6 +69,15 @@ class Decisions:
     """Solved checkpoint entries (`remat:k`) -> the node keys whose outputs they keep
     (`costmodels.checkpoint_sets`, e.g. `aten.mm.default#3`); the executor rebuilds each SAC policy
     from these."""
+    checkpoint_block_ops: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Per checkpointed block kind (the captured region its layers run, e.g. `block0`): `layers`
+    (the 0-based layers that run it checkpointed), `ops` (the ATen ops of its captured forward in
+    execution order, as the SAC policy function sees them: `costmodels.checkpoint_sets.node_keys`
+    without the call counts, attention overloads as `attention`) and `device_type` (whose attention
+    and dropout kernels were captured: `cpu` or `cuda`). The node keys of `checkpoint_sets` name
+    positions in these sequences; `executor.apply.checkpointing.check_block_ops` refuses a model
+    whose blocks run other ops (`PlanMismatchError`). Plans written before the field read {}
+    (not checked)."""
     warmup_steps: int = 20
     seed: int = 0
     selection_every_steps: int = 0

@@ -21,7 +21,7 @@ from pydantic_core import PydanticCustomError
 
 from costmodels.step.precision import optimizer_bits_for
 
-__all__ = ["DecisionsSchema", "PlanSchema", "PredictionsSchema", "SolverFactsSchema"]
+__all__ = ["BlockOpsSchema", "DecisionsSchema", "PlanSchema", "PredictionsSchema", "SolverFactsSchema"]
 
 _CONFIG = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, frozen=True)
 
@@ -37,6 +37,17 @@ Count = Annotated[int, Field(ge=1)]
 """A whole number >= 1."""
 NonNegative = Annotated[float, Field(ge=0)]
 Names = list[str]
+
+
+class BlockOpsSchema(BaseModel):
+    """One entry of `planner.plan.Decisions.checkpoint_block_ops`: a checkpointed block kind's
+    layers and the ops of its captured forward."""
+
+    model_config = _CONFIG
+
+    layers: list[Annotated[int, Field(ge=0)]] = Field(min_length=1)
+    ops: Names = Field(min_length=1)
+    device_type: str = Field(default="cpu", pattern=r"^[a-z_]+$")
 
 
 class DecisionsSchema(BaseModel):
@@ -62,6 +73,7 @@ class DecisionsSchema(BaseModel):
     governor_threshold: NonNegative = 0.0
     lr: float = Field(default=3e-3, gt=0)
     checkpoint_sets: dict[str, Names] = {}
+    checkpoint_block_ops: dict[str, BlockOpsSchema] = {}
     warmup_steps: int = Field(default=20, ge=0)
     seed: int = Field(default=0, ge=0, lt=2**63)
     selection_every_steps: int = Field(default=0, ge=0)
@@ -160,4 +172,8 @@ class PlanSchema(BaseModel):
         n = len(self.decisions.checkpoint)
         if n != self.model_n_layers:
             raise ValueError(f"checkpoint has {n} entries, must be one name per layer ({self.model_n_layers})")
+        for kind, entry in self.decisions.checkpoint_block_ops.items():
+            if max(entry.layers) >= n:
+                raise ValueError(f"checkpoint_block_ops[{kind!r}] names layer {max(entry.layers)}, the model has "
+                                 f"{n} layers (0 to {n - 1})")
         return self

@@ -76,3 +76,24 @@ def tensorboard_scalars(folder) -> dict[str, list[tuple[int, float]]]:
     acc = EventAccumulator(str(folder), size_guidance={"scalars": 0})
     acc.Reload()
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def transformers_heldout_loss(folder, plan: Plan, corpus) -> float:
+    """Held-out loss (nats/token) of the model folder `folder` (`trainplan export-weights`) loaded by
+    `transformers.AutoModelForCausalLM`, on the held-out batches a run of `plan` on `corpus` (a
+    `TokenCorpus`) evaluates (`executor.train.EVAL_BATCHES` of them), by the run's loss
+    (`modeling.loss.lm_loss`, `executor.measure.heldout_loss`): a run's final held-out loss when
+    `folder` holds its weights."""
+    from transformers import AutoModelForCausalLM
+
+    from executor.data.batches import heldout_batches
+    from executor.measure import heldout_loss
+    from executor.train import EVAL_BATCHES
+    from modeling.loss import lm_loss
+
+    d = plan.decisions
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    held = heldout_batches(corpus.heldout_tokens, seq_len=d.seq_len, micro_batch=d.micro_batch,
+                           max_batches=EVAL_BATCHES)
+    with torch.no_grad():
+        return heldout_loss(model, held, lambda x, y: lm_loss(model(input_ids=x).logits, y))

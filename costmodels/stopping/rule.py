@@ -20,7 +20,7 @@ It stops a run for one of four reasons (`Decision.reason`, also the record's `st
   rises (overfitting on repeated data) is caught by the trend. A stop whose cooldown would
   reach the budget is not taken (it would save nothing). The run then cools down: the learning
   rate decays linearly to 5% over `cooldown_steps(s)` more steps (`cooldown_fraction` of the
-  final run, 20% as `executor.train.lr_at`'s warmup-stable-decay schedule;
+  final run, 20% as `executor.apply.applied.lr_at`'s warmup-stable-decay schedule;
   `costmodels.stopping.schedule`) and ends at
   `Decision.final_step`. Unless the held-out loss has stopped falling: when the trend's mean
   drop per step is <= 0 at the decision (`skip_cooldown_when_rising`), the run ends at once,

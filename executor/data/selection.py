@@ -64,6 +64,7 @@ from executor.data.scorers import (
     model_fingerprint,
     train_reference,
 )
+from executor.data.token_files import MAX_CHUNK_TOKENS, max_token_id
 from hardware_profiles.cache import cache_root
 from trainplan_errors import TrainplanError
 
@@ -109,6 +110,15 @@ class WindowScores:
 
 def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def tokens_sha256(tokens: np.ndarray) -> str:
+    """sha256 hex of the token stream as int64 bytes, read `MAX_CHUNK_TOKENS` at a time (the same
+    digest for any integer dtype; bounded memory on a memory-mapped corpus)."""
+    h = hashlib.sha256()
+    for i in range(0, len(tokens), MAX_CHUNK_TOKENS):
+        h.update(np.asarray(tokens[i:i + MAX_CHUNK_TOKENS], dtype=np.int64).tobytes())
+    return h.hexdigest()
 
 
 def scores_cache_key(tokens_sha: str, *, seq_len: int, windows_sha: str, method: str,
@@ -271,21 +281,21 @@ def score_windows(tokens: torch.Tensor | np.ndarray, *, seq_len: int, method: st
         raise TrainplanError(f"method {method!r} needs target_tokens (a held-out token stream of "
                              "the target distribution)")
     target = None if target_tokens is None else as_numpy_tokens(target_tokens)
-    tokens_sha = _sha(tok.tobytes())
+    tokens_sha = tokens_sha256(tok)
     root = cache_root(cache_dir)
     settings: dict = {}
-    vocab = int(vocab_size or int(tok.max()) + 1)
+    vocab = int(vocab_size or max_token_id(tok) + 1)
     if method == "random":
         settings = {"seed": int(seed)}
     elif method == "dsir":
         assert target is not None  # checked above: dsir needs target_tokens
-        settings = {"buckets": buckets, "target": _sha(target.tobytes()), "ngrams": [1, 2],
+        settings = {"buckets": buckets, "target": tokens_sha256(target), "ngrams": [1, 2],
                     "smoothing": "raw add-one, target Dirichlet toward raw (m = N_t)"}
     else:
         settings = {"reference": _reference_fingerprint(reference, vocab)}
         if method == "influence":
             assert target is not None  # checked above: influence needs target_tokens
-            settings.update(target=_sha(target.tobytes()), rank=rank, seed=int(seed),
+            settings.update(target=tokens_sha256(target), rank=rank, seed=int(seed),
                             grad_blocks=grad_blocks, loss="mean-ce", projection="rademacher-kron")
     key = scores_cache_key(tokens_sha, seq_len=seq_len, windows_sha=windows_sha, method=method,
                            settings=settings)

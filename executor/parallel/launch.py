@@ -2,6 +2,8 @@
 
 A worker module run under `run_torchrun` calls `init_distributed(device)` first; the parent sees a
 failed or hung job as `WorkerFailedError` naming the rank, its exit code and its last stderr lines.
+One node (`--standalone`), or one of several joined by a c10d rendezvous (`Rendezvous`: torchrun's
+`--nnodes`, `--node-rank`, `--rdzv-endpoint`, `--rdzv-id`; each node runs this on its own).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -29,6 +32,37 @@ STDERR_TAIL_LINES = 20
 
 KILL_GRACE_S = 10.0
 """After SIGTERM, seconds to wait for torchrun to stop its workers before SIGKILL."""
+
+
+RDZV_JOIN_TIMEOUT_S = 600.0
+"""Seconds a node waits at the rendezvous for the others (torchrun's c10d `join_timeout`
+default); `run_torchrun` adds it to a multi-node job's time limit, so that a node that never
+comes fails as torchrun's rendezvous timeout, not as a hang."""
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """This node's part in a multi-node torchrun job (torchrun's flags, c10d rendezvous).
+
+    nnodes: nodes in the job (each runs `run_torchrun` with the same `nproc`). node_rank: this
+    node, 0 to nnodes - 1: names its logs (c10d assigns the global ranks in the order it
+    chooses; torchrun's `--node-rank` is read by the static backend only). endpoint:
+    `HOST[:PORT]` of the c10d store every node joins (port default 29400; the node whose
+    address it is hosts the store). run_id: the job's id at that endpoint (torchrun's default
+    "none"). join_timeout_s: seconds to wait for all nodes (`RDZV_JOIN_TIMEOUT_S`).
+    """
+
+    nnodes: int
+    node_rank: int
+    endpoint: str
+    run_id: str = "none"
+    join_timeout_s: float = RDZV_JOIN_TIMEOUT_S
+
+    def torchrun_args(self) -> list[str]:
+        """torchrun's flags for this node (in place of `--standalone`)."""
+        return [f"--nnodes={self.nnodes}", f"--node-rank={self.node_rank}", "--rdzv-backend=c10d",
+                f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id={self.run_id}",
+                f"--rdzv-conf=join_timeout={self.join_timeout_s:g}"]
 
 
 class WorkerFailedError(TrainplanError):
@@ -193,6 +227,20 @@ def first_cause(summary: str, run_dirs: list[Path]) -> tuple[int, int, int] | No
     return primary[0] if primary else first
 
 
+_RDZV_ERROR = re.compile(r"(Rendezvous\w*Error)\b:?[ \t]*([^\n]*)")
+
+
+def _rendezvous_failed(rdzv: Rendezvous, summary: str, torchrun_log: Path) -> str:
+    """The message of a node whose torchrun failed at the c10d rendezvous (its last error named)."""
+    name, detail = _RDZV_ERROR.findall(summary)[-1]
+    why = (f"not all {rdzv.nnodes} nodes joined within {rdzv.join_timeout_s:g} s; start `trainplan run` "
+           "on every node with the same --nnodes, --rdzv-endpoint and --rdzv-id, each with its own --node-rank"
+           if "Timeout" in name else
+           f"check that {rdzv.endpoint} is node 0's address, reachable from this node, and the port free there")
+    return (f"node {rdzv.node_rank} of {rdzv.nnodes}: the c10d rendezvous at {rdzv.endpoint} failed "
+            f"({name}{': ' + detail.strip() if detail.strip() else ''}): {why}; torchrun's log: {torchrun_log}")
+
+
 def _describe_exit(code: int) -> str:
     if code < 0:
         try:
@@ -210,10 +258,13 @@ def run_torchrun(
     timeout_s: float,
     log_dir: Path,
     env: dict[str, str] | None = None,
+    rendezvous: Rendezvous | None = None,
 ) -> None:
     """Run ``python -m torch.distributed.run --standalone --nproc-per-node N -m module args...``.
 
-    Blocks until the job ends or ``timeout_s`` (wall clock) passes. Logs: torchrun's own output
+    With ``rendezvous``, this node's part of a multi-node job instead of ``--standalone``:
+    ``nproc`` processes here, ``nnodes x nproc`` in all, and ``timeout_s`` plus the rendezvous'
+    join timeout. Blocks until the job ends or ``timeout_s`` (wall clock) passes. Logs: torchrun's own output
     (with every worker's output teed in, prefixed ``[rankN]:``) goes to ``log_dir/torchrun-*.log``;
     each rank's stdout/stderr to ``log_dir/<run id>/attempt_0/<local rank>/std{out,err}.log``.
     The repository root is prepended to the workers' PYTHONPATH; ``env`` adds variables.
@@ -228,9 +279,12 @@ def run_torchrun(
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     before = set(log_dir.iterdir())
+    nodes = ["--standalone"] if rendezvous is None else rendezvous.torchrun_args()
+    if rendezvous is not None:
+        timeout_s += rendezvous.join_timeout_s
     cmd = [
         sys.executable, "-m", "torch.distributed.run",
-        "--standalone", f"--nproc-per-node={nproc}",
+        *nodes, f"--nproc-per-node={nproc}",
         f"--log-dir={log_dir}", "--redirects=3", "--tee=3",
         "-m", module, *map(str, args),
     ]  # fmt: skip
@@ -257,6 +311,7 @@ def run_torchrun(
         return
 
     run_dirs = [p for p in set(log_dir.iterdir()) - before if p.is_dir()]
+    here = "" if rendezvous is None else f" on node {rendezvous.node_rank} of {rendezvous.nnodes}"
     if code is None:
         tails = []
         for r in range(nproc):
@@ -264,15 +319,18 @@ def run_torchrun(
             tail = _tail(path, 5) if path else "(no log)"
             tails.append(f"--- rank {r} stderr ({path}):\n{tail}")
         raise WorkerFailedError(
-            f"torchrun -m {module} ({nproc} processes) timed out after {timeout_s:g} s and was "
+            f"torchrun -m {module} ({nproc} processes{here}) timed out after {timeout_s:g} s and was "
             f"killed; logs in {log_dir}\n" + "\n".join(tails),
             log_dir=log_dir,
         )
     summary = _tail(torchrun_log, 200)
     cause = first_cause(summary, run_dirs)
+    if cause is None and rendezvous is not None and _RDZV_ERROR.search(summary):
+        raise WorkerFailedError(_rendezvous_failed(rendezvous, summary, torchrun_log), exit_code=code,
+                                log_dir=log_dir)
     if cause is None:  # torchrun itself failed (bad arguments, rendezvous, ...)
         raise WorkerFailedError(
-            f"torchrun -m {module} exited with code {_describe_exit(code)} before naming a failed "
+            f"torchrun -m {module}{here} exited with code {_describe_exit(code)} before naming a failed "
             f"rank; last lines of {torchrun_log}:\n{_tail(torchrun_log)}",
             exit_code=code,
             log_dir=log_dir,
@@ -280,8 +338,11 @@ def run_torchrun(
     rank, local_rank, rank_code = cause
     path = _rank_stderr(run_dirs, local_rank)
     tail = _tail(path) if path else f"(no per-rank log; see {torchrun_log})"
+    if rendezvous is not None and any(m in tail for m in _SECONDARY):
+        here += (" after losing a peer: a rank on another node probably failed first (that node's "
+                 "error names it)")
     raise WorkerFailedError(
-        f"rank {rank} of torchrun -m {module} failed with exit code {_describe_exit(rank_code)}; "
+        f"rank {rank} of torchrun -m {module}{here} failed with exit code {_describe_exit(rank_code)}; "
         f"last lines of its stderr ({path}):\n{tail}",
         rank=rank,
         exit_code=rank_code,

@@ -21,22 +21,23 @@ __all__ = ["check_device", "check_json_path", "check_loss_value", "check_out_dir
            "check_schedule", "plan_from_data", "valid_devices", "with_schedule"]
 
 
-def check_json_path(path: str | Path) -> Path:
-    """Where `solve --json` may write: a file path whose folder exists.
+def check_json_path(path: str | Path, *, option: str = "--json", example: str = "plan.json") -> Path:
+    """Where `solve --json` (or another `option` naming an output file, e.g. `export --out`) may
+    write: a file path whose folder exists; `example` is the file name the message suggests.
 
     Raises:
-        OutputPathError: the path is a folder, or its folder does not exist or is a file.
+        OutputPathError: the path is empty or a folder, or its folder does not exist or is a file.
     """
     if not str(path):
-        raise OutputPathError("--json is empty; give a file path such as plan.json")
+        raise OutputPathError(f"{option} is empty; give a file path such as {example}")
     p = Path(path)
     if p.is_dir():
-        raise OutputPathError(f"--json {str(p)!r} is a folder; give a file path such as "
-                              f"{str(p / 'plan.json')!r}")
+        raise OutputPathError(f"{option} {str(p)!r} is a folder; give a file path such as "
+                              f"{str(p / example)!r}")
     parent = p.parent if str(p.parent) else Path(".")
     if not parent.is_dir():
         what = "is a file" if parent.exists() else "does not exist"
-        raise OutputPathError(f"--json {str(p)!r}: folder {str(parent)!r} {what}; create the folder "
+        raise OutputPathError(f"{option} {str(p)!r}: folder {str(parent)!r} {what}; create the folder "
                               "or give a path in an existing one")
     return p
 

@@ -31,6 +31,7 @@ from planner.cli.checks import (
     plan_from_data,
     with_schedule,
 )
+from planner.cli.launching import ENDED_REASONS
 from planner.cli.plan_text import print_plan
 from planner.plan import Plan
 from trainplan_errors import DeviceError, InfeasibleError, OutputPathError, TrainplanError, UnknownNameError
@@ -162,19 +163,30 @@ def _solve_and_print(args, curve, json_path: Path | None) -> Plan:
     return plan
 
 
-def _corpus_for(plan, data_paths, progress: bool):
-    """The corpus (default: Shakespeare) tokenized for `plan`, checked to feed it."""
+def _corpus_for(plan, data_paths, progress: bool, options=None):
+    """The corpus (default: Shakespeare) tokenized for `plan`, checked to feed it. `options`:
+    `executor.data.sources.DataOptions` (`--tokenizer`, `--token-dtype`, `--text-column`)."""
     from executor.data.batches import check_corpus_for_plan, load_corpus
+    from executor.data.sources import DataOptions
 
     if data_paths and any(not str(d).strip() for d in data_paths):
         raise TrainplanError(f"--data {' '.join(map(repr, data_paths))} has an empty path (it would read "
                              "the current folder); give .txt/.jsonl files or folders, or leave --data "
                              "out for the default corpus")
-    data = load_corpus(data_paths or None, vocab_size=plan.vocab_size, progress=progress)
+    data = load_corpus(data_paths or None, vocab_size=plan.vocab_size, progress=progress,
+                       **(options or DataOptions()).kwargs())
     check_corpus_for_plan(data, seq_len=plan.decisions.seq_len, vocab_size=plan.vocab_size)
-    logger.info("corpus %s: %s training tokens, vocabulary %d", data.name, f"{data.train_tokens.numel():,}",
+    logger.info("corpus %s: %s training tokens, vocabulary %d", data.name, f"{data.n_train_tokens:,}",
                 data.vocab_size)
     return data
+
+
+def _data_options(args):
+    """`executor.data.sources.DataOptions` from `trainplan run`'s --tokenizer, --token-dtype,
+    --text-column."""
+    from executor.data.sources import DataOptions
+
+    return DataOptions.from_args(args)
 
 
 def _trackers(args):
@@ -206,7 +218,7 @@ def _ended_record(out: Path):
         rec = RunRecord.from_json(out / "record.json")
     except (OSError, ValueError, TypeError, KeyError):
         return None
-    return rec if rec.stop_reason in ("budget", "marginal_gain") else None
+    return rec if rec.stop_reason in ENDED_REASONS else None
 
 
 def check_run_ended(plan: Plan, record, out: Path) -> None:
@@ -215,7 +227,7 @@ def check_run_ended(plan: Plan, record, out: Path) -> None:
 
     Raises:
         RunStoppedEarly: it stopped before (interrupted, ...); the message says how to continue."""
-    if record.stop_reason in ("budget", "marginal_gain"):  # the governor's stop is an end too
+    if record.stop_reason in ENDED_REASONS:  # the governor's stop is an end too
         return
     where = f"checkpoint in {record.checkpoint}" if record.checkpoint else "no checkpoint"
     raise RunStoppedEarly(f"{record.stop_reason or 'stopped'} after {record.steps} of "
@@ -247,15 +259,17 @@ def cmd_run(args) -> int:
     """Run (or with --resume continue) a plan, with --lr/--warmup-steps in place of the plan's.
 
     Raises:
-        TrainplanError: bad input (a plan, device, folder, corpus or flag; exit 2).
+        TrainplanError: bad input (a plan, device, folder, corpus, flag or launcher's environment; exit 2).
         RunStoppedEarly: the run was interrupted (exit 130).
         OutOfMemoryRunError, TrainingDivergedError, WorkerFailedError: the run failed (exit 1)."""
     from executor.checkpoint import check_resume_plan
     from executor.train import resolve_device
     from planner.cli.frontier_files import copy_frontier
+    from planner.cli.launching import check_launch_flags, check_world, run_processes
 
     check_device(args.device)
     check_schedule(args.lr, args.warmup_steps)
+    env = check_launch_flags(args)  # this rank of the user's torchrun/SLURM job; None: launch here
     args.plan, args.data = plan_from_data(args.plan, args.data)
     if args.plan is not None and not str(args.plan).strip():
         raise TrainplanError("PLAN is empty; give a plan JSON file written by `trainplan solve --json`")
@@ -268,9 +282,12 @@ def cmd_run(args) -> int:
                              "directory?")
     solved = Plan.from_json(plan_path)
     plan = with_schedule(solved, lr=args.lr, warmup_steps=args.warmup_steps)
+    check_world(env, plan.decisions.devices, args.nnodes)
     if args.resume:
         check_resume_plan(plan, out)
         ended = _ended_record(out)
+        if ended is not None and env is not None and env.rank:
+            return 0  # rank 0 says it
         if ended is not None:  # nothing left to run: say so, and give its report again
             logger.warning("the run in %s already ended (%s after %s steps); nothing to resume", out,
                            ended.stop_reason, ended.steps)
@@ -283,22 +300,13 @@ def cmd_run(args) -> int:
     except TrainplanError as e:
         raise DeviceError(str(e)) from None
     trackers = _trackers(args)  # a missing tracker extra is named before the corpus is read
-    data = _corpus_for(plan, args.data, sys.stderr.isatty() and not args.quiet)
+    data = _corpus_for(plan, args.data, sys.stderr.isatty() and not args.quiet,
+                       _data_options(args))
     opts = dict(resume=args.resume, checkpoint_every=args.checkpoint_every, trackers=trackers)
-    if plan.decisions.devices > 1:
-        from executor.reporting.report import load_run
-        from executor.worker import launch
-
-        if plan is not solved:  # the workers read the plan from a file: the one with the flags'
-            out.mkdir(parents=True, exist_ok=True)
-            plan.to_json(out / "plan.json")
-        logger.info("launching %d processes under torchrun; logs in %s", plan.decisions.devices, out / "logs")
-        launch(out / "plan.json" if plan is not solved else plan_path, out, args.data, args.device, **opts)
-        plan, record = load_run(out)
-    else:
-        from executor.train import run
-
-        record = run(plan, data=data, out=out, device=args.device, progress=not args.quiet, **opts)
+    ran = run_processes(plan, None if plan is not solved else plan_path, data, out, args, env, **opts)
+    if isinstance(ran, int):  # not global rank 0 (nor its node), which reports: the exit status
+        return ran
+    plan, record = ran
     check_run_ended(plan, record, out)
     copy_frontier(plan_path, out)
     return _report_run(plan, record, out)

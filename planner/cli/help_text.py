@@ -43,8 +43,14 @@ EXAMPLES: dict[str, tuple[tuple[str, str], ...]] = {
          "trainplan run plan.json --out runs/tiny"),
         ("your own corpus and learning-rate schedule (PLAN may also come after --data)",
          "trainplan run plan.json --out runs/tiny-lr --data notes.txt books/ --lr 1e-3 --warmup-steps 5"),
+        ("pre-tokenized ids as nanoGPT writes them (raw uint16), used as is",
+         "trainplan run plan.json --out runs/bin --data train.bin --token-dtype uint16"),
+        ("parquet text (HF datasets, streamed) tokenized by the model's own tokenizer",
+         "trainplan run plan.json --out runs/pq --data shards/ --text-column content --tokenizer tokenizer.json"),
         ("continue an interrupted run from its latest checkpoint",
          "trainplan run --out runs/tiny --resume"),
+        ("one plan on two machines: run this on each, with --node-rank 1 on the second",
+         "trainplan run plan.json --out /shared/runs/2n --nnodes 2 --node-rank 0 --rdzv-endpoint node0:29500"),
     ),
     "report": (
         ("rebuild one run's HTML report",
@@ -77,6 +83,20 @@ EXAMPLES: dict[str, tuple[tuple[str, str], ...]] = {
          "trainplan calibrate runs/demo"),
         ("refit a GPU profile from runs on it, written for --hw h200-calibrated.toml",
          "trainplan calibrate runs/h200-a runs/h200-b --hw h200 --profile-out h200-calibrated.toml"),
+    ),
+    "export-weights": (
+        ("the demo's trained model as a Hugging Face folder, in the dtype it trained in",
+         "trainplan export-weights runs/demo --out models/demo"),
+        ("the weights in bf16 (config.json, model.safetensors, tokenizer.json)",
+         "trainplan export-weights runs/tiny --out models/tiny-bf16 --dtype bf16"),
+    ),
+    "export": (
+        ("a saved plan as a torchtitan job TOML (torchrun -m torchtitan.train --job.config_file job.toml)",
+         "trainplan export plan-8b.json --to torchtitan --out job.toml"),
+        ("as a DeepSpeed config JSON on stdout (what DeepSpeed cannot express goes to stderr)",
+         "trainplan export plan-8b.json --to deepspeed > ds_config.json"),
+        ("as an accelerate config YAML (accelerate launch --config_file accelerate.yaml train.py)",
+         "trainplan export plan.json --to accelerate --out accelerate.yaml"),
     ),
 }
 """Each command's worked examples: (what it does, the command line)."""

@@ -30,7 +30,10 @@ from planner.cli.commands import (
     cmd_run,
     cmd_solve,
 )
+from planner.cli.export_cmd import cmd_export
 from planner.cli.help_text import HelpFormatter, epilog
+from planner.cli.launching import add_launch_flags, is_other_rank
+from planner.cli.weights_cmd import cmd_export_weights
 from trainplan_errors import InfeasibleError, TrainplanError
 
 EXIT_CODES: dict[int, str] = {
@@ -95,11 +98,20 @@ class _Format(logging.Formatter):
             f"trainplan: {record.levelname.lower()}: {text}"
 
 
+IMPORT_NOISE = ("torchao", "torch.utils._pytree")
+"""Other libraries' loggers that warn about themselves when imported, not about the user's input:
+torchao names its C extensions built for other Pythons or GPUs, and torch's pytree warns about
+torchao's enums (both when transformers imports accelerate, which imports torchao). Below `-vv`
+they are set to ERROR, so that a command's bad input stays one line on stderr."""
+
+
 def configure_logging(verbose: int = 0, quiet: bool = False, loggers: Iterable[str] = LOGGERS) -> int:
     """Set trainplan's loggers to WARNING, INFO (`verbose` 1), DEBUG (2 or more) or ERROR
-    (`quiet`), each with one handler on stderr (called again, it replaces its own handler).
-    Returns the level."""
+    (`quiet`), each with one handler on stderr (called again, it replaces its own handler), and
+    `IMPORT_NOISE` to ERROR below DEBUG. Returns the level."""
     level = logging.ERROR if quiet else (logging.WARNING, logging.INFO, logging.DEBUG)[min(verbose, 2)]
+    for name in IMPORT_NOISE:
+        logging.getLogger(name).setLevel(logging.ERROR if level > logging.DEBUG else logging.NOTSET)
     handler = _Stderr()
     handler.setFormatter(_Format(debug=level == logging.DEBUG))
     for name in loggers:
@@ -242,8 +254,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "directory's plan.json)")
     r.add_argument("--out", required=True, metavar="DIR", help="run directory (created if missing)")
     r.add_argument("--data", nargs="*", metavar="PATH",
-                   help=".txt/.jsonl files or folders (default: Shakespeare); with --resume the same "
-                        "as the first time")
+                   help="text: .txt/.jsonl, .json/.parquet/.arrow (HF datasets, streamed) files or folders; "
+                        "or one pre-tokenized .bin/.npy file (default: Shakespeare); with --resume the "
+                        "same as the first time")
+    r.add_argument("--tokenizer", metavar="FILE",
+                   help="the model's tokenizer.json (HF tokenizers) for text --data; its vocabulary must "
+                        "be the plan's (default: a BPE trained on the corpus)")
+    r.add_argument("--token-dtype", choices=("uint16", "uint32"), default="uint16",
+                   help="the ids' dtype in a raw .bin token file (default: uint16, as nanoGPT's train.bin)")
+    r.add_argument("--text-column", default="text", metavar="NAME",
+                   help="the text field of .jsonl/.json/.parquet/.arrow rows (default: text)")
     r.add_argument("--device", help="override the plan's device, e.g. cpu, cuda:0 (default: the plan's)")
     r.add_argument("--resume", action="store_true",
                    help="continue the interrupted run in --out from its latest checkpoint")
@@ -254,6 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "SIGINT/SIGTERM only; 0: never)")
     _schedule_flags(r, solved=False)
     _tracker_flags(r)
+    add_launch_flags(r)
     r.set_defaults(fn=cmd_run)
 
     p = _sub(sub, "report", "rebuild the HTML report of run directories; with several, also a report "
@@ -302,6 +323,27 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where to write the refit GPU profile, for --hw FILE (default: "
                         "RUN_DIR/<name>-calibrated.toml)")
     c.set_defaults(fn=cmd_calibrate)
+
+    x = _sub(sub, "export", "write a plan as torchtitan's job TOML, DeepSpeed's config JSON or accelerate's "
+                            "config YAML, listing what the framework cannot express")
+    x.add_argument("plan", metavar="PLAN", help="plan JSON from `trainplan solve --json`")
+    x.add_argument("--to", required=True, choices=("torchtitan", "deepspeed", "accelerate"),
+                   help="the framework: torchtitan (0.2.2 job TOML), deepspeed (0.19.8 config JSON), "
+                        "accelerate (1.15 config YAML plus the plugin settings as comments)")
+    x.add_argument("--out", metavar="FILE",
+                   help="write the config to FILE and list the unexpressed decisions on stdout (default: the "
+                        "config on stdout, the list on stderr)")
+    x.set_defaults(fn=cmd_export)
+
+    w = _sub(sub, "export-weights", "write a run's trained weights as a Hugging Face model folder (safetensors) "
+                                    "with its tokenizer, for transformers' from_pretrained")
+    w.add_argument("run_dir", metavar="RUN_DIR", help="run directory with a checkpoint (the --out of "
+                                                      "`trainplan run`; an interrupted run's too)")
+    w.add_argument("--out", required=True, metavar="DIR",
+                   help="new or empty folder for config.json, model.safetensors and the tokenizer")
+    w.add_argument("--dtype", choices=("bf16", "fp32"),
+                   help="dtype of the weights written (default: the dtype the run trained its parameters in)")
+    w.set_defaults(fn=cmd_export_weights)
     return ap
 
 
@@ -320,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the `trainplan` command line on `argv` (default: sys.argv[1:]); returns the exit status
     (`EXIT_CODES`). argparse's usage errors exit 2 (SystemExit), `--help`/`--version` 0."""
     args = build_parser().parse_args(argv)
-    quiet = bool(getattr(args, "quiet", False))
+    quiet = args.quiet = bool(getattr(args, "quiet", False)) or is_other_rank()  # rank 0 speaks
     configure_logging(getattr(args, "verbose", 0) or 0, quiet)
     logging.getLogger(__name__).debug("arguments: %s", vars(args))
     try:

@@ -15,6 +15,7 @@ from typing import Any
 
 from torch import nn
 
+from costmodels.checkpoint_sets import node_keys, resolve
 from costmodels.loss.law import LossLaw
 from costmodels.step.model import Choice, StepModel
 from costmodels.step.precision import check_optimizer_bits
@@ -188,6 +189,26 @@ def solve_problem(pr: Problem, budget: Budget, *, seq_len: int | None = None,
                      facts=facts, memory_limit_bytes=memory_limit_bytes)
 
 
+def checkpoint_block_ops(step_model: StepModel, blocks: tuple[str, ...], c: Choice,
+                         device_type: str) -> dict[str, dict[str, Any]]:
+    """`Decisions.checkpoint_block_ops` of choice `c`: for each captured region a checkpointed
+    layer runs (`StepModel.region_for`, e.g. `block0`, `block0@mp` under FSDP2's mixed precision),
+    its layers and the ops of its forward in execution order (`node_keys` without the call
+    counts), captured with `device_type`'s kernels. Layers that are not checkpointed are left out."""
+    sets = {x.name: x for x in c.sets}
+    out: dict[str, dict[str, Any]] = {}
+    for i, (policy, block) in enumerate(zip(c.policies, blocks, strict=True)):
+        entry = resolve(policy, sets)
+        if not entry.checkpointed:
+            continue
+        region = step_model.region_for(c, block, entry)
+        if region not in out:
+            ops = [key.rpartition("#")[0] for key in node_keys(step_model.regions[region]).values()]
+            out[region] = {"layers": [], "ops": ops, "device_type": device_type}
+        out[region]["layers"].append(i)
+    return out
+
+
 def make_plan(step_model: StepModel, profile: HardwareProfile, graph: ModelGraph, name: str, c: Choice, *,
               budget: dict[str, Any], data_fraction: float, max_steps: int, predicted_loss: float, unique: int,
               law: LossLaw, lr: float, seed: int, facts: SolverFacts, memory_limit_bytes: float | None) -> Plan:
@@ -206,6 +227,7 @@ def make_plan(step_model: StepModel, profile: HardwareProfile, graph: ModelGraph
         zero_stage=c.zero_stage, micro_batch=c.micro_batch, grad_accum=c.grad_accum, seq_len=c.seq_len,
         checkpoint=c.policies,
         checkpoint_sets={x.name: sorted(x.saved or ()) for x in c.sets if x.name in c.policies},
+        checkpoint_block_ops=checkpoint_block_ops(step_model, graph.blocks, c, profile.device_type),
         precision=c.precision, optimizer_bits=c.optimizer_bits, activation_bits=c.activation_bits,
         data_fraction=data_fraction,
         data_method="random", max_tokens=max_steps * tokens_per_step, max_steps=max_steps,

@@ -239,12 +239,12 @@ def run_mem(out: Path, cases: list[tuple[int, int, str]]) -> None:
     import torch
     import torch.distributed as dist
 
+    from executor.apply.applied import micro_batch_loss
     from executor.measure import gather_floats, heldout_loss, measure_memory
     from executor.optimizers import build_optimizer
     from executor.parallel.launch import init_distributed
     from executor.parallel.ulysses import enable_ulysses, new_sequence_parallel_group
     from executor.parallel.zero import apply_zero, mixed_precision_policy
-    from executor.train import micro_batch_loss
 
     torch.set_num_threads(1)
     device = torch.device("cpu")

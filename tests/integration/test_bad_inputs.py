@@ -98,6 +98,7 @@ def workdir(tmp_path_factory, cpu_profile) -> Path:
     (d / "bad.txt").write_bytes(b"\xff\xfe bad bytes")
     (d / "empty.txt").write_text("")
     (d / "notes.csv").write_text("a,b\n1,2\n")
+    _data_format_files(d)
     (d / "old_run").mkdir()
     (d / "old_run" / "record.json").write_text("{}")
     # a corpus and a plan for it whose learning rate makes the loss NaN at the second step
@@ -113,6 +114,20 @@ def workdir(tmp_path_factory, cpu_profile) -> Path:
               tokens=256, step_times_s=[0.5, 0.4], stop_reason="budget",
               heldout_loss=[(1, 128, 9.0), (2, 256, 8.9)]).to_json(d / "short_run" / "record.json")
     return d
+
+
+def _data_format_files(d: Path) -> None:
+    """The token files, tokenizer and parquet file of the data-format rows (112-115)."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from executor.data.corpus import train_tokenizer
+
+    np.save(d / "tokens_i64.npy", np.arange(1000, dtype=np.int64))
+    np.arange(8000, 9000, dtype=np.uint32).tofile(d / "tokens_big.bin")
+    train_tokenizer([_words(50, 3)], 300).save(str(d / "tok300.json"))
+    pq.write_table(pa.table({"content": ["a document"] * 3, "id": [1, 2, 3]}), d / "rows.parquet")
 
 
 def _spy_main(argv: list[str], monkeypatch) -> tuple[int, BaseException | None]:
@@ -357,6 +372,36 @@ CLI_ROWS: dict[str, tuple[str, type, list[str]]] = {
                           ["'bad_profile.toml'", "memory_efficiency=1.5", "must be a finite number in (0, 1]"]),
     "calibrate-profile-out-missing-folder": ("calibrate short_run --profile-out no_dir/x.toml", OutputPathError,
                                              ["'no_dir/x.toml'", "existing folder"]),
+    # ---- export
+    "export-target-without-the-model": ("export plan.json --to torchtitan", TrainplanError,
+                                        ["torchtitan 0.2.2 has no model for 'tiny-llama'", "llama3.1-8b (llama3/8B)",
+                                         "--to deepspeed or --to accelerate"]),
+    "export-unknown-target": ("export plan.json --to megatron", SystemExit,
+                              ["--to: invalid choice: 'megatron'", "'torchtitan', 'deepspeed', 'accelerate'"]),
+    # ---- weights out
+    "export-weights-no-checkpoint": ("export-weights short_run --out w", TrainplanError,
+                                     ["run folder 'short_run' has no checkpoint", "checkpoint/latest",
+                                      "trainplan run short_run/plan.json --out DIR"]),
+    "export-weights-out-not-empty": ("export-weights short_run --out old_run", OutputPathError,
+                                     ["--out 'old_run' is not empty", "record.json", "new or empty folder"]),
+    # ---- data formats: token files, the model's tokenizer, datasets columns
+    "token-file-dtype": ("run plan.json --out out --data tokens_i64.npy", DataError,
+                         ["tokens_i64.npy holds int64 ids", "valid: uint16, uint32"]),
+    "token-file-ids-beyond-vocab": ("run plan.json --out out --data tokens_big.bin --token-dtype uint32",
+                                    DataError, ["holds id 8999", "vocab_size=8192: ids 0..8191", "--token-dtype"]),
+    "tokenizer-vocab-not-the-plans": ("run plan.json --out out --data mid.txt --tokenizer tok300.json", DataError,
+                                      ["tokenizer 'tok300.json' has a vocabulary of", "vocab_size=8192"]),
+    "data-without-text-column": ("run plan.json --out out --data rows.parquet", DataError,
+                                 ["rows.parquet has no column 'text'", "'content', 'id'", "--text-column"]),
+    # ---- nodes and launchers (a leading NAME=value sets the environment)
+    "nodes-not-dividing-devices": ("run plan.json --out out --nnodes 2 --rdzv-endpoint node0:29500",
+                                   PlanMismatchError, ["plan uses 1 device(s), which --nnodes 2 cannot split",
+                                                       "--nnodes one of 1", "--devices a multiple of 2"]),
+    "nodes-without-endpoint": ("run plan.json --out out --nnodes 2", TrainplanError,
+                               ["--nnodes 2 needs --rdzv-endpoint HOST[:PORT]", "e.g. node0:29500"]),
+    "world-size-not-the-plans": ("WORLD_SIZE=2 RANK=0 run plan.json --out out", PlanMismatchError,
+                                 ["WORLD_SIZE=2 in the environment", "the plan uses 1 device(s)",
+                                  "start 1 process(es) in all", "--devices 2"]),
 }
 NEEDS_NO_GPU = {"device-cuda-without-gpu", "plan-for-an-accelerator"}
 
@@ -367,7 +412,11 @@ def test_cli_row(row, workdir, monkeypatch, capsys):
         pytest.skip("this machine has a CUDA/ROCm device")
     argv, etype, needles = CLI_ROWS[row]
     monkeypatch.chdir(workdir)
-    rc, exc = _spy_main(shlex.split(argv), monkeypatch)
+    words = shlex.split(argv)
+    while words and "=" in words[0]:  # NAME=value: the environment a launcher (torchrun, SLURM) set
+        name, value = words.pop(0).split("=", 1)
+        monkeypatch.setenv(name, value)
+    rc, exc = _spy_main(words, monkeypatch)
     err = capsys.readouterr().err
     assert rc == 2, f"exit status {rc}, expected 2; stderr: {err}"
     line = one_error_line(err)
@@ -480,6 +529,18 @@ class ToyLM(nn.Module):
                                             hidden_size=d, vocab_size=vocab, head_dim=8)
 
 
+def _apply_to_another_model(edit) -> None:
+    """Rows 108-109: tiny-llama's plan, every layer checkpointed, applied to tiny-llama edited by
+    `edit(model)` (`executor.apply_plan`)."""
+    import executor
+    from modeling.presets import build_model
+
+    plan = plan_for_choice("tiny-llama", "cpu", seq_len=64, micro_batch=1, checkpoint="full", vocab_size=512)
+    model = build_model("tiny-llama", device="cpu", vocab_size=512)
+    edit(model)
+    executor.apply_plan(plan, model)
+
+
 API_ROWS = {
     "sp-not-dividing-seq-len": (
         lambda: plan_for_choice("tiny-llama", "h100", seq_len=100, micro_batch=1, sp_degree=8, devices=8),
@@ -505,6 +566,15 @@ API_ROWS = {
     "global-batch-not-a-number": (
         lambda: solve("tiny-llama", "h100", Budget(wall_clock_s=60), global_batch_tokens=4e6),
         BudgetError, ["global_batch_tokens=4000000.0", "whole number of tokens", "e.g. 4194304"]),
+    "apply-plan-other-block": (
+        lambda: _apply_to_another_model(lambda m: setattr(m.model.layers[2].mlp, "act_fn", nn.GELU())),
+        PlanMismatchError, ["model.layers.2 is not the block the plan was captured from (block0, 70 ops)",
+                            "op 59 of its forward is aten.gelu.default, the plan expects aten.silu.default",
+                            "solve the plan for this model"]),
+    "apply-plan-other-layer-count": (
+        lambda: _apply_to_another_model(lambda m: setattr(m.model, "layers", m.model.layers[:2])),
+        PlanMismatchError, ["the plan has 4 layers but LlamaForCausalLM has no nn.ModuleList of 4 blocks",
+                            "model.layers (2)", "apply the plan to the model it was made for"]),
 }
 
 

@@ -133,7 +133,7 @@ def fake_run(monkeypatch):
 
     seen: dict = {}
 
-    def corpus_for(plan, data_paths, progress):
+    def corpus_for(plan, data_paths, progress, options=None):
         seen["data"] = data_paths
 
     def run(plan, **kwargs):

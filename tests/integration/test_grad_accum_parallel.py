@@ -73,3 +73,22 @@ def test_two_micro_steps_on_two_ranks_train_the_one_process_batch(records):
     assert two.tokens == one.tokens == STEPS * 4 * SEQ
     assert math.isclose(two.final_heldout_loss, one.final_heldout_loss, rel_tol=RTOL), \
         (two.final_heldout_loss, one.final_heldout_loss)
+
+
+@pytest.mark.slow
+def test_two_process_ddp_checkpoint_exports_to_transformers(records, corpus_path, tmp_path):
+    """`trainplan export-weights` on the DDP run's checkpoint (the wrapped model's state, written
+    by two ranks), in one process: transformers loads the folder and its held-out loss is the
+    run's final one."""
+    from pathlib import Path
+
+    from executor.weights.export import export_weights
+    from tests.support import transformers_heldout_loss
+
+    ddp = records["ddp"]
+    run_dir = Path(ddp.checkpoint).parents[1]  # RUN_DIR/checkpoint/step-N
+    plan = Plan.from_json(run_dir / "plan.json")
+    out = export_weights(run_dir, tmp_path / "hf")
+    data = load_corpus([corpus_path], vocab_size=plan.vocab_size)  # the run's own (`executor.worker.launch`)
+    assert math.isclose(transformers_heldout_loss(out, plan, data), ddp.final_heldout_loss, rel_tol=RTOL), \
+        ddp.final_heldout_loss

@@ -3,7 +3,8 @@ trains on the same batches with the same learning rates and reaches the same los
 uninterrupted run (fp32 and bitsandbytes 8-bit AdamW on one process; FSDP2 sharded state on two);
 the stopped run's record and checkpoint are complete; a kill during a checkpoint write leaves
 the previous checkpoint valid. The two-process runs also check `trainplan run` (moved here from
-tests/unit/executor/test_train.py: its uninterrupted run is the reference of the resume)."""
+tests/unit/executor/test_train.py: its uninterrupted run is the reference of the resume). The
+stopped and the FSDP2 checkpoints export to transformers (`executor.weights.export`)."""
 
 from __future__ import annotations
 
@@ -145,6 +146,20 @@ def test_stopped_checkpoint_is_complete(runs, corpus):
     assert len(opt.state) == len(list(fresh.parameters())), "optimizer state missing"
 
 
+
+def test_stopped_run_exports_to_transformers(runs, corpus, tmp_path):
+    """An interrupted run's checkpoint exports (`trainplan export-weights`; the optimizer state,
+    8-bit or not, is left out): transformers' model gives the stopped model's logits."""
+    from transformers import AutoModelForCausalLM
+
+    from executor.weights.export import export_weights
+
+    _, _, stopped_dir, trained, _ = runs
+    loaded = AutoModelForCausalLM.from_pretrained(export_weights(stopped_dir, tmp_path / "hf"))
+    x = torch.tensor(corpus.heldout_tokens[:64].tolist()).reshape(1, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=x).logits, trained.eval()(input_ids=x).logits, rtol=0, atol=0)
+
 def test_a_kill_during_a_checkpoint_write_keeps_the_previous_one(make_plan, corpus, tmp_path,
                                                                  monkeypatch, uninterrupted):
     """Checkpoint every 2 steps; the third write (after step 6) dies half-way: `latest` still
@@ -257,3 +272,19 @@ def test_two_process_accumulation_trains_the_one_process_batch(two_process, corp
     assert full.tokens == ref.tokens == 8 * 2 * 64, (full.tokens, ref.tokens)
     assert math.isclose(full.final_heldout_loss, ref.final_heldout_loss, rel_tol=1e-5), \
         (full.final_heldout_loss, ref.final_heldout_loss)
+
+
+@pytest.mark.slow
+def test_two_process_fsdp2_checkpoint_exports_to_transformers(two_process, corpus_path, tmp_path):
+    """`trainplan export-weights` on the FSDP2 run (each rank's shards of every parameter), in one
+    process without a process group: transformers loads the folder and its held-out loss is the
+    run's final one (the run evaluated under SP 2, split over both ranks)."""
+    from executor.weights.export import export_weights
+    from tests.support import transformers_heldout_loss
+
+    plan, full_dir, _, _, _ = two_process
+    out = export_weights(full_dir, tmp_path / "hf")
+    data = load_corpus([corpus_path], vocab_size=plan.vocab_size)  # the run's own (`trainplan run --data`)
+    full = RunRecord.from_json(full_dir / "record.json")
+    assert math.isclose(transformers_heldout_loss(out, plan, data), full.final_heldout_loss, rel_tol=1e-5), \
+        full.final_heldout_loss

@@ -70,7 +70,7 @@ def graph():
 def _run_block(model, monkeypatch, sp: int, b: int, policy: str, mode) -> None:
     """Forward and backward of layer 0 at SP degree `sp` (simulated exchange) under `mode`."""
     import executor.parallel.ulysses as par
-    from executor.train import sac_forward
+    from executor.apply.checkpointing import sac_forward
 
     layer = model.model.layers[0]
     layer.zero_grad(set_to_none=True)

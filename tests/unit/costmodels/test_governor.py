@@ -341,10 +341,10 @@ def test_a_governed_run_ends_with_a_complete_record_and_checkpoint(tmp_path, tin
     record says `marginal_gain`, and the checkpoint at the final step loads."""
     import torch
 
+    from executor.apply.applied import lr_at
     from executor.checkpoint import CHECKPOINT_DIR, LATEST, latest_checkpoint, load_checkpoint
     from executor.optimizers import build_optimizer
     from executor.record import RunRecord
-    from executor.train import lr_at
     from modeling.presets import build_model
 
     gov = Governor(threshold_nats_per_step=1.0, max_steps=40, warmup_steps=4, refit_every=2, min_points=4)

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from costmodels.step.memory import CATEGORIES, model_state_bytes, zero1_partition
 from costmodels.step.model import Choice, StepModel
 from costmodels.step.optimizer_states import MIN_QUANT_NUMEL, adam_state_bytes, quantization_map_bytes
+from executor.apply.checkpointing import apply_checkpointing
 from executor.optimizers import build_optimizer
-from executor.train import apply_checkpointing
 from hardware_profiles import load
 from planner.capture.graph import capture
 from trainplan_errors import TrainplanError

@@ -27,13 +27,6 @@ def _text(n_words: int, seed: int) -> str:
 
 
 @pytest.fixture
-def cache(tmp_path, monkeypatch):
-    d = tmp_path / "cache"
-    monkeypatch.setenv("TRAINPLAN_CACHE_DIR", str(d))
-    return d
-
-
-@pytest.fixture
 def txt(tmp_path):
     p = tmp_path / "a.txt"
     p.write_text(_text(2000, 0), encoding="utf-8")
@@ -61,11 +54,11 @@ def test_user_txt_corpus_loads_and_splits(cache, txt):
     c = load_corpus([txt], vocab_size=VOCAB, heldout_frac=0.1, min_heldout_tokens=0)
     assert c.name == str(txt)
     assert c.vocab_size <= VOCAB and c.vocab_size > 257
-    assert c.train_tokens.dtype == torch.int64 and c.heldout_tokens.dtype == torch.int64
+    assert c.train_tokens.dtype == np.uint16 and isinstance(c.train_tokens, np.memmap)  # views of the cache
     n = c.n_train_tokens + c.n_heldout_tokens
     assert c.n_heldout_tokens == -(-n // 10)
     tok = load_tokenizer(c.tokenizer_path)
-    stream = torch.cat([c.train_tokens, c.heldout_tokens]).tolist()
+    stream = np.concatenate([c.train_tokens, c.heldout_tokens]).tolist()
     assert stream[-1] == tok.token_to_id(EOT) and stream.count(tok.token_to_id(EOT)) == 1
     assert tok.decode(stream[:-1]) == txt.read_text(encoding="utf-8")
     assert count_corpus_tokens([txt], vocab_size=VOCAB, heldout_frac=0.1,
@@ -92,7 +85,7 @@ def test_cache_hit_then_retrain_on_change(cache, tmp_path, txt, count_training):
     assert list((cache / "tokenizers").glob("*.json")) and list((cache / "tokens").glob("*.npy"))
     b = load_corpus([txt], vocab_size=VOCAB)
     assert len(count_training) == 1  # cache hit
-    assert torch.equal(a.train_tokens, b.train_tokens) and a.tokenizer_path == b.tokenizer_path
+    assert np.array_equal(a.train_tokens, b.train_tokens) and a.tokenizer_path == b.tokenizer_path
     load_corpus([txt], vocab_size=VOCAB + 20)
     assert len(count_training) == 2  # new vocab size
     txt.write_text(_text(2000, 1), encoding="utf-8")
@@ -318,7 +311,7 @@ def test_default_corpus(default_cache, monkeypatch):
     assert not any(m in head for m in ("#", "**", "_", "  \n"))
     monkeypatch.setattr(corpus_mod, "train_tokenizer", lambda *a, **k: pytest.fail("retrained"))
     again = load_corpus(cache_dir=default_cache)
-    assert torch.equal(again.heldout_tokens, c.heldout_tokens) and again.sha256 == c.sha256
+    assert np.array_equal(again.heldout_tokens, c.heldout_tokens) and again.sha256 == c.sha256
     assert count_corpus_tokens(cache_dir=default_cache) == c.n_train_tokens
     x, y = TokenBatches(c.train_tokens, seq_len=128, micro_batch=2).batch(0)
     assert int(x.max()) < c.vocab_size and torch.equal(y[:, :-1], x[:, 1:])

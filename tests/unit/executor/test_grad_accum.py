@@ -67,7 +67,7 @@ def trained(corpus, tmp_path_factory, torch_threads):
     """(model, record) after one optimizer step, by (micro_batch, grad_accum)."""
     out = {}
     with torch_threads(1), pytest.MonkeyPatch.context() as mp:
-        mp.setattr("executor.train.build_optimizer", _sgd)
+        mp.setattr("executor.apply.applied.build_optimizer", _sgd)
         for mb, ga in ((4, 1), (2, 2), (2, 1)):
             model = _model()
             rec = run(_plan(mb, ga, model), model, corpus, out=tmp_path_factory.mktemp(f"mb{mb}ga{ga}"),

@@ -31,7 +31,7 @@ from costmodels.step.memory import simulate_region
 from costmodels.step.model import Choice
 from costmodels.step.remat_cost import BlockCase, evaluate
 from costmodels.step.roofline import region_cost
-from executor.train import apply_checkpointing, sac_forward
+from executor.apply.checkpointing import apply_checkpointing, sac_forward
 from hardware_profiles import load
 from modeling.flop_counting import CPU_ATTENTION_FLOP_FORMULAS
 from planner.capture.graph import capture

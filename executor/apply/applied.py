@@ -1,0 +1,312 @@
+"""`apply_plan`: a Plan applied to the user's own model, for the user's own training loop; the
+`AppliedPlan` it returns (model, optimizer, LR schedule, batch counts, loss, measurements).
+
+    >>> applied = executor.apply_plan(plan, model)       # checkpoint sets, DDP/ZeRO/FSDP2, SP
+    >>> with applied.measure("runs/mine") as m:          # plan.json + record.json for `trainplan report`
+    ...     for step in range(applied.max_steps):
+    ...         m.step(train_step)                       # the user's step: micro-steps, optimizer, scheduler
+
+What is applied, in order (`executor.train.run` trains through the same function):
+1. the blocks: the model's one `nn.ModuleList` of `plan.model_n_layers` modules
+   (`executor.apply.checkpointing.find_blocks`), its parameter count the plan's;
+2. the op check: each checkpointed block's forward, traced on fake tensors, runs the ops the plan
+   captured (`executor.apply.checkpointing.check_block_ops`), else `PlanMismatchError`;
+3. the checkpoint sets (`executor.apply.checkpointing.apply_checkpointing`);
+4. over more than one process (torch.distributed, initialised here from torchrun's environment
+   when it is not yet): the SP groups and Ulysses attention (`executor.parallel.ulysses`), then
+   DDP, ZeRO-1 or FSDP2 with the plan's mixed precision (`executor.parallel.zero.apply_zero`),
+   which also builds the optimizer;
+5. the optimizer of the plan's state width (`executor.optimizers.build_optimizer`) and, on first
+   use, a `LambdaLR` with the plan's warmup-stable-decay schedule (`lr_at`).
+
+`executor.parallel.ulysses` and `executor.parallel.zero` are imported by multi-device runs only:
+they load transformers' attention interface and FSDP2's internals (seconds), which torch builds
+without distributed support do not have.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from functools import cached_property, partial
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
+
+from executor.accumulation import accumulation_sync, reset_memory_tracker_modules
+from executor.apply.checkpointing import apply_checkpointing, block_ops, check_block_ops, find_blocks
+from executor.apply.measuring import Measurement
+from executor.optimizers import build_optimizer
+from executor.parallel.launch import init_distributed
+from hardware_profiles import load as load_profile
+from modeling.activation_compression import compress_saved_activations
+from modeling.loss import lm_loss
+from planner.plan import Plan
+from trainplan_errors import PlanMismatchError, TrainplanError, UnknownNameError
+
+
+def resolve_device(plan: Plan, override: str | torch.device | None = None) -> torch.device:
+    """The device a plan runs on: `override`, else the plan's profile's device type (for a profile
+    read from a file, `--hw FILE.toml`, which `load` does not know by name: the accelerator here).
+
+    Raises:
+        TrainplanError: the plan targets an accelerator and none is present.
+    """
+    if override:
+        return torch.device(override)
+    if plan.hw == "cpu":  # no need to load (and maybe measure) the cpu profile in every rank
+        return torch.device("cpu")
+    try:
+        kind = load_profile(plan.hw).device_type
+    except UnknownNameError:
+        kind = getattr(torch.accelerator.current_accelerator(check_available=True), "type", "cuda")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise TrainplanError(
+            f"plan targets {plan.hw!r} (a CUDA/ROCm device) but torch sees none here; "
+            "run it with --device cpu to execute it on the CPU (times are then not compared)")
+    return torch.device(kind)
+
+
+def init_world(plan: Plan, dev: torch.device) -> tuple[int, int]:
+    """(rank, world size) of this process: (0, 1) for a one-device plan; else the initialised
+    process group's, or one initialised now from torchrun's environment (`init_distributed`).
+
+    Raises:
+        TrainplanError: the process count is not the plan's `devices`.
+    """
+    import torch.distributed as dist
+
+    devices = plan.decisions.devices
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else int(
+        os.environ.get("WORLD_SIZE", "1"))
+    if world != devices:
+        raise TrainplanError(
+            f"plan uses {devices} device(s) but this process group has {world}: "
+            "use `trainplan run PLAN --out DIR`, which launches torchrun with the plan's count, or "
+            f"launch your script with `torchrun --nproc-per-node {devices}`")
+    if world == 1:
+        return 0, 1
+    if dist.is_initialized():
+        return dist.get_rank(), world
+    return init_distributed(dev)
+
+
+def lr_at(step: int, plan: Plan) -> float:
+    """Warmup-stable-decay: linear warmup, constant, linear cooldown over the last 20% of the
+    planned steps (Hu et al. 2024, MiniCPM; lets a run stop at any budget with a cooldown)."""
+    d = plan.decisions
+    peak = d.lr
+    if step < d.warmup_steps:
+        return peak * (step + 1) / d.warmup_steps
+    cool = max(1, int(0.2 * d.max_steps))
+    start = d.max_steps - cool
+    return peak if step < start else peak * max(0.05, (d.max_steps - step) / cool)
+
+
+def micro_batch_loss(model, dev, sp: int, sp_rank: int, world: int, x, y) -> torch.Tensor:
+    """Loss of one micro-batch (nats/token, a scalar): x, y (b, s) token ids and next-token
+    targets, `model` on device `dev`. Under Ulysses SP (`sp` ranks per sequence, this one
+    `sp_rank`, `world` ranks in all) each rank feeds its contiguous sequence shard with global
+    positions; `executor.parallel.ulysses.sp_loss` makes the averaged gradients equal the
+    single-process ones. No KV cache (`use_cache=False`): a training forward of a model whose
+    config enables it would otherwise fill one, ops the plan did not capture."""
+    if world == 1:
+        return lm_loss(model(input_ids=x.to(dev), use_cache=False).logits, y.to(dev))
+    from executor.parallel.ulysses import sp_loss  # multi-device only: see the module docstring
+
+    sl = x.shape[1] // sp
+    lo, hi = sp_rank * sl, (sp_rank + 1) * sl
+    pos = torch.arange(lo, hi, device=dev).unsqueeze(0).expand(x.shape[0], -1)
+    logits = model(input_ids=x[:, lo:hi].to(dev), position_ids=pos, use_cache=False).logits
+    return sp_loss(logits, y[:, lo:hi].to(dev), None, None)
+
+
+@dataclass(kw_only=True, eq=False)
+class AppliedPlan:
+    """A plan applied to a model (`apply_plan`): what a training loop needs from it."""
+
+    plan: Plan
+    model: nn.Module
+    """The model to train: the user's, checkpointed per the plan; over several processes wrapped
+    by DDP (ZeRO 0/1; `model.module` is the user's) or sharded in place by FSDP2 (ZeRO 2/3)."""
+    optimizer: torch.optim.Optimizer
+    """AdamW with the plan's state width (`executor.optimizers.build_optimizer`); ZeRO-1's
+    `ZeroRedundancyOptimizer` around it."""
+    device: torch.device
+    """Where the model trains (`resolve_device`)."""
+    rank: int = 0
+    """This process's rank in the world (0 on one process)."""
+    world: int = 1
+    """Processes in all: the plan's devices."""
+    mixed_precision: Any = field(default=None, repr=False)
+    """FSDP2's `MixedPrecisionPolicy` when the plan runs bf16-mixed under it, else None."""
+
+    @property
+    def micro_batch(self) -> int:
+        """Sequences per micro-step on each data-parallel replica."""
+        return self.plan.decisions.micro_batch
+
+    @property
+    def grad_accum(self) -> int:
+        """Micro-steps per optimizer step."""
+        return self.plan.decisions.grad_accum
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens per sequence (the whole sequence; `loss` feeds this rank its SP shard)."""
+        return self.plan.decisions.seq_len
+
+    @property
+    def max_steps(self) -> int:
+        """Optimizer steps the plan's token budget buys."""
+        return self.plan.decisions.max_steps
+
+    @property
+    def dp_rank(self) -> int:
+        """This process's data-parallel replica: which batches it reads (the ranks of one SP
+        group read the same sequences)."""
+        return self.rank // self.plan.decisions.sp_degree
+
+    @property
+    def dp_degree(self) -> int:
+        """Data-parallel replicas, each reading its own batches."""
+        return self.plan.decisions.dp_degree
+
+    @cached_property
+    def scheduler(self) -> LambdaLR:
+        """`LambdaLR` over `optimizer` with the plan's schedule (`lr_at`): call `step()` after
+        each optimizer step. Made on first use (it sets the first step's learning rate then)."""
+        return LambdaLR(self.optimizer, partial(_lr_factor, plan=self.plan))
+
+    def autocast(self) -> AbstractContextManager:
+        """The forward's autocast: bf16 for a bf16-mixed plan unless FSDP2's mixed-precision
+        policy casts the parameters instead; else none."""
+        if self.plan.decisions.precision == "bf16-mixed" and self.mixed_precision is None:
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return nullcontext()
+
+    def forward_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """`micro_batch_loss` of this rank (its SP shard of (b, s) ids `x` and targets `y`),
+        without the training contexts: held-out evaluation under `torch.no_grad()`."""
+        d = self.plan.decisions
+        return micro_batch_loss(self.model, self.device, d.sp_degree, self.rank % d.sp_degree, self.world, x, y)
+
+    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Training loss of one micro-batch (nats/token, a scalar with its graph): `x`, `y` (b, s)
+        token ids and next-token targets on any device, b = `micro_batch`, s = `seq_len`; this rank
+        feeds its SP shard. The forward runs under `autocast()` and the plan's saved-activation
+        compression (`modeling.activation_compression`); call `.backward()` on it (divided by
+        `grad_accum` when accumulating) inside `accumulating(j)`."""
+        reset_memory_tracker_modules()  # a MemTracker measuring this step sees each forward anew
+        with self.autocast(), compress_saved_activations(self.plan.decisions.activation_bits):
+            return self.forward_loss(x, y)
+
+    def accumulating(self, j: int) -> AbstractContextManager:
+        """The context of micro-step `j`'s (0-based) forward and backward: DDP's `no_sync()` for
+        every micro-step but the last of an optimizer step (`executor.accumulation`)."""
+        d = self.plan.decisions
+        return accumulation_sync(self.model, zero_stage=d.zero_stage, world=self.world,
+                                 last=j == d.grad_accum - 1)
+
+    def measure(self, out: str | Path) -> Measurement:
+        """A context manager recording this run for trainplan's report into the folder `out`
+        (`executor.apply.measuring.Measurement`): `with applied.measure(out) as m: ... m.step(fn)`."""
+        return Measurement(self, out)
+
+
+def _lr_factor(step: int, plan: Plan) -> float:
+    return lr_at(step, plan) / plan.decisions.lr
+
+
+def apply_plan(plan: Plan, model: nn.Module, *, device_mesh=None,
+               device: str | torch.device | None = None, check_ops: bool = True) -> AppliedPlan:
+    """Apply `plan` to `model` (a transformers causal LM: `model(input_ids=...).logits`) for the
+    caller's own training loop; the steps are the module docstring's.
+
+    device: where to train (None: the plan's profile's device type, `resolve_device`); the model
+        is moved there.
+    device_mesh: over several processes, the `DeviceMesh` to shard over: 1-D (data parallel
+        only) or 2-D with dimensions named `dp` and `sp` (`init_device_mesh(type, (dp, sp),
+        mesh_dim_names=("dp", "sp"))`), its `sp` groups running Ulysses SP. None: the world laid
+        out as the plan's dp_degree x sp_degree, SP groups of consecutive ranks (the same layout).
+    check_ops: compare the checkpointed blocks' ops with the plan's (step 2); False skips it (the
+        checkpoint sets' node keys then name whatever ops the model runs at those positions).
+
+    Raises:
+        PlanMismatchError: the model has no list of the plan's layer count, another parameter
+            count, a checkpointed block whose ops differ from the captured ones (the first
+            mismatching op), or the plan names an unknown checkpoint entry.
+        TrainplanError: the process count is not the plan's devices; a `device_mesh` of another
+            size or SP degree; an accelerator plan without an accelerator.
+    """
+    d = plan.decisions
+    dev = resolve_device(plan, device)
+    rank, world = init_world(plan, dev)
+    blocks_name, blocks = find_blocks(model, plan.model_n_layers)
+    n_params = sum(p.numel() for p in model.parameters())
+    if n_params != plan.model_n_params:
+        raise PlanMismatchError(f"plan was made for {plan.model} with {plan.model_n_params:,} "
+                                f"parameters; this model has {n_params:,}")
+    model = model.to(dev)
+    mp = None
+    if world > 1:
+        from executor.parallel.zero import mixed_precision_policy  # see the module docstring
+
+        mp = mixed_precision_policy(d)
+    if check_ops:
+        _check_ops(plan, model, blocks_name, blocks, dev, mixed_precision=mp is not None)
+    apply_checkpointing(model, d.checkpoint, d.checkpoint_sets, blocks=blocks)
+    model.train()
+    factory = partial(build_optimizer, bits=d.optimizer_bits, lr=d.lr, precision=d.precision)
+    if world == 1:
+        return AppliedPlan(plan=plan, model=model, optimizer=factory(model.parameters()), device=dev)
+    from executor.parallel.ulysses import enable_ulysses  # see the module docstring
+    from executor.parallel.zero import apply_zero
+
+    _sequence_parallel_group(d.sp_degree, world, device_mesh)
+    enable_ulysses(model, seq_len=d.seq_len)
+    wrapped, opt = apply_zero(model, factory, stage=d.zero_stage, mesh_or_group=device_mesh, device=dev,
+                              mp_policy=mp)
+    return AppliedPlan(plan=plan, model=wrapped, optimizer=opt, device=dev, rank=rank, world=world,
+                       mixed_precision=mp)
+
+
+def _check_ops(plan: Plan, model: nn.Module, blocks_name: str, blocks: nn.ModuleList, dev: torch.device, *,
+               mixed_precision: bool) -> None:
+    """`check_block_ops` of the plan's checkpointed blocks traced as this run will execute them:
+    parameters in bf16 without autocast under FSDP2's mixed precision, else their own dtype under
+    the plan's autocast. Skipped for entries captured with another device type's kernels (a GPU
+    plan run on the CPU) and for plans without the ops (written before they were recorded)."""
+    d = plan.decisions
+    expected = {k: v for k, v in d.checkpoint_block_ops.items() if v.get("device_type", "cpu") == dev.type}
+    if not expected:
+        return
+    autocast = torch.bfloat16 if d.precision == "bf16-mixed" and not mixed_precision else None
+    layers = sorted({i for v in expected.values() for i in v["layers"]})
+    got = block_ops(model, blocks, layers, seq_len=d.seq_len, device=dev,
+                    param_dtype=torch.bfloat16 if mixed_precision else None, autocast_dtype=autocast)
+    check_block_ops(expected, got, blocks_name)
+
+
+def _sequence_parallel_group(sp_degree: int, world: int, device_mesh) -> None:
+    """Set Ulysses' SP group: `device_mesh`'s `sp` dimension, else consecutive ranks.
+
+    Raises:
+        TrainplanError: a mesh whose size is not `world`, or whose SP size is not `sp_degree`."""
+    from executor.parallel.ulysses import new_sequence_parallel_group, set_sequence_parallel_group
+
+    if device_mesh is None:
+        new_sequence_parallel_group(sp_degree)
+        return
+    names = tuple(device_mesh.mesh_dim_names or ())
+    sp = device_mesh["sp"].size() if "sp" in names else 1
+    if device_mesh.size() != world or sp != sp_degree or device_mesh.ndim > 2:
+        raise TrainplanError(
+            f"device_mesh of shape {tuple(device_mesh.shape)} (dimensions {names or 'unnamed'}) does not "
+            f"lay out the plan's {world} devices with sp_degree={sp_degree}: give a 1-D mesh of {world} "
+            f"(sp_degree 1) or a 2-D mesh named ('dp', 'sp') of shape ({world // sp_degree}, {sp_degree})")
+    set_sequence_parallel_group(device_mesh["sp"].get_group() if sp > 1 else None)

@@ -1,0 +1,103 @@
+"""Pre-tokenized corpora: one file of token ids, memory-mapped and used as is (no tokenizer).
+
+Formats:
+- `.bin`: raw little-endian token ids, no header, as nanoGPT's `prepare.py` writes `train.bin`
+  (`np.memmap(..., dtype=np.uint16)`) and Megatron-style pipelines write their `.bin`; the dtype
+  is not in the file, so it is given (`--token-dtype`, default uint16 as nanoGPT);
+- `.npy`: a 1-D numpy array file (`np.save`, `np.lib.format.open_memmap`), dtype from its header.
+
+Valid dtypes: uint16, uint32. Every id must be below the plan's vocab_size (checked by a
+chunked max over the memmap). Fingerprint (`file_fingerprint`): sha256 of the file's size and
+bytes, the whole file when it has at most `FINGERPRINT_WHOLE_BYTES`, else `FINGERPRINT_BLOCKS`
+blocks of `FINGERPRINT_BLOCK_BYTES` at evenly spaced offsets (first and last included): cheap on
+a file of many GB, and it changes with the size or any sampled block, not with every byte.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+
+from trainplan_errors import DataError
+
+TOKEN_DTYPES = ("uint16", "uint32")
+FINGERPRINT_WHOLE_BYTES = 64 * 2**20
+FINGERPRINT_BLOCKS = 64
+FINGERPRINT_BLOCK_BYTES = 2**20
+MAX_CHUNK_TOKENS = 2**24
+"""Tokens read at once when scanning for the largest id (32 MiB of uint16)."""
+
+
+def check_token_dtype(token_dtype: str) -> np.dtype:
+    """The numpy dtype named `token_dtype`; DataError unless it is uint16 or uint32."""
+    if token_dtype not in TOKEN_DTYPES:
+        raise DataError(f"--token-dtype {token_dtype!r} is not a token dtype; valid: "
+                        f"{', '.join(TOKEN_DTYPES)} (nanoGPT's train.bin is uint16)")
+    return np.dtype(token_dtype).newbyteorder("<")
+
+
+def open_token_file(path: Path, token_dtype: str = "uint16") -> np.ndarray:
+    """The token ids in `path` as a read-only 1-D memmap (`.bin`: of `token_dtype`; `.npy`: of
+    its header's dtype).
+
+    Raises:
+        DataError: unreadable file, a dtype other than uint16/uint32 (naming it and the valid
+            ones), a .npy that is not 1-D, a .bin whose size is not a whole number of ids, or
+            no ids.
+    """
+    try:
+        if path.suffix == ".npy":
+            ids = np.load(path, mmap_mode="r", allow_pickle=False)
+            if ids.dtype.name not in TOKEN_DTYPES:
+                raise DataError(f"token file {path} holds {ids.dtype.name} ids; valid: "
+                                f"{', '.join(TOKEN_DTYPES)} (save it with .astype(np.uint16) or "
+                                "np.uint32)")
+            if ids.ndim != 1:
+                raise DataError(f"token file {path} has shape {ids.shape}; expected a 1-D token stream")
+        else:
+            dtype = check_token_dtype(token_dtype)
+            size = path.stat().st_size
+            if size % dtype.itemsize:
+                raise DataError(f"token file {path} has {size} bytes, not a whole number of "
+                                f"{token_dtype} ids ({dtype.itemsize} bytes each); is --token-dtype "
+                                "right?")
+            ids = np.memmap(path, dtype=dtype, mode="r") if size else np.empty(0, dtype)
+    except (OSError, ValueError) as e:
+        if isinstance(e, DataError):
+            raise
+        raise DataError(f"cannot read token file {path}: {e}") from None
+    if len(ids) == 0:
+        raise DataError(f"token file {path} holds no token ids")
+    return ids
+
+
+def max_token_id(ids: np.ndarray) -> int:
+    """The largest id in `ids`, read in chunks of `MAX_CHUNK_TOKENS` (bounded memory)."""
+    return max(int(ids[i:i + MAX_CHUNK_TOKENS].max()) for i in range(0, len(ids), MAX_CHUNK_TOKENS))
+
+
+def check_token_ids(ids: np.ndarray, vocab_size: int, path: Path) -> None:
+    """DataError naming the largest id if one is >= vocab_size."""
+    top = max_token_id(ids)
+    if top >= vocab_size:
+        raise DataError(f"token file {path} holds id {top}, beyond the plan's vocabulary "
+                        f"(vocab_size={vocab_size}: ids 0..{vocab_size - 1}); tokenize it with the "
+                        "model's tokenizer, or check --token-dtype")
+
+
+def file_fingerprint(path: Path) -> str:
+    """sha256 hex of `path`'s size and content, whole or sampled (see the module docstring)."""
+    size = path.stat().st_size
+    h = hashlib.sha256(f"size={size}".encode())
+    with path.open("rb") as f:
+        if size <= FINGERPRINT_WHOLE_BYTES:
+            while block := f.read(FINGERPRINT_BLOCK_BYTES):
+                h.update(block)
+        else:
+            last = size - FINGERPRINT_BLOCK_BYTES
+            for k in range(FINGERPRINT_BLOCKS):
+                f.seek(last * k // (FINGERPRINT_BLOCKS - 1))
+                h.update(f.read(FINGERPRINT_BLOCK_BYTES))
+    return h.hexdigest()

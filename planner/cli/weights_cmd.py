@@ -1,0 +1,28 @@
+"""`trainplan export-weights RUN_DIR --out DIR`: a run's trained weights as a Hugging Face model
+folder (safetensors) with its tokenizer, called by `planner.cli.main.main` with the parsed
+arguments; prints the folder and how to load it on stdout.
+
+The executor (torch, transformers) is imported inside the command (`planner.cli.commands` says why).
+"""
+
+from __future__ import annotations
+
+__all__ = ["cmd_export_weights"]
+
+
+def cmd_export_weights(args) -> int:
+    """`executor.weights.export.export_weights(args.run_dir, args.out, dtype=args.dtype)`.
+
+    Raises:
+        OutputPathError: --out is a file or a folder that is not empty.
+        TrainplanError: RUN_DIR is not a run folder or has no checkpoint.
+        UnknownNameError: an unknown --dtype, or a run of a model that is not a preset.
+    """
+    from executor.weights.export import export_weights
+
+    out = export_weights(args.run_dir, args.out, dtype=args.dtype, progress=not getattr(args, "quiet", False))
+    files = sorted(p.name for p in out.iterdir())
+    print(f"weights: {out} ({', '.join(files)})")
+    print(f"load: transformers.AutoModelForCausalLM.from_pretrained({str(out)!r}); "
+          f"transformers.AutoTokenizer.from_pretrained({str(out)!r})")
+    return 0
