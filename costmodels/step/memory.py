@@ -79,6 +79,11 @@ class RegionMemory:
     """Highest live bytes during its backward (recompute, retained, incoming gradient,
     temporaries and the parameter gradients made so far)."""
     grad_bytes: float
+    bwd_peak_accumulating: MemoryBreakdown = MemoryBreakdown()
+    """`bwd_peak` when the parameters already hold gradients (gradient accumulation, from the
+    second micro-step on): autograd's AccumulateGrad adds each new gradient into `.grad` in
+    place (`variable_grad += new_grad`, `torch/csrc/autograd/functions/accumulate_grad.h`), so
+    a gradient is a temporary until it is added, and none is made for good."""
 
 
 def simulate_region(region: Region, b: int, s: int, *, checkpoint: bool = False,
@@ -102,11 +107,11 @@ def simulate_region(region: Region, b: int, s: int, *, checkpoint: bool = False,
     def t_re(k: int) -> float:  # when the recompute at the start of backward replays node k
         return bnd + 0.5 + 0.4 * (k + 1) / (bnd + 2)
 
-    # (time, 0 alloc | 1 free, bytes, category); at one time allocations come before frees
-    events: list[tuple[float, int, float, str]] = []
+    # (time, 0 alloc | 1 free, bytes, category, micro-step); at one time allocations come first
+    events: list[tuple[float, int, float, str, int]] = []
 
-    def live(t0: float, t1: float, nbytes: float, cat: str) -> None:
-        events.extend([(t0, 0, nbytes, cat), (t1, 1, nbytes, cat)])
+    def live(t0: float, t1: float, nbytes: float, cat: str, when: int = BOTH) -> None:
+        events.extend([(t0, 0, nbytes, cat, when), (t1, 1, nbytes, cat, when)])
 
     for r in region.storages:
         if r.category == "param" or r.input_kind in ("shared", "const"):
@@ -124,11 +129,13 @@ def simulate_region(region: Region, b: int, s: int, *, checkpoint: bool = False,
             live(0, max(end, bwd_start) if checkpoint else end, nbytes, "act")
         elif r.category == "grad":  # made as a temporary, then moved into .grad, or copied
             if r.copied_on_accumulate:  # when its layout differs: both exist for a moment
-                live(r.created, r.created + 0.02, nbytes, "temp")
-                live(r.created + 0.01, last, nbytes, "grad")
+                live(r.created, r.created + 0.02, nbytes, "temp", FIRST)
+                live(r.created + 0.01, last, nbytes, "grad", FIRST)
             else:
-                live(r.created, r.created + 0.01, nbytes, "temp")
-                live(r.created + 0.02, last, nbytes, "grad")
+                live(r.created, r.created + 0.01, nbytes, "temp", FIRST)
+                live(r.created + 0.02, last, nbytes, "grad", FIRST)
+            # added into .grad in place; MemTracker's tensor hook on the parameter labels it GRAD
+            live(r.created, r.created + 0.01, nbytes, "grad", ACCUMULATING)
         elif r.category == "temp" or not checkpoint:
             live(r.created, last, nbytes, r.category)
         elif r.creator in saved:  # kept by the checkpoint's cache until the recompute
@@ -141,10 +148,26 @@ def simulate_region(region: Region, b: int, s: int, *, checkpoint: bool = False,
     for t0, t1, nbytes, cat in extra:
         live(t0, t1, nbytes, cat)
     events.sort(key=lambda e: (e[0], e[1]))
+    fwd_peak, retained, bwd_peak = _sweep(events, bnd, skip=ACCUMULATING)
+    _, _, bwd_accumulating = _sweep(events, bnd, skip=FIRST)
+    return RegionMemory(fwd_peak=fwd_peak, retained=retained, bwd_peak=bwd_peak,
+                        grad_bytes=region.param_grad_bytes(b, s), bwd_peak_accumulating=bwd_accumulating)
+
+
+BOTH, FIRST, ACCUMULATING = 0, 1, 2
+"""Which micro-steps a storage of `simulate_region` lives in: all, the first of an optimizer
+step (no `.grad` yet), or those that accumulate into `.grad`."""
+
+
+def _sweep(events: list[tuple[float, int, float, str, int]], bnd: int,
+           skip: int) -> tuple[MemoryBreakdown, float, MemoryBreakdown]:
+    """(forward peak, retained, backward peak) of sorted `events`, leaving out those of `skip`."""
     alive = {"act": 0.0, "temp": 0.0, "grad": 0.0, "param": 0.0}  # bytes alive by category
     fwd_peak = bwd_peak = MemoryBreakdown()
     retained = 0.0
-    for t, kind, nbytes, cat in events:
+    for t, kind, nbytes, cat, when in events:
+        if when == skip:
+            continue
         alive[cat] += nbytes if kind == 0 else -nbytes
         if kind == 0:
             snap = MemoryBreakdown(activations=alive["act"], temporaries=alive["temp"], grads=alive["grad"],
@@ -155,8 +178,7 @@ def simulate_region(region: Region, b: int, s: int, *, checkpoint: bool = False,
                 bwd_peak = snap
         if t <= bnd:
             retained = alive["act"] + alive["temp"]
-    grad_bytes = region.param_grad_bytes(b, s)
-    return RegionMemory(fwd_peak=fwd_peak, retained=retained, bwd_peak=bwd_peak, grad_bytes=grad_bytes)
+    return fwd_peak, retained, bwd_peak
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -281,20 +303,46 @@ def step_phases(head: RegionMemory, blocks: list[RegionMemory], tail: RegionMemo
     forward and backward; `fsdp` (ZeRO 2/3 under FSDP2) replaces it with `FsdpLayout`'s
     all-gathered parameters per phase, keeps the root group's gradients whole until its
     reduce-scatter at the end of the backward, and adds the reduce-scatters' buffers.
-    `held_grad_bytes`: gradients accumulated over earlier micro-steps (gradient accumulation:
-    `ModelStates.grads`, whole under DDP's `no_sync`, sharded under FSDP2), held in every phase
-    before the optimizer step; the backward phases also count the gradients made so far, so the
-    sum bounds them from above by at most those.
+
+    `held_grad_bytes` > 0 (gradient accumulation: `ModelStates.grads`, whole under DDP's
+    `no_sync`, sharded under FSDP2): the first micro-step's phases as above (no gradients yet:
+    the optimizer step before it set them to None), then a later micro-step's, the gradients
+    held in every phase and the new ones added into them in place (`_micro_step_phases`), not
+    counted again.
     """
+    u = unsharded_block_param_bytes
+    phases = _micro_step_phases(head, blocks, tail, states, u, fsdp, held_grad_bytes=0.0)
+    if held_grad_bytes:
+        phases += _micro_step_phases(head, blocks, tail, states, u, fsdp, held_grad_bytes=held_grad_bytes)
+    phases.append(MemoryBreakdown(params=states.params, grads=states.grads, optimizer=states.optimizer,
+                                  temporaries=states.comm_buffers, phase="optimizer")
+                  + MemoryBreakdown(optimizer=states.optimizer_step_temp))
+    return phases
+
+
+def _micro_step_phases(head: RegionMemory, blocks: list[RegionMemory], tail: RegionMemory,
+                       states: ModelStates, unsharded_block_param_bytes: float, fsdp: FsdpLayout | None,
+                       *, held_grad_bytes: float) -> list[MemoryBreakdown]:
+    """The phases of one micro-step's forward and backward (`step_phases`). With
+    `held_grad_bytes` > 0 the parameters hold gradients from earlier micro-steps: without FSDP2
+    every new gradient is added into its `.grad` in place (`RegionMemory.bwd_peak_accumulating`),
+    so no region's gradients are kept on top; under FSDP2 the unsharded parameters' gradients
+    are made anew each micro-step (the regions' `bwd_peak`; the root group's stay whole until its
+    reduce-scatter) and each block's reduce-scattered shard is added into the held shard."""
+    accumulating = held_grad_bytes > 0
     base = MemoryBreakdown(params=states.params, optimizer=states.optimizer, grads=held_grad_bytes)
     n = len(blocks)
     if fsdp is None:
         u_head = u_tail = u_end = 0.0
         u_fwd = u_bwd = [unsharded_block_param_bytes] * n
-        root_scale = states.grad_scale
+        root_scale = 0.0 if accumulating else states.grad_scale
     else:
         u_head, u_fwd, u_tail, u_bwd, u_end = fsdp.unsharded(n)
         root_scale = 1.0
+    block_scale = 0.0 if accumulating else states.grad_scale
+
+    def bwd_peak(m: RegionMemory) -> MemoryBreakdown:
+        return m.bwd_peak_accumulating if accumulating and fsdp is None else m.bwd_peak
 
     # DDP's buckets (one flat copy of the gradients) are written from the end of the tail's
     # backward on (after its peak, the logits' gradient):
@@ -319,24 +367,20 @@ def step_phases(head: RegionMemory, blocks: list[RegionMemory], tail: RegionMemo
         prefix.append(acc)
     at("tail", acc, 0.0, tail.fwd_peak, u_tail)
     grads = 0.0
-    at("tail", acc, grads, tail.bwd_peak, u_tail)  # its peak (the logits' gradient) is before any bucket
+    at("tail", acc, grads, bwd_peak(tail), u_tail)  # its peak (the logits' gradient) is before any bucket
     grads += tail.grad_bytes * root_scale
     for i in reversed(range(n)):
         g = blocks[i].grad_bytes
-        at(f"bwd:block{i}", prefix[i], grads, blocks[i].bwd_peak + MemoryBreakdown(
+        at(f"bwd:block{i}", prefix[i], grads, bwd_peak(blocks[i]) + MemoryBreakdown(
             temporaries=bucket_bytes), u_bwd[i])
         if fsdp is not None:  # its reduce-scatter, once its backward is done
             at(f"bwd:block{i}", prefix[i], grads, MemoryBreakdown(temporaries=fsdp.reduce_bytes(g)),
                fsdp.at_reduce(n)[i])  # resharded before its reduce-scatter
-        grads += g * states.grad_scale
-    at("bwd:head", 0.0, grads, head.bwd_peak + MemoryBreakdown(temporaries=bucket_bytes), u_end)
+        grads += g * block_scale
+    at("bwd:head", 0.0, grads, bwd_peak(head) + MemoryBreakdown(temporaries=bucket_bytes), u_end)
     if fsdp is not None:  # the root group's reduce-scatter in the backward's final callback; the
         # head's gradients, the last made, are still referenced then (measured: one whole copy)
         root = tail.grad_bytes + head.grad_bytes
         at("bwd:root", 0.0, grads - tail.grad_bytes, MemoryBreakdown(
             temporaries=head.grad_bytes + fsdp.reduce_bytes(root)))
-    full_grads = states.grads
-    candidates.append(MemoryBreakdown(params=states.params, grads=full_grads,
-                                      optimizer=states.optimizer, temporaries=states.comm_buffers,
-                                      phase="optimizer") + MemoryBreakdown(optimizer=states.optimizer_step_temp))
     return candidates

@@ -18,7 +18,10 @@ step). With exact bytes (`q=float`) the largest row or fixed phase is `evaluate`
 A combo with gradient accumulation (`Choice.grad_accum` > 1) prices one optimizer step of that
 many micro-steps: seconds and FLOPs of the blocks times `grad_accum` (each micro-step runs every
 block once), the rest as `StepModel.runtime` prices the whole optimizer step; memory holds the
-accumulated gradients (`accumulated_grad_bytes`) in every phase of the micro-steps.
+accumulated gradients (`accumulated_grad_bytes`) in every phase of a later micro-step, into which
+the new gradients are added in place (`costmodels.step.memory.step_phases`): the rows are that
+micro-step's, which bound the first micro-step's phase by phase (the gradients it has made at any
+moment are at most those accumulated), so their largest is still `evaluate`'s peak.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from costmodels.checkpoint_sets import CheckpointSet
+from costmodels.step.fsdp import FsdpLayout
+from costmodels.step.memory import RegionMemory
 from costmodels.step.model import Choice, StepModel
 
 BYTES_PER_UNIT = 2**16          # memory in 64 KiB units
@@ -88,7 +93,8 @@ class EntryCost:
     fwd_peak_bytes: float
     """One block's own forward peak (`RegionMemory.fwd_peak`)."""
     bwd_peak_bytes: float
-    """One block's own backward peak, its recompute included (`RegionMemory.bwd_peak`)."""
+    """One block's own backward peak, its recompute included (`RegionMemory.bwd_peak`; with
+    accumulation, that of a later micro-step, `bwd_peak`)."""
     block_s: float
     """Seconds of one block per optimizer step: forward, backward, recompute and per-op overhead
     (`StepModel.block_time`) of one micro-step, times `grad_accum`."""
@@ -141,16 +147,18 @@ def accumulated_grad_bytes(sm: StepModel, c: Choice) -> float:
     micro-step on, every parameter's gradient at its width as the optimizer step holds it
     (`ModelStates.grads`: whole under DDP, which defers its all-reduce to the last micro-step
     with `no_sync`; sharded under FSDP2, which reduce-scatters every micro-step into the sharded
-    gradient), held through every forward and backward phase. 0 with one micro-step. The phases
-    that also count the gradients made so far in a backward count both: an upper bound by at
-    most those gradients."""
+    gradient), held through every forward and backward phase of a later micro-step, the new
+    gradients added into them in place (`costmodels.step.memory.step_phases`). 0 with one
+    micro-step."""
     return sm.model_states(c).grads if c.grad_accum > 1 else 0.0
 
 
 def combo_memory(sm: StepModel, base: Choice) -> ComboMemory:
     """Memory terms of the combo whose knobs `base` fixes (its policies are ignored), bytes per
-    device, as `StepModel.evaluate` composes them (`ComboMemory`'s fields), the accumulated
-    gradients (`accumulated_grad_bytes`) in every phase before the optimizer step."""
+    device, as `StepModel.evaluate` composes them (`ComboMemory`'s fields); with accumulation, a
+    later micro-step's (`accumulated_grad_bytes` in every phase before the optimizer step, the
+    new gradients added into them: without FSDP2 no region's gradients are kept on top, under
+    FSDP2 the blocks' shards are added and the root group's stay whole until its reduce-scatter)."""
     held = accumulated_grad_bytes(sm, base)
     base = micro_step(base)
     states = sm.model_states(base)
@@ -168,21 +176,30 @@ def combo_memory(sm: StepModel, base: Choice) -> ComboMemory:
         u_fwd, u_b0, u_b1 = fwd[0], bwd[0], (bwd[1] - bwd[0] if L > 1 else 0.0)
         # a block's reduce-scatter, its own parameters resharded first (`FsdpLayout.at_reduce`)
         root_scale, rs = 1.0, fsdp.reduce_bytes(g) + fsdp.at_reduce(L)[0] - bwd[0]
+    if held:  # a later micro-step: the new gradients are added into the held ones
+        root_scale = 1.0 if fsdp is not None else 0.0
+    head_bwd, tail_bwd = (bwd_peak(m, held, fsdp) for m in (head, tail))
     buckets = states.comm_buffers  # DDP's: whole from the blocks' backward on (`step_phases`)
     tail_grads = tail.grad_bytes * root_scale
-    G = g * states.grad_scale
+    G = 0.0 if held else g * states.grad_scale
     fixed = {"fwd:head": po + head.fwd_peak.total + u_head,
-             "bwd:head": po + tail_grads + L * G + head.bwd_peak.total + buckets + u_end,
+             "bwd:head": po + tail_grads + L * G + head_bwd + buckets + u_end,
              "optimizer": (states.params + states.grads + states.optimizer + states.comm_buffers
                            + states.optimizer_step_temp)}
     if fsdp is not None:  # the root group's reduce-scatter, the head's gradients still whole
         fixed["bwd:root"] = (po + L * G + head.grad_bytes
                              + fsdp.reduce_bytes(tail.grad_bytes + head.grad_bytes))
     return ComboMemory(base_bytes=po + head.retained, fwd_unsharded_bytes=u_fwd,
-                       tail_bytes=max(tail.fwd_peak.total, tail.bwd_peak.total) + u_tail,
+                       tail_bytes=max(tail.fwd_peak.total, tail_bwd) + u_tail,
                        bwd_fixed_bytes=tail_grads + u_b0 + buckets,
                        per_later_block_bytes=G, per_earlier_block_bytes=u_b1,
                        reduce_scatter_bytes=rs, fixed_phase_bytes=fixed)
+
+
+def bwd_peak(m: RegionMemory, held: float, fsdp: FsdpLayout | None) -> float:
+    """A region's backward peak bytes in the micro-steps `combo_memory` prices: with gradients
+    `held` from earlier micro-steps and no FSDP2, `RegionMemory.bwd_peak_accumulating`."""
+    return (m.bwd_peak_accumulating if held and fsdp is None else m.bwd_peak).total
 
 
 def entry_costs(sm: StepModel, base: Choice, sets: Mapping[str, CheckpointSet]) -> dict[str, EntryCost]:
@@ -194,11 +211,12 @@ def entry_costs(sm: StepModel, base: Choice, sets: Mapping[str, CheckpointSet]) 
 def _entry_costs(sm: StepModel, base: Choice, sets: Mapping[str, CheckpointSet],
                  unchecked_flops: float) -> dict[str, EntryCost]:
     L, ga, one = len(sm.blocks), base.grad_accum, micro_step(base)
+    held, fsdp = accumulated_grad_bytes(sm, base), sm.fsdp_layout(one)
     out = {}
     for e, entry in sets.items():
         mem = sm.block_memory(one, 0, entry)
         out[e] = EntryCost(entry=entry, retained_bytes=mem.retained, fwd_peak_bytes=mem.fwd_peak.total,
-                           bwd_peak_bytes=mem.bwd_peak.total, block_s=ga * sm.block_time(one, 0, entry),
+                           bwd_peak_bytes=bwd_peak(mem, held, fsdp), block_s=ga * sm.block_time(one, 0, entry),
                            step_flops=unchecked_flops + ga * L * sm.block_cost(one, 0, entry).recompute_flops)
     return out
 
