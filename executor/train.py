@@ -129,7 +129,7 @@ def run(plan: Plan, model: nn.Module | None = None, data: TokenCorpus | None = N
     if model is None:
         dtype = torch.bfloat16 if d.precision == "bf16" else torch.float32  # bf16-mixed: autocast
         model = presets.build_model(plan.model, device=dev, dtype=dtype, vocab_size=data.vocab_size, seed=d.seed)
-    applied = apply_plan(plan, model, device=dev)  # checkpoint sets, SP, ZeRO, optimizer: executor.apply
+    applied = apply_plan(plan, model, device=dev, lr_scheduler=False)  # checkpoint sets, SP, ZeRO, optimizer
     model, opt, dp_rank = applied.model, applied.optimizer, applied.dp_rank
     held = heldout_batches(data.heldout_tokens, seq_len=d.seq_len, micro_batch=d.micro_batch,
                            max_batches=EVAL_BATCHES)

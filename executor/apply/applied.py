@@ -16,8 +16,8 @@ What is applied, in order (`executor.train.run` trains through the same function
    when it is not yet): the SP groups and Ulysses attention (`executor.parallel.ulysses`), then
    DDP, ZeRO-1 or FSDP2 with the plan's mixed precision (`executor.parallel.zero.apply_zero`),
    which also builds the optimizer;
-5. the optimizer of the plan's state width (`executor.optimizers.build_optimizer`) and, on first
-   use, a `LambdaLR` with the plan's warmup-stable-decay schedule (`lr_at`).
+5. the optimizer of the plan's state width (`executor.optimizers.build_optimizer`) and a
+   `LambdaLR` with the plan's warmup-stable-decay schedule (`lr_at`), its learning rate `lr_at(0)`.
 
 `executor.parallel.ulysses` and `executor.parallel.zero` are imported by multi-device runs only:
 they load transformers' attention interface and FSDP2's internals (seconds), which torch builds
@@ -29,7 +29,7 @@ from __future__ import annotations
 import os
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from functools import cached_property, partial
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -144,6 +144,8 @@ class AppliedPlan:
     """Processes in all: the plan's devices."""
     mixed_precision: Any = field(default=None, repr=False)
     """FSDP2's `MixedPrecisionPolicy` when the plan runs bf16-mixed under it, else None."""
+    lr_scheduler: LambdaLR | None = field(default=None, repr=False)
+    """`scheduler`, or None for `apply_plan(..., lr_scheduler=False)`."""
 
     @property
     def micro_batch(self) -> int:
@@ -176,11 +178,13 @@ class AppliedPlan:
         """Data-parallel replicas, each reading its own batches."""
         return self.plan.decisions.dp_degree
 
-    @cached_property
+    @property
     def scheduler(self) -> LambdaLR:
         """`LambdaLR` over `optimizer` with the plan's schedule (`lr_at`): call `step()` after
-        each optimizer step. Made on first use (it sets the first step's learning rate then)."""
-        return LambdaLR(self.optimizer, partial(_lr_factor, plan=self.plan))
+        each optimizer step. `apply_plan` makes it, so the first optimizer step runs at `lr_at(0)`."""
+        if self.lr_scheduler is None:
+            raise TrainplanError("this plan was applied with lr_scheduler=False: no scheduler was made")
+        return self.lr_scheduler
 
     def autocast(self) -> AbstractContextManager:
         """The forward's autocast: bf16 for a bf16-mixed plan unless FSDP2's mixed-precision
@@ -200,7 +204,15 @@ class AppliedPlan:
         token ids and next-token targets on any device, b = `micro_batch`, s = `seq_len`; this rank
         feeds its SP shard. The forward runs under `autocast()` and the plan's saved-activation
         compression (`modeling.activation_compression`); call `.backward()` on it (divided by
-        `grad_accum` when accumulating) inside `accumulating(j)`."""
+        `grad_accum` when accumulating) inside `accumulating(j)`.
+
+        Raises:
+            PlanMismatchError: `x` or `y` is not of shape (`micro_batch`, `seq_len`)."""
+        d = self.plan.decisions
+        if tuple(x.shape) != (d.micro_batch, d.seq_len) or tuple(y.shape) != tuple(x.shape):
+            raise PlanMismatchError(
+                f"loss got x of shape {tuple(x.shape)} and y of shape {tuple(y.shape)}; the plan's micro-batch "
+                f"is (micro_batch, seq_len) = ({d.micro_batch}, {d.seq_len}) (its memory was planned for that)")
         reset_memory_tracker_modules()  # a MemTracker measuring this step sees each forward anew
         with self.autocast(), compress_saved_activations(self.plan.decisions.activation_bits):
             return self.forward_loss(x, y)
@@ -222,8 +234,8 @@ def _lr_factor(step: int, plan: Plan) -> float:
     return lr_at(step, plan) / plan.decisions.lr
 
 
-def apply_plan(plan: Plan, model: nn.Module, *, device_mesh=None,
-               device: str | torch.device | None = None, check_ops: bool = True) -> AppliedPlan:
+def apply_plan(plan: Plan, model: nn.Module, *, device_mesh=None, device: str | torch.device | None = None,
+               check_ops: bool = True, lr_scheduler: bool = True) -> AppliedPlan:
     """Apply `plan` to `model` (a transformers causal LM: `model(input_ids=...).logits`) for the
     caller's own training loop; the steps are the module docstring's.
 
@@ -235,6 +247,9 @@ def apply_plan(plan: Plan, model: nn.Module, *, device_mesh=None,
         out as the plan's dp_degree x sp_degree, SP groups of consecutive ranks (the same layout).
     check_ops: compare the checkpointed blocks' ops with the plan's (step 2); False skips it (the
         checkpoint sets' node keys then name whatever ops the model runs at those positions).
+    lr_scheduler: make `scheduler` (its learning rate `lr_at(0)` from now); False: none, the
+        caller sets the learning rate (`executor.train.run`, whose checkpoints then keep the
+        optimizer's param groups without LambdaLR's `initial_lr`, as before).
 
     Raises:
         PlanMismatchError: the model has no list of the plan's layer count, another parameter
@@ -263,7 +278,8 @@ def apply_plan(plan: Plan, model: nn.Module, *, device_mesh=None,
     model.train()
     factory = partial(build_optimizer, bits=d.optimizer_bits, lr=d.lr, precision=d.precision)
     if world == 1:
-        return AppliedPlan(plan=plan, model=model, optimizer=factory(model.parameters()), device=dev)
+        return _with_scheduler(AppliedPlan(plan=plan, model=model, optimizer=factory(model.parameters()),
+                                           device=dev), lr_scheduler)
     from executor.parallel.ulysses import enable_ulysses  # see the module docstring
     from executor.parallel.zero import apply_zero
 
@@ -271,8 +287,16 @@ def apply_plan(plan: Plan, model: nn.Module, *, device_mesh=None,
     enable_ulysses(model, seq_len=d.seq_len)
     wrapped, opt = apply_zero(model, factory, stage=d.zero_stage, mesh_or_group=device_mesh, device=dev,
                               mp_policy=mp)
-    return AppliedPlan(plan=plan, model=wrapped, optimizer=opt, device=dev, rank=rank, world=world,
-                       mixed_precision=mp)
+    return _with_scheduler(AppliedPlan(plan=plan, model=wrapped, optimizer=opt, device=dev, rank=rank,
+                                       world=world, mixed_precision=mp), lr_scheduler)
+
+
+def _with_scheduler(applied: AppliedPlan, make: bool) -> AppliedPlan:
+    """`applied` with its `LambdaLR` made now (when `make`): a loop that first steps it after its
+    first `optimizer.step()` runs that step at `lr_at(0)`, not the peak."""
+    if make:
+        applied.lr_scheduler = LambdaLR(applied.optimizer, partial(_lr_factor, plan=applied.plan))
+    return applied
 
 
 def _check_ops(plan: Plan, model: nn.Module, blocks_name: str, blocks: nn.ModuleList, dev: torch.device, *,

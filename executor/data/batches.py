@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from executor.data.corpus import cached_stream_ids, file_sha256, load_tokenizer, text_source
-from executor.data.sources import DEFAULT_SHARD_BYTES, TOKEN_SUFFIXES, expand_paths
+from executor.data.sources import DEFAULT_SHARD_BYTES, TOKEN_SUFFIXES, DataOptions, check_data_paths
 from executor.data.token_files import check_token_ids, file_fingerprint, open_token_file
 from trainplan_errors import DataError
 
@@ -97,18 +97,9 @@ def token_stream(paths: Sequence[str | Path] | str | Path | None = None, *, voca
                  shard_bytes: int = DEFAULT_SHARD_BYTES) -> tuple[np.ndarray, str, str, str, int]:
     """(memory-mapped token stream, name, sha256, tokenizer path, vocabulary size) of a corpus,
     as `load_corpus` describes; tokenized text is cached."""
-    if tokenizer is not None and not str(tokenizer).strip():
-        raise DataError("--tokenizer is empty; give the model's tokenizer.json, or leave it out to "
-                        "train a BPE on the corpus")
-    files = None if paths is None else expand_paths([paths] if isinstance(paths, (str, Path)) else paths)
-    if files and any(f.suffix in TOKEN_SUFFIXES for f in files):
-        if len(files) != 1:
-            raise DataError(f"--data {' '.join(map(str, files))}: a token file "
-                            f"({'/'.join(TOKEN_SUFFIXES)}) is used alone; give one token file, or "
-                            "text files only")
-        if tokenizer is not None:
-            raise DataError(f"--tokenizer {str(tokenizer)!r} is for text data; the token file "
-                            f"{files[0]} is used as is: leave --tokenizer out")
+    files = check_data_paths(paths, DataOptions(tokenizer=None if tokenizer is None else str(tokenizer),
+                                                token_dtype=token_dtype, text_column=text_column))
+    if files and files[0].suffix in TOKEN_SUFFIXES:
         ids = open_token_file(files[0], token_dtype)
         check_token_ids(ids, vocab_size, files[0])
         return ids, str(files[0]), file_fingerprint(files[0]), "", vocab_size
@@ -117,8 +108,9 @@ def token_stream(paths: Sequence[str | Path] | str | Path | None = None, *, voca
         n = load_tokenizer(tokenizer).get_vocab_size()
         if n != vocab_size:
             raise DataError(f"tokenizer {str(tokenizer)!r} has a vocabulary of {n} tokens but the plan "
-                            f"was made for vocab_size={vocab_size}; give the tokenizer of the plan's "
-                            f"model, or plan for vocab_size={n}")
+                            f"was made for vocab_size={vocab_size}; give a tokenizer of the plan's "
+                            f"{vocab_size} tokens (its model's own), or plan for this tokenizer in "
+                            f"Python: planner.api.solve(model, hw, budget, vocab_size={n})")
     sha = src.fingerprint()
     ids, tok_path = cached_stream_ids(src.pieces, sha, vocab_size, tokenizer=tokenizer,
                                       cache_dir=cache_dir, shard_bytes=shard_bytes, progress=progress)

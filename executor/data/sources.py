@@ -304,6 +304,34 @@ class DataOptions:
                 for x in (flag, str(getattr(self, f)))]
 
 
+def check_data_paths(paths: Sequence[str | Path] | str | Path | None,
+                     options: DataOptions | None = None) -> list[Path] | None:
+    """The files `paths` name (`expand_paths`; None: the default corpus), checked with
+    `options` without reading them (no tokenizing): quick, for `trainplan run` before it builds
+    anything.
+
+    Raises:
+        DataError: an empty --tokenizer, a missing path, an unsupported extension, a directory
+            without corpus files, a token file given with other paths or with --tokenizer.
+    """
+    tokenizer = (options or DataOptions()).tokenizer
+    if tokenizer is not None and not str(tokenizer).strip():
+        raise DataError("--tokenizer is empty; give the model's tokenizer.json, or leave it out to "
+                        "train a BPE on the corpus")
+    if paths is None:
+        return None
+    files = expand_paths([paths] if isinstance(paths, (str, Path)) else paths)
+    if any(f.suffix in TOKEN_SUFFIXES for f in files):
+        if len(files) != 1:
+            raise DataError(f"--data {' '.join(map(str, files))}: a token file "
+                            f"({'/'.join(TOKEN_SUFFIXES)}) is used alone; give one token file, or "
+                            "text files only")
+        if tokenizer is not None:
+            raise DataError(f"--tokenizer {str(tokenizer)!r} is for text data; the token file "
+                            f"{files[0]} is used as is: leave --tokenizer out")
+    return files
+
+
 def add_data_flags(parser) -> None:
     """Add `DataOptions.FLAGS` to an argparse parser (the worker's; `trainplan run` spells them
     with help in `planner.cli.main`)."""

@@ -3,8 +3,12 @@
 Formats:
 - `.bin`: raw little-endian token ids, no header, as nanoGPT's `prepare.py` writes `train.bin`
   (`np.memmap(..., dtype=np.uint16)`) and Megatron-style pipelines write their `.bin`; the dtype
-  is not in the file, so it is given (`--token-dtype`, default uint16 as nanoGPT);
-- `.npy`: a 1-D numpy array file (`np.save`, `np.lib.format.open_memmap`), dtype from its header.
+  is not in the file, so it is given (`--token-dtype`, default uint16 as nanoGPT). Read as
+  uint16, a file of uint32 ids is refused (`check_not_uint32`: its ids' high halves are the
+  zeros at every second position);
+- `.npy`: a 1-D numpy array file (`np.save`, `np.lib.format.open_memmap`), dtype from its header
+  (a `--token-dtype` other than the default uint16 must agree with it; uint16, which cannot be
+  told from the flag left out, is not compared).
 
 Valid dtypes: uint16, uint32. Every id must be below the plan's vocab_size (checked by a
 chunked max over the memmap). Fingerprint (`file_fingerprint`): sha256 of the file's size and
@@ -28,6 +32,12 @@ FINGERPRINT_BLOCKS = 64
 FINGERPRINT_BLOCK_BYTES = 2**20
 MAX_CHUNK_TOKENS = 2**24
 """Tokens read at once when scanning for the largest id (32 MiB of uint16)."""
+SNIFF_VALUES = 2**20
+"""uint16 values `check_not_uint32` looks at: the file's first 2 MiB."""
+MIN_SNIFF_PAIRS = 16
+"""Fewer (even, odd) pairs than this are too few to tell uint32 ids from uint16 ones."""
+HIGH_HALF_MAX = 3
+"""The largest high half of a uint32 id taken for one: ids below 2**18 = 262,144."""
 
 
 def check_token_dtype(token_dtype: str) -> np.dtype:
@@ -38,15 +48,37 @@ def check_token_dtype(token_dtype: str) -> np.dtype:
     return np.dtype(token_dtype).newbyteorder("<")
 
 
+def check_not_uint32(ids: np.ndarray, path: Path) -> None:
+    """DataError if the uint16 values `ids` (a `.bin` read as uint16) look like uint32 ids.
+
+    Rule, on the first `SNIFF_VALUES` values (at least `MIN_SNIFF_PAIRS` pairs; the file size a
+    multiple of 4): every odd-position value (a little-endian uint32 id's high half) is at most
+    `HIGH_HALF_MAX` (an id below 262,144, above every common vocabulary: a vocabulary <= 65,535
+    gives only 0s there) while fewer than half of the even-position values (the low halves) are.
+    A uint16 corpus meets it only if every second token is one of the ids 0..3 and most others
+    are not (documents one token long, each followed by such a separator), which no tokenized
+    text is; a corpus of small ids alone (all <= 3) does not meet it."""
+    n = min(len(ids), SNIFF_VALUES) // 2 * 2
+    if len(ids) % 2 or n < 2 * MIN_SNIFF_PAIRS:
+        return
+    sample = np.asarray(ids[:n]).reshape(-1, 2)
+    if (sample[:, 1] <= HIGH_HALF_MAX).all() and (sample[:, 0] <= HIGH_HALF_MAX).mean() < 0.5:
+        raise DataError(f"token file {path} looks like uint32 ids read as uint16: every second "
+                        f"uint16 value of its first {n:,} is 0..{HIGH_HALF_MAX} (the high halves "
+                        "of uint32 ids); pass --token-dtype uint32")
+
+
 def open_token_file(path: Path, token_dtype: str = "uint16") -> np.ndarray:
     """The token ids in `path` as a read-only 1-D memmap (`.bin`: of `token_dtype`; `.npy`: of
-    its header's dtype).
+    its header's dtype, which a `token_dtype` other than the default uint16 must be).
 
     Raises:
         DataError: unreadable file, a dtype other than uint16/uint32 (naming it and the valid
-            ones), a .npy that is not 1-D, a .bin whose size is not a whole number of ids, or
-            no ids.
+            ones), a uint32 `token_dtype` with a uint16 .npy (naming both), a .npy that is
+            not 1-D, a .bin whose size is not a whole number of ids, a .bin read as uint16 that
+            holds uint32 ids (`check_not_uint32`), or no ids.
     """
+    check_token_dtype(token_dtype)
     try:
         if path.suffix == ".npy":
             ids = np.load(path, mmap_mode="r", allow_pickle=False)
@@ -54,6 +86,10 @@ def open_token_file(path: Path, token_dtype: str = "uint16") -> np.ndarray:
                 raise DataError(f"token file {path} holds {ids.dtype.name} ids; valid: "
                                 f"{', '.join(TOKEN_DTYPES)} (save it with .astype(np.uint16) or "
                                 "np.uint32)")
+            if token_dtype not in ("uint16", ids.dtype.name):
+                raise DataError(f"--token-dtype {token_dtype} contradicts token file {path}, whose "
+                                f".npy header says {ids.dtype.name}; a .npy file's header gives its "
+                                f"dtype: leave --token-dtype out or pass --token-dtype {ids.dtype.name}")
             if ids.ndim != 1:
                 raise DataError(f"token file {path} has shape {ids.shape}; expected a 1-D token stream")
         else:
@@ -70,6 +106,8 @@ def open_token_file(path: Path, token_dtype: str = "uint16") -> np.ndarray:
         raise DataError(f"cannot read token file {path}: {e}") from None
     if len(ids) == 0:
         raise DataError(f"token file {path} holds no token ids")
+    if path.suffix != ".npy" and ids.dtype.itemsize == 2:
+        check_not_uint32(ids, path)
     return ids
 
 

@@ -99,7 +99,8 @@ def run_checkpoint(run_dir: str | Path) -> tuple[Plan, Path]:
 
     Raises:
         TrainplanError: `run_dir` is not a folder, holds no plan.json (not a run folder), or
-            holds no complete checkpoint (the message says how a run writes one).
+            holds no complete checkpoint (the message says how a run writes one: `trainplan run`
+            for a preset, else the user's own loop or `executor.run`).
         PlanMismatchError: its plan.json cannot be read (`planner.plan.Plan.from_json`).
     """
     run = Path(run_dir)
@@ -109,13 +110,28 @@ def run_checkpoint(run_dir: str | Path) -> tuple[Plan, Path]:
     if not (run / "plan.json").is_file():
         raise TrainplanError(f"{str(run)!r} is not a trainplan run folder (no plan.json); pass the "
                              "--out folder of `trainplan run`")
-    ckpt = latest_checkpoint(run)
+    plan, ckpt = Plan.from_json(run / "plan.json"), latest_checkpoint(run)
+    if ckpt is None and not _is_preset(model := plan.model):
+        raise TrainplanError(
+            f"run folder {str(run)!r} has no checkpoint (no {CHECKPOINT_DIR}/{LATEST}), and its model "
+            f"{model!r} is not a preset, which `trainplan run` cannot build: a run of your own loop "
+            "(executor.apply_plan) keeps no checkpoint; save the weights in your loop (the model's "
+            "save_pretrained), or train with executor.run(plan, model, out=DIR) and load its checkpoint "
+            "into your own model with torch.distributed.checkpoint")
     if ckpt is None:
         raise TrainplanError(
             f"run folder {str(run)!r} has no checkpoint (no {CHECKPOINT_DIR}/{LATEST} naming a complete "
             f"step-N folder): `trainplan run` writes one when a run ends or is interrupted, unless "
             f"--checkpoint-every 0; train again with `trainplan run {str(run / 'plan.json')} --out DIR`")
-    return Plan.from_json(run / "plan.json"), ckpt
+    return plan, ckpt
+
+
+def _is_preset(name: str) -> bool:
+    try:
+        presets.get_preset(name)
+    except UnknownNameError:
+        return False
+    return True
 
 
 def trained_dtype(ckpt: str | Path) -> torch.dtype:
@@ -156,8 +172,9 @@ def load_trained_model(run_dir: str | Path, *, dtype: str | torch.dtype | None =
         raise UnknownNameError(
             f"the run in {str(run_dir)!r} trained model {plan.model!r}, which is not a preset "
             f"({', '.join(presets.known_presets())}): export-weights builds presets only; load "
-            f"{str(ckpt)!r} into your own model with torch.distributed.checkpoint.load and call its "
-            "save_pretrained") from None
+            f"{str(ckpt)!r} into your own model with torch.distributed.checkpoint "
+            f"(state = {{{MODEL_KEY!r}: get_model_state_dict(model)}}; dcp.load(state, checkpoint_id=...); "
+            f"set_model_state_dict(model, state[{MODEL_KEY!r}])) and call its save_pretrained") from None
     state = {MODEL_KEY: get_model_state_dict(model)}
     with warnings.catch_warnings():  # DCP warns that it assumes one process: intended
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -204,8 +221,8 @@ def export_weights(run_dir: str | Path, out_dir: str | Path, *,
     renamed into place, so a failed export leaves nothing at `out_dir`. `progress`: transformers'
     progress bar while the weights are written (stderr). Returns `out_dir`.
 
-    Load it with `transformers.AutoModelForCausalLM.from_pretrained(out_dir)` and
-    `transformers.AutoTokenizer.from_pretrained(out_dir)`.
+    Load it with `transformers.AutoModelForCausalLM.from_pretrained(out_dir)` and, when the
+    tokenizer was written, `transformers.AutoTokenizer.from_pretrained(out_dir)`.
 
     Raises:
         OutputPathError: `out_dir` is a file or a folder that is not empty.

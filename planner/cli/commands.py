@@ -169,16 +169,25 @@ def _corpus_for(plan, data_paths, progress: bool, options=None):
     from executor.data.batches import check_corpus_for_plan, load_corpus
     from executor.data.sources import DataOptions
 
-    if data_paths and any(not str(d).strip() for d in data_paths):
-        raise TrainplanError(f"--data {' '.join(map(repr, data_paths))} has an empty path (it would read "
-                             "the current folder); give .txt/.jsonl files or folders, or leave --data "
-                             "out for the default corpus")
+    _check_data(data_paths, options)
     data = load_corpus(data_paths or None, vocab_size=plan.vocab_size, progress=progress,
                        **(options or DataOptions()).kwargs())
     check_corpus_for_plan(data, seq_len=plan.decisions.seq_len, vocab_size=plan.vocab_size)
     logger.info("corpus %s: %s training tokens, vocabulary %d", data.name, f"{data.n_train_tokens:,}",
                 data.vocab_size)
     return data
+
+
+def _check_data(data_paths, options=None) -> None:
+    """The quick checks of `--data` (paths, extensions, a token file with --tokenizer; nothing
+    read: `executor.data.sources.check_data_paths`), before anything heavy is built."""
+    from executor.data.sources import check_data_paths
+
+    if data_paths and any(not str(d).strip() for d in data_paths):
+        raise TrainplanError(f"--data {' '.join(map(repr, data_paths))} has an empty path (it would read "
+                             "the current folder); give .txt/.jsonl files or folders, or leave --data "
+                             "out for the default corpus")
+    check_data_paths(data_paths or None, options)
 
 
 def _data_options(args):
@@ -262,9 +271,6 @@ def cmd_run(args) -> int:
         TrainplanError: bad input (a plan, device, folder, corpus, flag or launcher's environment; exit 2).
         RunStoppedEarly: the run was interrupted (exit 130).
         OutOfMemoryRunError, TrainingDivergedError, WorkerFailedError: the run failed (exit 1)."""
-    from executor.checkpoint import check_resume_plan
-    from executor.train import resolve_device
-    from planner.cli.frontier_files import copy_frontier
     from planner.cli.launching import check_launch_flags, check_world, run_processes
 
     check_device(args.device)
@@ -273,6 +279,7 @@ def cmd_run(args) -> int:
     args.plan, args.data = plan_from_data(args.plan, args.data)
     if args.plan is not None and not str(args.plan).strip():
         raise TrainplanError("PLAN is empty; give a plan JSON file written by `trainplan solve --json`")
+    _check_data(args.data, _data_options(args))  # quick, before torch and the model are built
     out = check_out_dir(args.out, resume=args.resume, overwrite=args.overwrite)
     if args.plan is None and not args.resume:
         raise TrainplanError("give a PLAN to run, or --resume to continue the run in --out")
@@ -284,6 +291,8 @@ def cmd_run(args) -> int:
     plan = with_schedule(solved, lr=args.lr, warmup_steps=args.warmup_steps)
     check_world(env, plan.decisions.devices, args.nnodes)
     if args.resume:
+        from executor.checkpoint import check_resume_plan
+
         check_resume_plan(plan, out)
         ended = _ended_record(out)
         if ended is not None and env is not None and env.rank:
@@ -292,6 +301,9 @@ def cmd_run(args) -> int:
             logger.warning("the run in %s already ended (%s after %s steps); nothing to resume", out,
                            ended.stop_reason, ended.steps)
             return _report_run(plan, ended, out)
+    from executor.train import resolve_device
+    from planner.cli.frontier_files import copy_frontier
+
     check_plan_model(plan)
     try:
         resolve_device(plan, args.device)  # an accelerator plan on a machine without one

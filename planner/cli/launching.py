@@ -101,7 +101,8 @@ def check_launch_flags(args) -> EnvRank | None:
     launcher (None: `trainplan run` launches).
 
     Raises:
-        TrainplanError: --nnodes < 1; --node-rank outside 0..nnodes-1; --nnodes above 1
+        TrainplanError: --nnodes < 1; --node-rank, --rdzv-endpoint or --rdzv-id without
+            --nnodes above 1; --node-rank outside 0..nnodes-1; --nnodes above 1
             without --rdzv-endpoint; an endpoint torchrun cannot parse, or port 0; an empty
             --rdzv-id; node flags in a process a launcher started (all named)."""
     given = [f for f, v in (("--nnodes", args.nnodes), ("--node-rank", args.node_rank),
@@ -116,6 +117,11 @@ def check_launch_flags(args) -> EnvRank | None:
     args.node_rank = 0 if args.node_rank is None else args.node_rank
     if args.nnodes < 1:
         raise TrainplanError(f"--nnodes {args.nnodes}: give the number of nodes, >= 1")
+    alone = [f for f in given if f != "--nnodes"]
+    if args.nnodes == 1 and alone:
+        raise TrainplanError(f"{', '.join(alone)} without --nnodes above 1 would train on this node alone; "
+                             "add --nnodes N (the nodes in the job, the same on every node), or leave "
+                             f"{'them' if len(alone) > 1 else 'it'} out for one node")
     if not 0 <= args.node_rank < args.nnodes:
         raise TrainplanError(f"--node-rank {args.node_rank} is outside 0..{args.nnodes - 1} "
                              f"(--nnodes {args.nnodes}); give each node its own rank in that range")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import re
 import sys
 import textwrap
@@ -360,7 +361,8 @@ def _schedule_flags(p: argparse.ArgumentParser, *, solved: bool) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the `trainplan` command line on `argv` (default: sys.argv[1:]); returns the exit status
-    (`EXIT_CODES`). argparse's usage errors exit 2 (SystemExit), `--help`/`--version` 0."""
+    (`EXIT_CODES`). argparse's usage errors exit 2 (SystemExit), `--help`/`--version` 0; a
+    stdout whose reader closed early (`trainplan report RUN | head -1`) 0, without a traceback."""
     args = build_parser().parse_args(argv)
     quiet = args.quiet = bool(getattr(args, "quiet", False)) or is_other_rank()  # rank 0 speaks
     configure_logging(getattr(args, "verbose", 0) or 0, quiet)
@@ -369,7 +371,13 @@ def main(argv: list[str] | None = None) -> int:
         with warnings.catch_warnings() if quiet else contextlib.nullcontext():
             if quiet:  # errors only: Python warnings too
                 warnings.simplefilter("ignore")
-            return args.fn(args)
+            code = args.fn(args)
+            sys.stdout.flush()  # a reader gone (`| head -1`) shows here, not at the interpreter's exit
+            return code
+    except BrokenPipeError:  # Python docs, "Note on SIGPIPE": the rest of stdout to devnull, quietly
+        with contextlib.suppress(OSError, ValueError):  # a stdout without a file descriptor (tests)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except RunStoppedEarly as e:  # interrupted: the line says how to continue
         print(f"trainplan: {e}", file=sys.stderr)
         return exit_code(e)

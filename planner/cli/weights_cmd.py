@@ -1,6 +1,6 @@
 """`trainplan export-weights RUN_DIR --out DIR`: a run's trained weights as a Hugging Face model
-folder (safetensors) with its tokenizer, called by `planner.cli.main.main` with the parsed
-arguments; prints the folder and how to load it on stdout.
+folder (safetensors) with its tokenizer (when the run had one), called by `planner.cli.main.main`
+with the parsed arguments; prints the folder and how to load it on stdout.
 
 The executor (torch, transformers) is imported inside the command (`planner.cli.commands` says why).
 """
@@ -16,13 +16,15 @@ def cmd_export_weights(args) -> int:
     Raises:
         OutputPathError: --out is a file or a folder that is not empty.
         TrainplanError: RUN_DIR is not a run folder or has no checkpoint.
-        UnknownNameError: an unknown --dtype, or a run of a model that is not a preset.
+        UnknownNameError: an unknown --dtype, or a checkpoint of a model that is not a preset.
     """
     from executor.weights.export import export_weights
 
     out = export_weights(args.run_dir, args.out, dtype=args.dtype, progress=not getattr(args, "quiet", False))
     files = sorted(p.name for p in out.iterdir())
     print(f"weights: {out} ({', '.join(files)})")
-    print(f"load: transformers.AutoModelForCausalLM.from_pretrained({str(out)!r}); "
-          f"transformers.AutoTokenizer.from_pretrained({str(out)!r})")
+    load = f"load: transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})"
+    if "tokenizer.json" in files:  # a run on token ids without a tokenizer: the weights alone
+        load += f"; transformers.AutoTokenizer.from_pretrained({str(out)!r})"
+    print(load)
     return 0

@@ -117,7 +117,7 @@ def workdir(tmp_path_factory, cpu_profile) -> Path:
 
 
 def _data_format_files(d: Path) -> None:
-    """The token files, tokenizer and parquet file of the data-format rows (112-115)."""
+    """The token files, tokenizer and parquet file of the data-format rows (112-115, 121-122)."""
     import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -126,6 +126,8 @@ def _data_format_files(d: Path) -> None:
 
     np.save(d / "tokens_i64.npy", np.arange(1000, dtype=np.int64))
     np.arange(8000, 9000, dtype=np.uint32).tofile(d / "tokens_big.bin")
+    (np.arange(1000, dtype=np.uint32) % 300).tofile(d / "tokens_u32.bin")
+    np.save(d / "tokens_u16.npy", np.arange(1000, dtype=np.uint16))
     train_tokenizer([_words(50, 3)], 300).save(str(d / "tok300.json"))
     pq.write_table(pa.table({"content": ["a document"] * 3, "id": [1, 2, 3]}), d / "rows.parquet")
 
@@ -390,7 +392,14 @@ CLI_ROWS: dict[str, tuple[str, type, list[str]]] = {
     "token-file-ids-beyond-vocab": ("run plan.json --out out --data tokens_big.bin --token-dtype uint32",
                                     DataError, ["holds id 8999", "vocab_size=8192: ids 0..8191", "--token-dtype"]),
     "tokenizer-vocab-not-the-plans": ("run plan.json --out out --data mid.txt --tokenizer tok300.json", DataError,
-                                      ["tokenizer 'tok300.json' has a vocabulary of", "vocab_size=8192"]),
+                                      ["tokenizer 'tok300.json' has a vocabulary of", "vocab_size=8192",
+                                       "planner.api.solve(model, hw, budget, vocab_size=300)"]),
+    "token-file-uint32-read-as-uint16": ("run plan.json --out out --data tokens_u32.bin", DataError,
+                                         ["tokens_u32.bin looks like uint32 ids read as uint16",
+                                          "pass --token-dtype uint32"]),
+    "token-dtype-not-the-npy-header": ("run plan.json --out out --data tokens_u16.npy --token-dtype uint32",
+                                       DataError, ["--token-dtype uint32 contradicts token file tokens_u16.npy",
+                                                   ".npy header says uint16"]),
     "data-without-text-column": ("run plan.json --out out --data rows.parquet", DataError,
                                  ["rows.parquet has no column 'text'", "'content', 'id'", "--text-column"]),
     # ---- nodes and launchers (a leading NAME=value sets the environment)

@@ -149,6 +149,7 @@ def fake_run(monkeypatch):
 
     seen["outcome"] = interrupt
     monkeypatch.setattr(commands, "_corpus_for", corpus_for)
+    monkeypatch.setattr(commands, "_check_data", lambda data_paths, options=None: None)
     monkeypatch.setattr(executor.train, "run", run)
     monkeypatch.setattr(executor.worker, "launch", launch)
     return seen
@@ -223,6 +224,35 @@ def test_the_console_script_exits_with_the_codes():
     done = subprocess.run([str(script), "solve", "--model", "tiny-llama"], capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 2 and done.stderr.startswith("trainplan: error: solve: the following"), done
+
+
+def test_run_checks_data_paths_before_loading_torch(tmp_path):
+    """`trainplan run` names a missing or unsupported --data path, or a token file given with
+    --tokenizer, at once: before the plan's model (and torch) is built."""
+    (tmp_path / "t.bin").write_bytes(b"\0" * 64)
+    (tmp_path / "notes.csv").write_text("a,b\n")
+    code = ("import sys; from planner.cli.main import main\n"
+            "for data in (['missing.txt'], ['notes.csv'], ['t.bin', '--tokenizer', 'tok.json']):\n"
+            "    assert main(['run', 'p.json', '--out', 'o', '--data', *data]) == 2\n"
+            "assert 'torch' not in sys.modules")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          cwd=tmp_path)
+    lines = done.stderr.splitlines()
+    assert done.returncode == 0 and len(lines) == 3, done
+    assert lines[0].startswith("trainplan: error: corpus path missing.txt does not exist"), lines
+    assert "unsupported extension '.csv'" in lines[1] and "leave --tokenizer out" in lines[2], lines
+
+
+def test_a_reader_that_closes_stdout_early_ends_the_command_quietly():
+    """`trainplan profiles | head -0`: stdout's reader gone before the table is written (the read end
+    closed at once): exit 0 and nothing on stderr, not a BrokenPipeError traceback (any command:
+    `main` handles it)."""
+    script = Path(sys.executable).parent / "trainplan"
+    proc = subprocess.Popen([str(script), "profiles"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    proc.stdout.close()  # before the command writes: its first flush meets EPIPE
+    _, err = proc.communicate(timeout=60)
+    assert (proc.returncode, err) == (0, ""), err
 
 
 def test_the_readme_documents_the_exit_codes_and_the_help():

@@ -7,8 +7,10 @@ tests/integration/test_resume.py and tests/integration/test_grad_accum_parallel.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -81,7 +83,8 @@ def test_exported_model_gives_the_trained_logits(trained, corpus, tmp_path, caps
     plan, model, run_dir = trained("fp32")
     out = tmp_path / "hf"
     assert cli.main(["export-weights", str(run_dir), "--out", str(out)]) == 0
-    assert f"weights: {out}" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert f"weights: {out}" in printed and f"AutoTokenizer.from_pretrained({str(out)!r})" in printed
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= \
         {p.name for p in out.iterdir()}
     loaded = AutoModelForCausalLM.from_pretrained(out)
@@ -153,3 +156,52 @@ def test_bad_folders_and_dtype_are_refused(trained, tmp_path):
     (tmp_path / "out").mkdir()
     assert export_weights(run_dir, tmp_path / "out", dtype=torch.float32) == tmp_path / "out"  # empty: used
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")], "temporary folder left behind"
+
+
+def _copy_run(run_dir: Path, to: Path) -> tuple[Path, Path]:
+    """A copy of the run folder `run_dir` at `to`, and its latest checkpoint there."""
+    from executor.checkpoint import latest_checkpoint
+
+    shutil.copytree(run_dir, to, symlinks=True)
+    ckpt = latest_checkpoint(to)
+    assert ckpt is not None and ckpt.is_relative_to(to)
+    return to, ckpt
+
+
+def test_a_run_without_a_tokenizer_prints_the_model_line_alone(trained, tmp_path, capsys):
+    """A run on token ids (no tokenizer recorded): the folder has the weights alone, and the
+    `load:` line names AutoModelForCausalLM only."""
+    from executor.checkpoint import META, TOKENIZER
+
+    run_dir, ckpt = _copy_run(trained("fp32")[2], tmp_path / "run")
+    (ckpt / TOKENIZER).unlink()
+    meta = json.loads((ckpt / META).read_text())
+    meta["corpus"]["tokenizer"] = None
+    (ckpt / META).write_text(json.dumps(meta))
+    out = tmp_path / "hf"
+    assert cli.main(["export-weights", str(run_dir), "--out", str(out)]) == 0
+    assert "tokenizer.json" not in {p.name for p in out.iterdir()}
+    load = [line for line in capsys.readouterr().out.splitlines() if line.startswith("load: ")]
+    assert load == [f"load: transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})"], load
+
+
+def test_a_run_of_a_model_that_is_not_a_preset_says_to_load_it_yourself(trained, tmp_path):
+    """Your own model (plan.model its class name): with a checkpoint, how to load it with
+    torch.distributed.checkpoint; without one (your own loop), not `trainplan run`, which builds
+    presets only."""
+    from executor.weights.export import export_weights
+
+    plan, _, trained_dir = trained("fp32")
+    mine = dataclasses.replace(plan, model="MyCausalLM")
+    run_dir, ckpt = _copy_run(trained_dir, tmp_path / "run")
+    mine.to_json(run_dir / "plan.json")
+    with pytest.raises(UnknownNameError, match=r"'MyCausalLM', which is not a preset .* into your own model with "
+                                               r"torch.distributed.checkpoint \(state = \{'model': "):
+        export_weights(run_dir, tmp_path / "a")
+    shutil.rmtree(run_dir / "checkpoint")
+    with pytest.raises(TrainplanError) as e:
+        export_weights(run_dir, tmp_path / "a")
+    msg = str(e.value)
+    assert "'MyCausalLM' is not a preset" in msg and "torch.distributed.checkpoint" in msg, msg
+    assert "trainplan run" in msg and "--out DIR" not in msg and "\n" not in msg, msg
+    assert not (tmp_path / "a").exists()

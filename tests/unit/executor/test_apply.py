@@ -5,6 +5,9 @@ tests/integration/test_own_loop.py."""
 
 from __future__ import annotations
 
+import dataclasses
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -46,6 +49,29 @@ def test_apply_plan_returns_what_a_loop_needs(plan, tiny_llama):
     x = torch.randint(0, 512, (2, 32))
     loss = applied.loss(x, x)
     assert loss.ndim == 0 and loss.requires_grad and 5.0 < loss.item() < 7.5  # about ln(512) = 6.24
+
+
+def test_a_loop_that_first_steps_the_scheduler_after_the_optimizer_starts_at_lr_at_0(plan, tiny_llama):
+    plan = dataclasses.replace(plan, decisions=dataclasses.replace(plan.decisions, warmup_steps=4))
+    applied = executor.apply_plan(plan, tiny_llama(), check_ops=False)
+    opt, lrs = applied.optimizer, []
+    for _ in range(3):
+        opt.step()  # the scheduler is first touched after the first optimizer step
+        lrs.append(opt.param_groups[0]["lr"])
+        applied.scheduler.step()
+    assert lrs == pytest.approx([lr_at(s, plan) for s in range(3)], rel=1e-12)
+    assert lrs[0] < plan.decisions.lr  # warmup, not the peak
+
+
+def test_a_micro_batch_of_another_shape_is_refused(plan, tiny_llama):
+    applied = executor.apply_plan(plan, tiny_llama(), check_ops=False)
+    for shape in [(4, 32), (2, 64), (32,)]:
+        x = torch.zeros(shape, dtype=torch.long)
+        with pytest.raises(PlanMismatchError, match=rf"x of shape {re.escape(str(shape))} .*"
+                                                    r"\(micro_batch, seq_len\) = \(2, 32\)"):
+            applied.loss(x, x)
+    with pytest.raises(PlanMismatchError, match=r"y of shape \(2, 31\)"):
+        applied.loss(torch.zeros(2, 32, dtype=torch.long), torch.zeros(2, 31, dtype=torch.long))
 
 
 def test_the_checked_ops_are_the_captured_ones(plan, tiny_llama):

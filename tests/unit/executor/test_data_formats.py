@@ -269,3 +269,30 @@ def test_unreadable_datasets_file_is_one_typed_error(tmp_path, capsys):
     with pytest.raises(DataError, match="column 'text' holds int values, expected strings"):
         load_corpus([tmp_path / "ints.json"], vocab_size=VOCAB, cache_dir=tmp_path / "cache")
     assert capsys.readouterr().err == ""  # datasets' own error log is kept quiet
+
+
+def test_uint32_bin_read_as_uint16_is_refused(tmp_path):
+    """uint32 ids read with the default uint16 (every second value 0, a high half) are refused;
+    real uint16 corpora, of small or large vocabularies, are not."""
+    p = tmp_path / "t.bin"
+    for top in (300, 50_000, 128_256):  # high halves all 0, or 0/1 (Llama 3's vocabulary)
+        _ids(5_000, top).astype(np.uint32).tofile(p)
+        with pytest.raises(DataError, match=r"looks like uint32 ids.*pass --token-dtype uint32"):
+            load_corpus([p], vocab_size=130_000)
+        c = load_corpus([p], vocab_size=top, token_dtype="uint32", heldout_frac=0.0)
+        assert c.n_train_tokens == 5_000
+    for ids in (_ids(5_000, 300), _ids(5_000, 65_535), np.zeros(5_000), _ids(5_000, 4),
+                np.arange(40)):  # uint16 corpora: random ids, all 0, ids 0..3, a tiny file
+        ids.astype(np.uint16).tofile(p)
+        assert len(load_corpus([p], vocab_size=65_535, heldout_frac=0.0).train_tokens) == len(ids)
+
+
+def test_token_dtype_must_agree_with_the_npy_header(tmp_path):
+    np.save(tmp_path / "t16.npy", _ids(1_000, VOCAB).astype(np.uint16))
+    np.save(tmp_path / "t32.npy", _ids(1_000, VOCAB).astype(np.uint32))
+    with pytest.raises(DataError, match=r"--token-dtype uint32 contradicts token file .*t16.npy, "
+                                        r"whose \.npy header says uint16"):
+        load_corpus([tmp_path / "t16.npy"], vocab_size=VOCAB, token_dtype="uint32")
+    for name, dtype in (("t16.npy", "uint16"), ("t32.npy", "uint32"), ("t32.npy", "uint16")):
+        c = load_corpus([tmp_path / name], vocab_size=VOCAB, token_dtype=dtype, heldout_frac=0.0)
+        assert c.train_tokens.dtype == ("uint16" if name == "t16.npy" else "uint32")  # its header

@@ -32,7 +32,11 @@ def _args(*flags: str):
 @pytest.mark.parametrize("flags, needle", [
     (["--nnodes", "0"], "--nnodes 0: give the number of nodes, >= 1"),
     (["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "n0:29500"], "--node-rank 2 is outside 0..1"),
-    (["--node-rank", "-1"], "--node-rank -1 is outside 0..0"),
+    (["--nnodes", "2", "--node-rank", "-1", "--rdzv-endpoint", "n0"], "--node-rank -1 is outside 0..1"),
+    (["--rdzv-endpoint", "n0:29500"], "--rdzv-endpoint without --nnodes above 1 would train on this node alone; "
+                                      "add --nnodes N"),
+    (["--nnodes", "1", "--node-rank", "0", "--rdzv-id", "j"], "--node-rank, --rdzv-id without --nnodes above 1"),
+    (["--node-rank", "1"], "--node-rank without --nnodes above 1 would train on this node alone; add --nnodes N"),
     (["--nnodes", "2"], "--nnodes 2 needs --rdzv-endpoint HOST[:PORT]"),
     (["--nnodes", "2", "--rdzv-endpoint", "n0:port"], "--rdzv-endpoint 'n0:port': The port number"),
     (["--nnodes", "2", "--rdzv-endpoint", ":29500"], "--rdzv-endpoint ':29500': The hostname"),
