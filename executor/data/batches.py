@@ -93,7 +93,7 @@ def _split_sizes(n_tokens: int, heldout_frac: float, min_heldout_tokens: int) ->
 
 def token_stream(paths: Sequence[str | Path] | str | Path | None = None, *, vocab_size: int = 8192,
                  cache_dir: Path | None = None, progress: bool = False, tokenizer: str | Path | None = None,
-                 token_dtype: str = "uint16", text_column: str = "text",
+                 token_dtype: str | None = None, text_column: str = "text",
                  shard_bytes: int = DEFAULT_SHARD_BYTES) -> tuple[np.ndarray, str, str, str, int]:
     """(memory-mapped token stream, name, sha256, tokenizer path, vocabulary size) of a corpus,
     as `load_corpus` describes; tokenized text is cached."""
@@ -124,7 +124,7 @@ def load_corpus(paths: Sequence[str | Path] | str | Path | None = None, *, vocab
                 heldout_frac: float = 0.05, cache_dir: Path | None = None,
                 progress: bool = False,
                 min_heldout_tokens: int = DEFAULT_MIN_HELDOUT_TOKENS,
-                tokenizer: str | Path | None = None, token_dtype: str = "uint16",
+                tokenizer: str | Path | None = None, token_dtype: str | None = None,
                 text_column: str = "text", shard_bytes: int = DEFAULT_SHARD_BYTES) -> TokenCorpus:
     """Read, tokenize (cached) and split a corpus; the tokens are views of a memory map.
 
@@ -137,7 +137,8 @@ def load_corpus(paths: Sequence[str | Path] | str | Path | None = None, *, vocab
         `min_heldout_tokens` (two sequences' worth) when the corpus has at least twice that.
     cache_dir: cache root; default `hardware_profiles.cache.cache_root()`.
     tokenizer: the model's HF `tokenizers` JSON for text data (default: a BPE trained on it).
-    token_dtype: "uint16" or "uint32", the ids' dtype in a `.bin` token file.
+    token_dtype: "uint16" or "uint32", the ids' dtype in a token file; None: uint16 for a `.bin`,
+        the header's for a `.npy` (given, it must agree with the header).
     text_column: the text field of `.jsonl`/`.json`/`.parquet`/`.arrow` rows.
     shard_bytes: text tokenized at once (the memory bound of tokenizing).
 

@@ -279,8 +279,9 @@ class DataOptions:
 
     tokenizer: str | None = None
     """The model's HF `tokenizers` JSON for text data (None: a BPE trained on the corpus)."""
-    token_dtype: str = "uint16"
-    """The ids' dtype in a raw `.bin` token file: uint16 (nanoGPT) or uint32."""
+    token_dtype: str | None = None
+    """The ids' dtype in a token file: uint16 (nanoGPT) or uint32; None: uint16 for a raw `.bin`,
+    the header's for a `.npy` (given, it must agree with the header)."""
     text_column: str = "text"
     """The text field of `.jsonl`/`.json`/`.parquet`/`.arrow` rows."""
 
@@ -301,7 +302,7 @@ class DataOptions:
         """The flags of the options that differ from the defaults."""
         default = DataOptions()
         return [x for flag, f in self.FLAGS if getattr(self, f) != getattr(default, f)
-                for x in (flag, str(getattr(self, f)))]
+                and getattr(self, f) is not None for x in (flag, str(getattr(self, f)))]
 
 
 def check_data_paths(paths: Sequence[str | Path] | str | Path | None,

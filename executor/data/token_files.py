@@ -7,8 +7,7 @@ Formats:
   uint16, a file of uint32 ids is refused (`check_not_uint32`: its ids' high halves are the
   zeros at every second position);
 - `.npy`: a 1-D numpy array file (`np.save`, `np.lib.format.open_memmap`), dtype from its header
-  (a `--token-dtype` other than the default uint16 must agree with it; uint16, which cannot be
-  told from the flag left out, is not compared).
+  (a `--token-dtype` given must agree with it).
 
 Valid dtypes: uint16, uint32. Every id must be below the plan's vocab_size (checked by a
 chunked max over the memmap). Fingerprint (`file_fingerprint`): sha256 of the file's size and
@@ -68,17 +67,18 @@ def check_not_uint32(ids: np.ndarray, path: Path) -> None:
                         "of uint32 ids); pass --token-dtype uint32")
 
 
-def open_token_file(path: Path, token_dtype: str = "uint16") -> np.ndarray:
-    """The token ids in `path` as a read-only 1-D memmap (`.bin`: of `token_dtype`; `.npy`: of
-    its header's dtype, which a `token_dtype` other than the default uint16 must be).
+def open_token_file(path: Path, token_dtype: str | None = None) -> np.ndarray:
+    """The token ids in `path` as a read-only 1-D memmap (`.bin`: of `token_dtype`, None for
+    uint16 as nanoGPT; `.npy`: of its header's dtype, which a given `token_dtype` must be).
 
     Raises:
         DataError: unreadable file, a dtype other than uint16/uint32 (naming it and the valid
-            ones), a uint32 `token_dtype` with a uint16 .npy (naming both), a .npy that is
+            ones), a `token_dtype` that contradicts a .npy header (naming both), a .npy that is
             not 1-D, a .bin whose size is not a whole number of ids, a .bin read as uint16 that
             holds uint32 ids (`check_not_uint32`), or no ids.
     """
-    check_token_dtype(token_dtype)
+    if token_dtype is not None:
+        check_token_dtype(token_dtype)
     try:
         if path.suffix == ".npy":
             ids = np.load(path, mmap_mode="r", allow_pickle=False)
@@ -86,13 +86,14 @@ def open_token_file(path: Path, token_dtype: str = "uint16") -> np.ndarray:
                 raise DataError(f"token file {path} holds {ids.dtype.name} ids; valid: "
                                 f"{', '.join(TOKEN_DTYPES)} (save it with .astype(np.uint16) or "
                                 "np.uint32)")
-            if token_dtype not in ("uint16", ids.dtype.name):
+            if token_dtype not in (None, ids.dtype.name):
                 raise DataError(f"--token-dtype {token_dtype} contradicts token file {path}, whose "
                                 f".npy header says {ids.dtype.name}; a .npy file's header gives its "
                                 f"dtype: leave --token-dtype out or pass --token-dtype {ids.dtype.name}")
             if ids.ndim != 1:
                 raise DataError(f"token file {path} has shape {ids.shape}; expected a 1-D token stream")
         else:
+            token_dtype = token_dtype or "uint16"
             dtype = check_token_dtype(token_dtype)
             size = path.stat().st_size
             if size % dtype.itemsize:

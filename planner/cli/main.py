@@ -261,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--tokenizer", metavar="FILE",
                    help="the model's tokenizer.json (HF tokenizers) for text --data; its vocabulary must "
                         "be the plan's (default: a BPE trained on the corpus)")
-    r.add_argument("--token-dtype", choices=("uint16", "uint32"), default="uint16",
+    r.add_argument("--token-dtype", choices=("uint16", "uint32"), default=None,
                    help="the ids' dtype in a raw .bin token file (default: uint16, as nanoGPT's train.bin)")
     r.add_argument("--text-column", default="text", metavar="NAME",
                    help="the text field of .jsonl/.json/.parquet/.arrow rows (default: text)")

@@ -293,6 +293,9 @@ def test_token_dtype_must_agree_with_the_npy_header(tmp_path):
     with pytest.raises(DataError, match=r"--token-dtype uint32 contradicts token file .*t16.npy, "
                                         r"whose \.npy header says uint16"):
         load_corpus([tmp_path / "t16.npy"], vocab_size=VOCAB, token_dtype="uint32")
-    for name, dtype in (("t16.npy", "uint16"), ("t32.npy", "uint32"), ("t32.npy", "uint16")):
+    with pytest.raises(DataError, match=r"--token-dtype uint16 contradicts token file .*t32.npy, "
+                                        r"whose \.npy header says uint32"):
+        load_corpus([tmp_path / "t32.npy"], vocab_size=VOCAB, token_dtype="uint16")
+    for name, dtype in (("t16.npy", "uint16"), ("t32.npy", "uint32"), ("t16.npy", None), ("t32.npy", None)):
         c = load_corpus([tmp_path / name], vocab_size=VOCAB, token_dtype=dtype, heldout_frac=0.0)
         assert c.train_tokens.dtype == ("uint16" if name == "t16.npy" else "uint32")  # its header
