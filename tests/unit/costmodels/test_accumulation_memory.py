@@ -10,16 +10,6 @@ import pytest
 
 from costmodels.step.memory import step_phases
 from costmodels.step.model import Choice, StepModel
-from planner.capture.graph import capture
-
-
-@pytest.fixture(scope="module")
-def step_model(tiny_llama, cpu_profile):
-    model = tiny_llama(device="meta")
-    g = capture(model)
-    numels = tuple(p.numel() for p in model.parameters())
-    return StepModel(g.regions, g.blocks, numels, cpu_profile, n_heads=g.n_heads,
-                     n_kv_heads=g.n_kv_heads, head_dim=g.head_dim)
 
 
 def _choice(sm: StepModel, policy: str, grad_accum: int, zero_stage: int = 0, devices: int = 1) -> Choice:

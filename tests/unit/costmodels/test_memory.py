@@ -17,7 +17,6 @@ from costmodels.step.optimizer_states import MIN_QUANT_NUMEL, adam_state_bytes, 
 from executor.apply.checkpointing import apply_checkpointing
 from executor.optimizers import build_optimizer
 from hardware_profiles import load
-from planner.capture.graph import capture
 from trainplan_errors import TrainplanError
 
 RTOL = 0.01
@@ -44,15 +43,6 @@ def _grid(which: int):
         reasons = _known_failures(policy, bits, size)[which]
         marks = [pytest.mark.xfail(strict=True, reason="; ".join(reasons))] if reasons else []
         yield pytest.param(policy, bits, size, marks=marks, id=f"{policy}-{bits}bit-b{size[0]}s{size[1]}")
-
-
-@pytest.fixture(scope="module")
-def step_model(tiny_llama, cpu_profile):
-    model = tiny_llama(device="meta")
-    g = capture(model)
-    numels = tuple(p.numel() for p in model.parameters())
-    return StepModel(g.regions, g.blocks, numels, cpu_profile, n_heads=g.n_heads,
-                     n_kv_heads=g.n_kv_heads, head_dim=g.head_dim)
 
 
 def _measured(tiny_llama, measured_peak, policy: str, bits: int, b: int, s: int) -> dict[str, float]:
