@@ -160,12 +160,15 @@ def test_run_prints_progress_lines_when_stderr_is_not_a_terminal(plan, corpus, t
     assert lines[-1].startswith(f"train: step {STEPS}/{STEPS} (100%), loss ") and lines[-1].endswith(" s")
 
 
-def test_run_refuses_a_plan_whose_memory_exceeds_this_machine(plan, corpus, tmp_path):
-    """Checked before the model is built: one typed error naming both numbers and the fix."""
-    from executor.fit_check import PlanDoesNotFitError, available_ram_bytes
+def test_run_refuses_a_plan_whose_memory_exceeds_this_machine(plan, corpus, tmp_path, monkeypatch):
+    """Checked before the model is built: one typed error naming both numbers and the fix. The
+    available RAM is fixed at 8 GiB: read twice, the machine's own changes with other processes."""
+    import executor.fit_check
+    from executor.fit_check import PlanDoesNotFitError
     from trainplan_errors import TrainplanError
 
-    have = available_ram_bytes()
+    have = 8 * 2**30
+    monkeypatch.setattr(executor.fit_check, "available_ram_bytes", lambda: have)
     mem = dict(plan.predictions.memory_bytes, total=2.0 * have)
     big = dataclasses.replace(plan, predictions=dataclasses.replace(plan.predictions, memory_bytes=mem))
     with pytest.raises(PlanDoesNotFitError, match=r"RAM.*available.*trainplan solve .*--hw cpu") as e:
