@@ -1,27 +1,45 @@
-"""Predicted maximum trainable context for llama3.1-8b on one 8-device node, beside published
-figures.
+"""Predicted maximum trainable context for llama3.1-8b and llama3-70b on one 8-device node, with
+and without the long-context knobs, beside published figures.
 
-For each hardware profile (a100, h100, mi300) and each setting below, the longest sequence
-(a multiple of 1024 tokens) whose predicted per-device peak tensor memory fits the profile's
-usable memory (`hbm_bytes - memory_reserve_bytes`), found by doubling then bisection over
-`planner.api.plan_for_choice` (no solver: every knob fixed, predictions from the same cost
-models `solve` uses). Common to all: 8 devices, micro-batch 1, bf16 mixed precision, 32-bit
-AdamW, the best of ZeRO stages 0-3 (the stage with the longest context is reported).
+For each model (llama3.1-8b, llama3-70b), hardware profile (a100, h100, h200, mi300x) and setting
+below, the longest sequence (a multiple of 1024 tokens) whose predicted per-device peak tensor
+memory fits the profile's usable memory (`hbm_bytes - memory_reserve_bytes`) and, with offload,
+whose host bytes fit the device's share of the node's host memory
+(`costmodels.step.offload.host_limit_bytes`), found by doubling then bisection over
+`StepModel.evaluate` (no solver: every knob fixed; the cost models `solve` uses). Memory grows
+with the sequence (every term is a polynomial in it with non-negative coefficients), so the
+bisection is exact. Common to all: 8 devices, micro-batch 1, bf16 mixed precision, 32-bit AdamW,
+the best of ZeRO stages 3, 2, 1, 0 (the stage with the longest context is reported).
 
-- `no_sp`: sp_degree 1 (data parallel over 8, one sequence per device), full activation
-  checkpointing of every block (the usual long-context baseline).
+Settings (`benchmarks/_context_settings.py`):
+
+- `no_sp`: sp_degree 1 (data parallel over 8, one sequence per device), full checkpointing.
 - `sp`: sp_degree 8 (Ulysses over the node, one sequence per node), full checkpointing.
-- `sp_seq_aware`: sp_degree 8 with the sequence-aware entry `save_attention` on every block
-  (AutoSP's rule: keep attention outputs, recompute the rest, so attention, the quadratic
-  term, is never recomputed). In trainplan's menu `full` is the least-memory entry, so this
-  column can only be shorter than `sp`: it buys step time, not context; the step times at its
-  maximum show how much.
+- `sp_seq_aware`: sp_degree 8 with `save_attention` on every block (AutoSP's rule); `full` is
+  the least-memory entry, so this buys step time, not context (step times at its maximum).
+- `sp_tiled_loss`: `sp` with the LM head and loss over `loss_chunks` chunks;
+  `sp_tiled_loss_mlp`: and the MLPs over `mlp_chunks` chunks; `sp_all_knobs`: and activation
+  offload to host memory. Chunk counts from `planner.joint.space.default_tiling` (llama3.1-8b:
+  64 and 4; llama3-70b: 32 and 4).
+
+The model is captured once per (model, precision, device type) on the meta device; the step
+model of each profile prices the same regions (all four GPU profiles are `cuda`), and the tiled
+regions are traced on first use, once per model.
 
     python benchmarks/context_table.py [--out DIR]
 
-Writes DIR/context_table.csv (one row per hardware x setting), DIR/context_table.json (summary)
-and DIR/context_table.md (the markdown table with published figures); prints the table and
-then the summary. Takes one to two minutes on 2 cores (a capture per profile, then\n~0.3 s per plan).
+Writes DIR/context_table.csv (one row per model x hardware x setting: maximum, ZeRO stage, peak
+phase, the constraint that binds one step above, the per-device memory breakdown, host bytes and
+limit, step time, MFU), DIR/context_table.json (the summary below) and DIR/context_table.md (a
+table per model with published figures, the binding phases and what differs from ALST's
+setting); prints progress to stderr, then the markdown and the summary. Summary keys:
+`{hw}_{model}_{setting}_max_seq_len`, `_zero_stage`, `_memory_phase` (the peak's phase at the
+maximum) and `_binds_above` (the limit 1024 tokens more exceeds: `device`, `host`) for model `8b`
+and `70b`; the 8b's `{hw}_{setting}_max_seq_len` and `_zero_stage` as before (`mi300` for
+mi300x); `h100_8b_max_seq_len_all_knobs` (the h100 8b `sp_all_knobs` maximum),
+`h100_8b_all_knobs_target_met` (>= ALST's "3.7M", read as 3.7e6 = 3,700,000 tokens,
+`h100_8b_all_knobs_target_tokens`) and its host bytes and limit. Takes about 40 s on 2 cores (a
+capture of 2-8 s per model, tiled regions traced in a few seconds each, ~0.02 s per evaluation).
 """
 
 from __future__ import annotations
@@ -29,81 +47,132 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import math
 import os
 import platform
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import pandas as pd
 import torch
 
-MODEL = "llama3.1-8b"
-DEVICES = 8
-HARDWARE = ("a100", "h100", "mi300")
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _context_settings, beside this script
+from _context_settings import (  # noqa: E402
+    ALST_TOKENS,
+    COLUMNS_TEXT,
+    DEVICES,
+    HARDWARE,
+    HEADERS,
+    LEGACY_HW_KEYS,
+    MODELS,
+    NO_PUBLISHED,
+    PUBLISHED,
+    SETTINGS,
+    SOURCES,
+    alst_differences,
+    chunk_counts,
+    norm_fp32_bytes,
+)
+
+MODEL = MODELS["8b"]
 STEP_TOKENS = 1024
 MAX_TOKENS = 64 * 2**20  # search ceiling: 64M tokens
 GIB = 2**30
 
-SETTINGS = {
-    "no_sp": dict(sp_degree=1, checkpoint="full"),
-    "sp": dict(sp_degree=DEVICES, checkpoint="full"),
-    "sp_seq_aware": dict(sp_degree=DEVICES, checkpoint="save_attention"),
-}
-LABELS = {
-    "no_sp": "no SP (full AC)",
-    "sp": "SP 8 (full AC)",
-    "sp_seq_aware": "SP 8 + sequence-aware AC (save_attention)",
-}
-
-PUBLISHED = {
-    "a100": (
-        "AutoSP (Llama 3.1 on 8 x A100-80GB; compiler-based Ulysses + sequence-aware AC): up to "
-        "2.7x longer trainable context than hand-written baselines (ZeRO-3 and "
-        "RingFlashAttention, per the PyTorch blog's summary) [1]; absolute lengths not verified. "
-        "DeepSpeed-Ulysses: 1M tokens for a 1.2B GPT on up "
-        "to 64 A100-40GB [2] (other model, 8x the GPUs)."
-    ),
-    "h100": (
-        "ALST (Llama 8B; Ulysses SP with tiled MLP, tiled loss and activation offload to CPU "
-        "memory): 3.7M tokens on one 8 x H100-80GB node, 500K on one H100; an out-of-box "
-        "Hugging Face run of Llama 8B runs out of memory above 32K [3]."
-    ),
-    "mi300": (
-        "AutoSP on AMD hardware: up to 2.5x longer trainable context than hand-written "
-        "baselines [1]; the GPU model and absolute lengths not verified."
-    ),
-}
-SOURCES = (
-    "[1] Gupta, Tanaka, Zhang et al. 2026, \"AutoSP: Unlocking Long-Context LLM Training Via "
-    "Compiler-Based Sequence Parallelism\", ICLR 2026, arXiv:2604.27089, abstract; PyTorch blog "
-    "\"Introducing AutoSP\" (Llama 3.1 on 8 x A100-80GB).",
-    "[2] Jacobs et al. 2023, \"DeepSpeed Ulysses: System Optimizations for Enabling Training of "
-    "Extreme Long Sequence Transformer Models\", arXiv:2309.14509; DeepSpeed-Ulysses README "
-    "(\"strong scaling of sequence length up to 1 million tokens on 1.2 billion parameter GPT "
-    "model\", \"up to 64 A100 GPUs with 40GB memory\").",
-    "[3] Bekman et al. 2025, \"Arctic Long Sequence Training: Scalable And Efficient Training "
-    "For Multi-Million Token Sequences\", arXiv:2506.13996, abstract; Snowflake engineering blog; "
-    "the technique list as in axolotl's examples/alst/README.md.",
-)
+_GRAPHS: dict = {}  # (model, precision, device type) -> (graph, parameter numels)
+_STEP_MODELS: dict = {}  # (model, hw) -> (profile, precision, graph, StepModel)
 
 
-def plan_at(hw: str, seq_len: int, *, sp_degree: int, checkpoint: str, zero_stage: int):
-    """The fixed-knob plan for one length (predictions only, nothing runs)."""
-    from planner.api import plan_for_choice
+def log(msg: str) -> None:
+    print(f"[context_table] {msg}", file=sys.stderr, flush=True)
 
-    return plan_for_choice(MODEL, hw, seq_len=seq_len, micro_batch=1, checkpoint=checkpoint,
-                           sp_degree=sp_degree, devices=DEVICES, zero_stage=zero_stage,
-                           precision="bf16-mixed", optimizer_bits=32, max_steps=1)
+
+def step_model(model: str, hw: str):
+    """(profile, precision, graph, StepModel) of `model` on `hw`: one capture per (model,
+    precision, device type), shared by the profiles' step models (a profile only prices regions)."""
+    from costmodels.step.model import StepModel
+    from hardware_profiles import load
+    from planner.capture.setup import capture_model, default_precision
+
+    if (model, hw) not in _STEP_MODELS:
+        profile = load(hw)
+        precision = default_precision(profile)
+        key = (model, precision, profile.device_type)
+        if key not in _GRAPHS:
+            t0 = time.perf_counter()
+            graph, _, numels = capture_model(model, precision, device_type=profile.device_type)
+            _GRAPHS[key] = graph, numels
+            log(f"captured {model} ({precision}, {profile.device_type}) in {time.perf_counter() - t0:.1f} s")
+        graph, numels = _GRAPHS[key]
+        sm = StepModel(graph.regions, graph.blocks, numels, profile, n_heads=graph.n_heads,
+                       n_kv_heads=graph.n_kv_heads, head_dim=graph.head_dim)
+        _STEP_MODELS[model, hw] = profile, precision, graph, sm
+    return _STEP_MODELS[model, hw]
+
+
+class Prediction(NamedTuple):
+    """What one evaluated length predicts, in the names of a Plan's predictions."""
+
+    memory_bytes: dict
+    memory_phase: str
+    memory_limit_bytes: float
+    host_memory_bytes: float
+    host_memory_limit_bytes: float
+    step_time_s: float
+    mfu: float
+
+
+class Point(NamedTuple):
+    """One (model, hw, knobs, length) evaluated: its predictions, step cost and choice."""
+
+    predictions: Prediction
+    cost: object
+    choice: object
+
+
+def plan_at(hw: str, seq_len: int, *, sp_degree: int, checkpoint: str, zero_stage: int, model: str = MODEL,
+            tiled_loss: bool = False, tiled_mlp: bool = False, offload: bool = False) -> Point:
+    """The step model's predictions for one length with every knob fixed (nothing runs)."""
+    from costmodels.step.model import Choice
+    from costmodels.step.offload import host_limit_bytes
+    from planner.capture.setup import PRECISION_DTYPE
+
+    profile, precision, graph, sm = step_model(model, hw)
+    kl, km = chunk_counts(graph, 2 if precision != "fp32" else 4, profile.unified_memory)
+    c = Choice(sp_degree=sp_degree, zero_stage=zero_stage, micro_batch=1, seq_len=seq_len,
+               policies=(checkpoint,) * graph.n_layers, precision=precision, optimizer_bits=32,
+               devices=DEVICES, loss_chunks=kl if tiled_loss else 1, mlp_chunks=km if tiled_mlp else 1,
+               offload=offload)
+    cost = sm.evaluate(c)
+    peak = profile.peak(PRECISION_DTYPE[precision])
+    p = Prediction(memory_bytes=cost.memory.as_dict(), memory_phase=cost.memory.phase,
+                   memory_limit_bytes=float(profile.usable_bytes), host_memory_bytes=cost.host_bytes,
+                   host_memory_limit_bytes=0.0 if profile.unified_memory else host_limit_bytes(profile),
+                   step_time_s=cost.time_s, mfu=cost.model_flops / (cost.time_s * peak) if cost.time_s else 0.0)
+    return Point(predictions=p, cost=cost, choice=c)
 
 
 def fits(plan) -> bool:
+    """Device memory fits and, when anything is offloaded, host memory too (a Plan or a Point)."""
     p = plan.predictions
-    return p.memory_bytes["total"] <= p.memory_limit_bytes
+    if p.memory_bytes["total"] > p.memory_limit_bytes:
+        return False
+    host = getattr(p, "host_memory_bytes", 0.0)  # absent: nothing offloaded
+    return not host or host <= p.host_memory_limit_bytes
+
+
+def binds(plan) -> str:
+    """Which limit a length that does not fit exceeds: `device`, `host` or `device+host`."""
+    p = plan.predictions
+    dev = p.memory_bytes["total"] > p.memory_limit_bytes
+    host = bool(p.host_memory_bytes) and p.host_memory_bytes > p.host_memory_limit_bytes
+    return "+".join(x for x, over in (("device", dev), ("host", host)) if over) or "none"
 
 
 def max_context(hw: str, **knobs) -> tuple[int, object | None, int]:
-    """Longest multiple of STEP_TOKENS that fits, its plan, and the number of plans made.
+    """Longest multiple of STEP_TOKENS that fits, its plan, and the number of lengths evaluated.
     0 and None when not even STEP_TOKENS fits. Assumes memory grows with the length (it does:
     every term is a polynomial in the sequence with non-negative coefficients)."""
     cache: dict[int, object] = {}
@@ -126,34 +195,75 @@ def max_context(hw: str, **knobs) -> tuple[int, object | None, int]:
     return lo * STEP_TOKENS, cache[lo], len(cache)
 
 
+def best_stage(model: str, hw: str, setting: dict) -> tuple[int, Point | None, int, int]:
+    """(tokens, point, ZeRO stage, lengths evaluated) of the stage with the longest context."""
+    best, n = None, 0
+    for zero in (3, 2, 1, 0):  # 3 first: it shards the most, so the others rarely beat it
+        if best is not None and best[0] and not fits(plan_at(
+                hw, best[0] + STEP_TOKENS, model=model, zero_stage=zero, **setting)):
+            continue  # this stage cannot beat the best so far (memory grows with length)
+        tokens, plan, k = max_context(hw, model=model, zero_stage=zero, **setting)
+        n += k
+        if best is None or tokens > best[0]:
+            best = (tokens, plan, zero)
+    return (*best, n)
+
+
 def table_rows() -> list[dict]:
     rows = []
-    for hw in HARDWARE:
-        for name, setting in SETTINGS.items():
-            best = None
-            for zero in (3, 2, 1, 0):  # 3 first: it shards the most, so the others rarely beat it
-                if best is not None and best[0] and not fits(plan_at(
-                        hw, best[0] + STEP_TOKENS, zero_stage=zero, **setting)):
-                    continue  # this stage cannot beat the best so far (memory grows with length)
-                tokens, plan, _ = max_context(hw, zero_stage=zero, **setting)
-                if best is None or tokens > best[0]:
-                    best = (tokens, plan, zero)
-            tokens, plan, zero = best
-            row = dict(hw=hw, setting=name, sp_degree=setting["sp_degree"],
-                       checkpoint=setting["checkpoint"], zero_stage=zero, max_seq_len=tokens)
-            if plan is not None:
-                p = plan.predictions
-                row.update(peak_memory_bytes=p.memory_bytes["total"],
-                           usable_bytes=p.memory_limit_bytes, memory_phase=p.memory_phase,
-                           step_time_s=p.step_time_s, mfu=p.mfu,
-                           **{f"memory_{k}_bytes": v for k, v in p.memory_bytes.items() if k != "total"})
-                # the same length under full checkpointing: what the sequence-aware entry saves
-                if setting["checkpoint"] != "full":
-                    full = plan_at(hw, tokens, sp_degree=setting["sp_degree"], checkpoint="full",
-                                   zero_stage=zero)
-                    row["step_time_full_ac_same_len_s"] = full.predictions.step_time_s
-            rows.append(row)
+    for short, model in MODELS.items():
+        for hw in HARDWARE:
+            for name, setting in SETTINGS.items():
+                t0 = time.perf_counter()
+                tokens, plan, zero, n = best_stage(model, hw, setting)
+                nxt = plan_at(hw, tokens + STEP_TOKENS, model=model, zero_stage=zero, **setting)
+                c = nxt.choice
+                row = dict(model=model, model_short=short, hw=hw, setting=name, sp_degree=setting["sp_degree"],
+                           checkpoint=setting["checkpoint"], loss_chunks=c.loss_chunks, mlp_chunks=c.mlp_chunks,
+                           offload=c.offload, zero_stage=zero, max_seq_len=tokens)
+                row["binds_above"] = binds(nxt) if tokens + STEP_TOKENS <= MAX_TOKENS else "search ceiling"
+                row["memory_phase_above"] = nxt.predictions.memory_phase
+                if plan is None:  # what does not fit at the shortest length: the model states, mostly
+                    m = nxt.predictions.memory_bytes
+                    row.update(peak_at_1k_bytes=m["total"], usable_bytes=nxt.predictions.memory_limit_bytes,
+                               states_at_1k_bytes=m["params"] + m["grads"] + m["optimizer"])
+                else:
+                    p = plan.predictions
+                    row.update(peak_memory_bytes=p.memory_bytes["total"], usable_bytes=p.memory_limit_bytes,
+                               memory_phase=p.memory_phase, host_bytes=p.host_memory_bytes,
+                               host_limit_bytes=p.host_memory_limit_bytes, step_time_s=p.step_time_s, mfu=p.mfu,
+                               **{f"memory_{k}_bytes": v for k, v in p.memory_bytes.items() if k != "total"})
+                    if setting["checkpoint"] != "full":  # what the sequence-aware entry buys
+                        full = plan_at(hw, tokens, model=model, zero_stage=zero, **(setting | {"checkpoint": "full"}))
+                        row["step_time_full_ac_same_len_s"] = full.predictions.step_time_s
+                rows.append(row)
+                log(f"{model} {hw} {name}: {fmt_tokens(tokens)} (ZeRO-{zero}, {row.get('memory_phase', '-')}), "
+                    f"{n} lengths, {time.perf_counter() - t0:.1f} s")
     return rows
+
+
+def alst_facts(df: pd.DataFrame) -> dict:
+    """The facts behind `alst_differences`, at the h100 8b all-knobs maximum and at 3.7e6 tokens."""
+    r = df[(df.model_short == "8b") & (df.hw == "h100") & (df.setting == "sp_all_knobs")].iloc[0]
+    setting, zero, tokens = SETTINGS["sp_all_knobs"], int(r.zero_stage), int(r.max_seq_len)
+    profile, _, graph, sm = step_model(MODEL, "h100")
+    target_len = math.ceil(ALST_TOKENS / STEP_TOKENS) * STEP_TOKENS
+    at = plan_at("h100", target_len, zero_stage=zero, **setting).predictions
+    f = dict(max_seq_len=tokens, target_len=target_len, peak_at_target_bytes=at.memory_bytes["total"],
+             phase_at_target=at.memory_phase, host_at_target_bytes=at.host_memory_bytes,
+             usable_bytes=float(profile.usable_bytes), host_limit_bytes=r.host_limit_bytes,
+             node_host_bytes=profile.host_memory_bytes, host_bytes=r.host_bytes,
+             reserve_bytes=profile.memory_reserve_bytes, phase=r.memory_phase, zero_stage=zero,
+             loss_chunks=int(r.loss_chunks), mlp_chunks=int(r.mlp_chunks), params_bytes=r.memory_params_bytes,
+             grads_bytes=r.memory_grads_bytes, optimizer_bytes=r.memory_optimizer_bytes)
+    f["states_bytes"] = f["params_bytes"] + f["grads_bytes"] + f["optimizer_bytes"]
+    for key, length in (("", tokens), ("_at_target", target_len)):  # block 0's fp32 norm copies
+        c = plan_at("h100", max(length, STEP_TOKENS), zero_stage=zero, **setting).choice
+        s = c.seq_len // c.sp_degree
+        region = graph.regions[sm.region_for(c, graph.blocks[0], c.entry(c.policies[0]))]
+        f[f"norm_fp32{key}_bytes"] = norm_fp32_bytes(region, 1, s, graph.hidden_size)
+        f[f"hidden{key}_bytes"] = 2 * s * graph.hidden_size
+    return f
 
 
 def fmt_tokens(n: int) -> str:
@@ -163,68 +273,84 @@ def fmt_tokens(n: int) -> str:
 
 
 def binding_note(df: pd.DataFrame) -> str:
-    """Which phase of the step sets the predicted peak at the maxima, and its bytes per token."""
+    """Which phase of the step sets the predicted peak at the maxima, and which limit binds."""
     fit = df[df["max_seq_len"] > 0]
-    phases = sorted(set(fit["memory_phase"]))
-    tail = fit[fit["memory_phase"] == "tail"]
-    if phases != ["tail"] or tail.empty:
-        return f"Predicted peak phases at the maxima: {', '.join(phases)}."
-    local = tail["max_seq_len"] / tail["sp_degree"]
-    per_token = (tail["memory_activations_bytes"] + tail["memory_temporaries_bytes"]) / local
-    return ("At every maximum the predicted peak falls in the tail (final norm, logits over the "
-            "128,256-token vocabulary and the cross-entropy, forward and backward): "
-            f"{per_token.min() / 2**20:.1f}-{per_token.max() / 2**20:.1f} MiB of activations and "
-            "temporaries per token on the device, so the limit is the loss head, not attention or "
-            "the blocks; SP 8 divides it by 8. A chunked (tiled) loss, as ALST uses, is not in "
-            "trainplan's menu.")
+    parts = []
+    for name in SETTINGS:
+        sub = fit[fit.setting == name]
+        if len(sub):
+            phases = ", ".join(f"{k} x{v}" for k, v in sub.memory_phase.value_counts().items())
+            limits = ", ".join(f"{k} x{v}" for k, v in sub.binds_above.value_counts().items())
+            parts.append(f"*{HEADERS[name]}*: peak in {phases}; one step above exceeds {limits}")
+    none = df[df.max_seq_len == 0].groupby(["model", "hw"]).setting.count()
+    tail = (f" Nothing fits, not even {STEP_TOKENS} tokens: "
+            + ", ".join(f"{m} on {hw} ({k} of {len(SETTINGS)} settings)" for (m, hw), k in none.items())
+            + "; the model states alone (parameters, gradients, optimizer at the peak, ZeRO-3 over 8) exceed "
+            "the usable memory there (cells: the peak and the states at 1K tokens)." if len(none) else "")
+    return ("Binding at the maxima (phase of the predicted peak: `tail` = final norm, LM head and loss; "
+            "`bwd:blockN` = block N's backward with its recompute: the first of the backward (block 31 or 79) "
+            "while every block's checkpointed input is still on the device, the last (block 0) once offload has "
+            "moved those inputs to host memory; counts over models and hardware; "
+            "the limit a length 1024 tokens longer exceeds, `device` memory or `host` memory): "
+            + "; ".join(parts) + "." + tail)
+
+
+def cell(r) -> str:
+    text = f"{fmt_tokens(int(r.max_seq_len))} (ZeRO-{int(r.zero_stage)}"
+    if r.max_seq_len == 0:
+        text += f"; at 1K: {r.peak_at_1k_bytes / GIB:.0f} GiB, states {r.states_at_1k_bytes / GIB:.0f} GiB"
+    else:
+        text += f", {r.memory_phase}"
+        if r.offload:
+            text += f", host {r.host_bytes / GIB:.0f}/{r.host_limit_bytes / GIB:.0f} GiB"
+        if r.binds_above == "host":
+            text += ", host binds"
+        if r.setting == "sp_seq_aware":
+            text += f"; step {r.step_time_s:.0f} s vs {r.step_time_full_ac_same_len_s:.0f} s with full AC"
+    return text + ")"
 
 
 def markdown(df: pd.DataFrame) -> str:
     lines = [
-        f"Predicted maximum trainable context, `{MODEL}` on 8 devices of one node: micro-batch 1, "
-        "bf16 mixed precision, 32-bit AdamW, best ZeRO stage (in brackets), sequence a multiple "
-        f"of {STEP_TOKENS} tokens (K = 1024 tokens, M = 2^20). `python benchmarks/context_table.py`.",
-        "",
-        "| hardware (usable GiB) | no SP, full AC | SP 8, full AC | SP 8, sequence-aware AC | "
-        "published (settings differ) |",
-        "|---|---|---|---|---|",
+        f"Predicted maximum trainable context on {DEVICES} devices of one node: micro-batch 1, bf16 "
+        "mixed precision, 32-bit AdamW, best ZeRO stage, sequence a multiple of "
+        f"{STEP_TOKENS} tokens (K = 1024 tokens, M = 2^20 tokens; ALST's 3.7M is read as 3.7e6 = "
+        f"{fmt_tokens(ALST_TOKENS)} here). `python benchmarks/context_table.py`.",
     ]
-    for hw in HARDWARE:
-        sub = df[df["hw"] == hw].set_index("setting")
-        usable = sub["usable_bytes"].dropna()
-        head = f"8 x {hw} ({usable.iloc[0] / GIB:.0f})" if len(usable) else f"8 x {hw}"
-        cells = []
-        for name in SETTINGS:
-            r = sub.loc[name]
-            cell = f"{fmt_tokens(int(r['max_seq_len']))} (ZeRO-{int(r['zero_stage'])})"
-            if name == "sp_seq_aware" and r["max_seq_len"] > 0:
-                cell += (f"; step {r['step_time_s']:.0f} s vs {r['step_time_full_ac_same_len_s']:.0f} s "
-                         "with full AC")
-            cells.append(cell)
-        lines.append(f"| {head} | " + " | ".join(cells) + f" | {PUBLISHED[hw]} |")
-    lines += [
-        "",
-        "Columns: *no SP*: sp_degree 1, data parallel over 8, one sequence per device, every block "
-        "fully checkpointed. *SP 8*: Ulysses over the 8 devices, one sequence per node, full "
-        "checkpointing. *Sequence-aware AC*: SP 8 with `save_attention` on every block (keep "
-        "attention outputs, recompute the rest; AutoSP's rule); `full` is the least-memory entry of "
-        "trainplan's menu, so this column trades context for step time (predicted step at its "
-        "maximum beside full checkpointing at the same length). Fit: predicted per-device peak "
-        "tensor bytes <= the profile's usable bytes (HBM minus its reserve); not measured on "
-        "these GPUs. The published systems use techniques trainplan does not model (tiled MLP and "
-        "loss, activation offload to CPU memory, compiler passes), other models or other GPU "
-        "counts: read them as context, not as a check.",
-        "",
-        binding_note(df),
-        "",
-        "Not modelled, so these maxima are optimistic by a little: FSDP2 (ZeRO-3) keeps the root "
-        "module's parameters (embedding and lm_head, 2 x 128,256 x 4,096 bf16 = 1.96 GiB) "
-        "unsharded from the forward to the end of the backward, and lm_head's full-size gradient "
-        "until the root's reduce-scatter there (measured on CPU by `benchmarks/sp.py`).",
-        "",
-        *SOURCES,
-    ]
+    for short, model in MODELS.items():
+        sub = df[df.model_short == short]
+        tiles = sub[sub.setting == "sp_all_knobs"].iloc[0]
+        lines += ["", f"**{model}** (loss_chunks {tiles.loss_chunks}, mlp_chunks {tiles.mlp_chunks})", "",
+                  "| hardware (usable GiB) | " + " | ".join(HEADERS.values()) + " | published (settings differ) |",
+                  "|---|" + "---|" * (len(SETTINGS) + 1)]
+        for hw in HARDWARE:
+            rows = sub[sub.hw == hw].set_index("setting")
+            usable = rows["usable_bytes"].dropna()
+            head = f"8 x {hw} ({usable.iloc[0] / GIB:.0f})" if len(usable) else f"8 x {hw}"
+            cells = [cell(next(rows[rows.index == n].reset_index().itertuples())) for n in SETTINGS]
+            lines.append(f"| {head} | " + " | ".join(cells) + f" | {PUBLISHED.get((short, hw), NO_PUBLISHED)} |")
+    lines += ["", COLUMNS_TEXT, "", binding_note(df), "", *alst_differences(alst_facts(df)), "", *SOURCES]
     return "\n".join(lines)
+
+
+def summary_of(df: pd.DataFrame) -> dict:
+    out: dict = {}
+    for r in df[df.model_short == "8b"].itertuples():  # the keys before llama3-70b was added
+        out[f"{LEGACY_HW_KEYS.get(r.hw, r.hw)}_{r.setting}_max_seq_len"] = int(r.max_seq_len)
+        out[f"{LEGACY_HW_KEYS.get(r.hw, r.hw)}_{r.setting}_zero_stage"] = int(r.zero_stage)
+    for r in df.itertuples():
+        key = f"{r.hw}_{r.model_short}_{r.setting}"
+        out[f"{key}_max_seq_len"] = int(r.max_seq_len)
+        out[f"{key}_zero_stage"] = int(r.zero_stage)
+        out[f"{key}_memory_phase"] = r.memory_phase if r.max_seq_len else None
+        out[f"{key}_binds_above"] = r.binds_above
+    top = df[(df.model_short == "8b") & (df.hw == "h100") & (df.setting == "sp_all_knobs")].iloc[0]
+    out.update(h100_8b_max_seq_len_all_knobs=int(top.max_seq_len),
+               h100_8b_all_knobs_target_tokens=ALST_TOKENS,
+               h100_8b_all_knobs_target_met=bool(top.max_seq_len >= ALST_TOKENS),
+               h100_8b_all_knobs_host_bytes=float(top.host_bytes),
+               h100_8b_all_knobs_host_limit_bytes=float(top.host_limit_bytes))
+    return out
 
 
 def main(argv=None) -> int:
@@ -233,16 +359,16 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
     t0 = time.perf_counter()
     df = pd.DataFrame(table_rows())
     df.to_csv(out / "context_table.csv", index=False)
     md = markdown(df)
     (out / "context_table.md").write_text(md + "\n")
-    summary = {f"{r.hw}_{r.setting}_max_seq_len": int(r.max_seq_len) for r in df.itertuples()}
-    summary.update({f"{r.hw}_{r.setting}_zero_stage": int(r.zero_stage) for r in df.itertuples()})
+    summary = summary_of(df)
     summary.update({
-        "model": MODEL, "devices": DEVICES, "micro_batch": 1, "precision": "bf16-mixed",
-        "optimizer_bits": 32, "wall_s": time.perf_counter() - t0, "quick": False,
+        "models": list(MODELS.values()), "hardware": list(HARDWARE), "devices": DEVICES, "micro_batch": 1,
+        "precision": "bf16-mixed", "optimizer_bits": 32, "wall_s": time.perf_counter() - t0, "quick": False,
         "machine": f"{platform.node()} {platform.processor() or platform.machine()}, "
                    f"{os.cpu_count()} cores",
         "torch": torch.__version__,

@@ -16,6 +16,18 @@ Poly = tuple[tuple[int, int, float], ...]
 """sum(coef * b**i * s**j) over the terms; b = micro-batch, s = sequence length per rank."""
 
 
+def variant_key(region: str, *, mixed_precision: bool = False, activation_bits: int = 32,
+                chunks: int = 1) -> str:
+    """The key of `region` traced with these settings: `{region}[@mp][@m{k}|@l{k}][@a{bits}]`,
+    parsed back by `planner.capture.regions.parse_key`. `mixed_precision`: under FSDP2's
+    mixed-precision policy; `chunks` > 1: a block's MLP (`@m{k}`) or the tail's LM head and loss
+    (`@l{k}`) over that many sequence chunks; `activation_bits` < 32: saved activations compressed."""
+    key = region + ("@mp" if mixed_precision else "")
+    if chunks > 1:
+        key += f"@{'l' if region == 'tail' else 'm'}{chunks}"
+    return key if activation_bits == 32 else f"{key}@a{activation_bits}"
+
+
 def poly_at(p: Poly, b: float, s: float) -> float:
     """Evaluate a Poly at micro-batch `b` and sequence length `s`."""
     return sum(c * b**i * s**j for i, j, c in p)
@@ -62,6 +74,11 @@ class Region:
     storages: tuple[StorageRecord, ...]
     boundary: int
     n_nodes: int
+    recompute_to_end: bool = False
+    """Checkpointed, the whole forward is recomputed (the executor turns torch's early stop off):
+    a block whose MLP is tiled (`modeling.tiling`), whose chunk checkpoints save their inputs as
+    the block's forward runs, so an early stop would fall inside the last chunk, at a point the
+    trace does not show (`executor.apply.checkpointing.apply_checkpointing`, `early_stop`)."""
 
     def fwd_nodes(self) -> list[str]:
         """Forward op nodes in execution order."""
@@ -76,7 +93,10 @@ class Region:
     def recompute_horizon(self) -> int:
         """Execution index of the last forward op whose output backward reads. A non-reentrant
         checkpoint stops recomputing there (torch.utils.checkpoint's early stop), so later
-        forward ops are never recomputed."""
+        forward ops are never recomputed. With `recompute_to_end`, the forward output's index:
+        the whole forward is recomputed."""
+        if self.recompute_to_end:
+            return self.boundary
         return max((r.created for r in self.storages
                     if r.category == "act" and r.last_use > self.boundary
                     and not r.is_fwd_output), default=-1)

@@ -34,9 +34,9 @@ from hardware_profiles.profile import HardwareProfile
 from hardware_profiles.threads import threads_per_rank, torch_threads
 from trainplan_errors import TrainplanError
 
-CACHE_FORMAT = 4
-"""Version of the cache file layout and of what its probes measure (4: AdamW fused); another
-version is re-measured."""
+CACHE_FORMAT = 5
+"""Version of the cache file layout and of what its probes measure (4: AdamW fused; 5: host
+memory, host link and unified memory); another version is re-measured."""
 
 RESERVE_FRACTION = 0.25
 """Share of RAM `measure_cpu` keeps back from tensors at least (OS, other processes, the
@@ -90,6 +90,10 @@ def measure_cpu(dtype: str = "fp32", quick: bool = False, threads: int | None = 
       libraries hold RAM that tensors cannot use.
     - `optimizer_s_per_param`: one AdamW step per parameter as the executor runs it, 32-bit
       (torch) and 8-bit (bitsandbytes, when it imports); see `cpu_probes.optimizer_s_per_param`.
+    - Host memory: the device is the host (`unified_memory` = True: offload frees nothing);
+      `host_memory_bytes` = total RAM, as `hbm_bytes`; `host_link_bandwidth_bytes_per_s` = half
+      the copy bandwidth (a copy of n bytes reads n and writes n, so n bytes take 2n / the copy
+      bandwidth).
     - Links: `devices_per_node` = 1; intra-node bandwidth = the copy bandwidth (assumption:
       gloo through shared memory); inter-node bandwidth = one-way TCP throughput on 127.0.0.1
       (gloo's transport between local processes; the copy bandwidth / 10 where sockets fail);
@@ -155,6 +159,11 @@ def _measure(dtype: str, quick: bool, threads: int) -> HardwareProfile:
         "devices_per_node": "the cpu profile treats the whole machine as one device",
         "memory_reserve_bytes": (
             f"max(25% of RAM, RAM in use at measurement: total - MemAvailable), at most 90%; {where}"),
+        "host_memory_bytes": f"total RAM, as hbm_bytes: the device is the host (unified_memory); {where}",
+        "host_link_bandwidth_bytes_per_s": (
+            f"half the measured fp32 copy_ bandwidth (bytes read + written / time): the payload rate of a copy "
+            f"within RAM, the device being the host; {where}"),
+        "unified_memory": "the cpu profile's device is the host: its memory is host memory",
         "matmul_efficiency": f"achieved / peak of square {dtype} torch.mm by op FLOPs, running maximum; {where}",
         "memory_efficiency": "1: hbm_bandwidth_bytes_per_s is already an achieved copy rate",
         "network_efficiency": "1: the link bandwidths are already achieved (or assumed) rates",
@@ -180,6 +189,9 @@ def _measure(dtype: str, quick: bool, threads: int) -> HardwareProfile:
         inter_node_latency_s=GLOO_LATENCY_S,
         devices_per_node=1,
         memory_reserve_bytes=reserve,
+        host_memory_bytes=total,
+        host_link_bandwidth_bytes_per_s=copy_bw / 2,
+        unified_memory=True,
         matmul_efficiency=tuple(curve),
         memory_efficiency=1.0,
         network_efficiency=1.0,

@@ -48,6 +48,8 @@ NUMERIC_FIELDS = (
     "inter_node_latency_s",
     "devices_per_node",
     "memory_reserve_bytes",
+    "host_memory_bytes",
+    "host_link_bandwidth_bytes_per_s",
     "matmul_efficiency",
     "memory_efficiency",
     "network_efficiency",
@@ -117,6 +119,18 @@ class HardwareProfile:
     memory_reserve_bytes: int = 0
     """Bytes per device not available to tensors (runtime context, communication buffers,
     allocator fragmentation, memory the driver does not expose)."""
+    host_memory_bytes: int = 0
+    """Host (CPU) memory of one node, bytes, shared by its `devices_per_node` devices: where
+    activation offload (`modeling.offload`) keeps what it copies out. 0: none to offload into.
+    On a unified-memory device, the node's unified memory (the same bytes as the devices')."""
+    host_link_bandwidth_bytes_per_s: float = 32e9
+    """One device's link to host memory, one direction, bytes of payload per second (a copy of n
+    bytes to or from host memory takes n / this): nominal, e.g. 32e9 for PCIe 4.0 x16 (the
+    default for profiles built in Python), 64e9 for PCIe 5.0 x16. On a unified-memory device,
+    a memory-to-memory copy: half the memory bandwidth (the copy reads and writes it)."""
+    unified_memory: bool = False
+    """The device and its host share one memory (AMD MI300A's HBM; the `cpu` profile, whose
+    device is the host): offload to host memory frees no device memory there."""
     matmul_efficiency: tuple[tuple[float, float], ...] = ((1.0, 1.0),)
     """(op FLOPs, achieved fraction of peak) points, sorted by op FLOPs; interpolated in
     log10(op FLOPs) by `matmul_efficiency_at`."""
@@ -143,7 +157,7 @@ class HardwareProfile:
         checked = check_profile(_plain(fields), name="HardwareProfile")
         for f in dataclasses.fields(self):
             value = getattr(checked, f.name)
-            if f.name in ("hbm_bytes", "memory_reserve_bytes"):
+            if f.name in ("hbm_bytes", "memory_reserve_bytes", "host_memory_bytes"):
                 value = int(round(value))
             elif isinstance(value, dict):
                 value = FrozenMap(value)

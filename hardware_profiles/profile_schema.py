@@ -31,8 +31,9 @@ Fraction = Annotated[float, Field(gt=0, le=1)]
 
 class ProfileSchema(BaseModel):
     """One device type's numbers as a profile file holds them (the fields of `HardwareProfile`,
-    documented there). Keys a file may leave out: aliases, vendor, source, optimizer_s_per_param
-    and sources; the others have no default, so a file gives every number of a shipped profile.
+    documented there). Keys a file may leave out: aliases, vendor, source, unified_memory (false),
+    optimizer_s_per_param and sources; the others have no default, so a file gives every number
+    of a shipped profile.
     A source for every number is a rule of files (`HardwareProfile.from_file`), not of the
     format."""
 
@@ -54,6 +55,9 @@ class ProfileSchema(BaseModel):
     inter_node_latency_s: NonNegative
     devices_per_node: int = Field(ge=1)
     memory_reserve_bytes: NonNegative
+    host_memory_bytes: NonNegative
+    host_link_bandwidth_bytes_per_s: Positive
+    unified_memory: bool = False
     matmul_efficiency: list[Annotated[tuple[Positive, Fraction], Field(strict=False)]] = Field(min_length=1)
     memory_efficiency: Fraction
     network_efficiency: Fraction

@@ -67,10 +67,13 @@ class _Packed:
         self.codes, self.scale, self.dtype, self.source = codes, scale, dtype, source
 
 
-def _is_weight(t: torch.Tensor, param_ids: frozenset[int]) -> bool:
-    """A parameter, a view of one, or autocast's cast of one (ToCopyBackward0 -> AccumulateGrad)."""
+def is_weight(t: torch.Tensor, param_ids: frozenset[int]) -> bool:
+    """A parameter (an `nn.Parameter`, or a tensor whose id is in `param_ids`: the fake parameters
+    of a capture), a view of one (`weight.t()` saved by mm), or autocast's cast of one
+    (ToCopyBackward0 -> AccumulateGrad): what saved-tensor hooks leave alone as weights, not
+    activations (here and in `modeling.offload`)."""
     root = t._base if t._base is not None else t
-    if isinstance(root, nn.Parameter) or id(root) in param_ids:
+    if isinstance(root, nn.Parameter) or id(root) in param_ids or id(t) in param_ids:
         return True
     fn = root.grad_fn
     while fn is not None and type(fn).__name__ in ("ToCopyBackward0", "TBackward0", "ViewBackward0",
@@ -111,7 +114,7 @@ class SavedActivationCompression(torch.autograd.graph.saved_tensors_hooks):
 
     def _skip(self, t: torch.Tensor) -> bool:
         return (not t.is_floating_point() or t.dim() < 2 or t.numel() < MIN_NUMEL
-                or (self.bits == 16 and t.element_size() <= 2) or _is_weight(t, self.param_ids))
+                or (self.bits == 16 and t.element_size() <= 2) or is_weight(t, self.param_ids))
 
     def _pack(self, t: torch.Tensor):
         if self._skip(t):

@@ -15,13 +15,17 @@ from costmodels.step import comm
 from costmodels.step.model import Choice
 from costmodels.step.precision import optimizer_bits_for
 from hardware_profiles import HardwareProfile
+from modeling.tiling import check_chunks
 from planner.budget import UNLIMITED_DATA_TOKENS, Budget, check_global_batch_tokens, check_seed, check_time_limit
 from planner.capture.setup import loss_law_for, setup_model
 from planner.data_choice import DEFAULT_DATA_METHODS, check_data_methods, choose_data_method, with_data_method
 from planner.joint.explain import explain_infeasible
 from planner.joint.problem import (
     DEFAULT_ACTIVATION_BITS,
+    GRANULARITY_TOKENS,
+    MAX_TOKENS,
     check_seq_len,
+    longest_plan,
     make_plan,
     prepare,
     solve_problem,
@@ -41,7 +45,8 @@ def solve(model: nn.Module | str, hw: str | HardwareProfile, budget: Budget, *, 
           export_path: str | None = None, explain: bool = True,
           data_methods: object = DEFAULT_DATA_METHODS,
           data_quality: dict[str, QualityFit] | None = None,
-          global_batch_tokens: int | None = None) -> Plan:
+          global_batch_tokens: int | None = None, loss_chunks: tuple[int, ...] | None = None,
+          mlp_chunks: tuple[int, ...] | None = None, offload: tuple[bool, ...] | None = None) -> Plan:
     """Plan a training run: every knob chosen jointly by one CP-SAT model.
 
     Args:
@@ -71,6 +76,11 @@ def solve(model: nn.Module | str, hw: str | HardwareProfile, budget: Budget, *, 
             it, the solver choosing the micro-batch and with it the gradient accumulation (a
             smaller micro-batch with more micro-steps holds fewer activations), and its step
             count is in optimizer steps. None: one micro-step per optimizer step (grad_accum 1).
+        loss_chunks, mlp_chunks, offload: the long-context knobs' values to choose from: a tiled
+            loss and a tiled MLP over that many sequence chunks (powers of two, 1 = not tiled;
+            `modeling.tiling`) and activation offload to host memory (`modeling.offload`). None:
+            `planner.joint.space.default_tiling` (each off, or on at one size), which the solver
+            takes only where it buys a plan that fits or runs faster.
 
     Raises:
         UnknownNameError: unknown hardware or preset.
@@ -94,7 +104,8 @@ def solve(model: nn.Module | str, hw: str | HardwareProfile, budget: Budget, *, 
     pr = prepare(model, hw, seq_len=seq_len, data_tokens=data_tokens, vocab_size=vocab_size,
                  precision=precision, law=law, micro_batches=micro_batches,
                  optimizer_bits=optimizer_bits, policies=policies, data_fractions=data_fractions,
-                 activation_bits=activation_bits, global_batch_tokens=global_batch_tokens)
+                 activation_bits=activation_bits, global_batch_tokens=global_batch_tokens,
+                 loss_chunks=loss_chunks, mlp_chunks=mlp_chunks, offload=offload)
     try:
         plan = solve_problem(pr, budget, memory_limit_bytes=memory_limit_bytes,
                              time_limit_s=time_limit_s, seed=seed, lr=lr, export_path=export_path,
@@ -107,6 +118,30 @@ def solve(model: nn.Module | str, hw: str | HardwareProfile, budget: Budget, *, 
                               fits=data_quality)
 
 
+def solve_longest(model: nn.Module | str, hw: str | HardwareProfile, budget: Budget, *,
+                  up_to: int = MAX_TOKENS, granularity: int = GRANULARITY_TOKENS, data_tokens: int | None = None,
+                  vocab_size: int | None = None, precision: str | None = None, law: LossLaw | None = None,
+                  time_limit_s: float = 10.0, seed: int = 0, memory_limit_bytes: float | None = None,
+                  **space_options) -> Plan:
+    """The plan for the longest sequence `budget` trains (`planner.joint.problem.longest_plan`: the
+    longest multiple of `granularity` tokens, at most `up_to`, with a plan; every knob chosen
+    jointly at each length, the long-context knobs where nothing fits without them).
+    `space_options`: `solve`'s search-space options (micro_batches, optimizer_bits,
+    activation_bits, policies, data_fractions, global_batch_tokens, loss_chunks, mlp_chunks,
+    offload).
+
+    Raises:
+        as `solve`; InfeasibleError when not even `granularity` tokens fit."""
+    if not isinstance(budget, Budget):
+        raise TrainplanError(f"budget must be a planner.Budget, got {type(budget).__name__}")
+    check_time_limit(time_limit_s)
+    check_seed(seed)
+    pr = prepare(model, hw, seq_len=granularity, data_tokens=data_tokens, vocab_size=vocab_size,
+                 precision=precision, law=law, **space_options)
+    return longest_plan(pr, budget, granularity=granularity, up_to=up_to, time_limit_s=time_limit_s, seed=seed,
+                        memory_limit_bytes=memory_limit_bytes)
+
+
 def plan_for_choice(model: nn.Module | str, hw: str | HardwareProfile, *, seq_len: int,
                     micro_batch: int, grad_accum: int = 1, checkpoint: tuple[str, ...] | str = "none",
                     checkpoint_sets: dict[str, list[str]] | None = None, sp_degree: int = 1,
@@ -115,18 +150,24 @@ def plan_for_choice(model: nn.Module | str, hw: str | HardwareProfile, *, seq_le
                     max_steps: int = 10,
                     data_tokens: int | None = None, vocab_size: int | None = None,
                     law: LossLaw | None = None, lr: float = 3e-3, seed: int = 0,
-                    data_method: str = "random", selection_every_steps: int = 0) -> Plan:
+                    data_method: str = "random", selection_every_steps: int = 0,
+                    loss_chunks: int = 1, mlp_chunks: int = 1, offload: bool = False) -> Plan:
     """A Plan with every knob fixed by the caller, predictions from the same cost models, no
     solver (status `FIXED`): for baselines, benchmarks and what-if questions. `data_method`
     and `selection_every_steps` (dynamic selection) as `planner.data_choice.with_data_method`
     sets them: nothing is taken off `max_steps` for scoring. `grad_accum`: micro-steps of
     `micro_batch` sequences per optimizer step; `max_steps` counts optimizer steps.
+    `loss_chunks`, `mlp_chunks`, `offload`: the long-context knobs (`planner.plan.Decisions`).
 
     Raises:
         TrainplanError: a knob out of range (SP degree not dividing devices, heads or sequence;
-            unknown policy; ZeRO stage; bits; grad_accum not a whole number >= 1).
+            unknown policy; ZeRO stage; bits; grad_accum or a chunk count not a whole number
+            >= 1; a tiled MLP under a selective checkpoint entry).
     """
     check_seq_len(seq_len)
+    loss_chunks, mlp_chunks = check_chunks(loss_chunks, what="loss_chunks"), check_chunks(mlp_chunks, what="mlp_chunks")
+    if not isinstance(offload, bool):
+        raise TrainplanError(f"offload={offload!r} must be True or False")
     for what, value in (("max_steps", max_steps), ("grad_accum", grad_accum)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise TrainplanError(f"{what}={value!r} must be a whole number >= 1")
@@ -150,7 +191,8 @@ def plan_for_choice(model: nn.Module | str, hw: str | HardwareProfile, *, seq_le
                              f"and {graph.n_heads} heads: valid degrees are {valid}")
     choice = Choice(sp_degree=sp_degree, zero_stage=zero_stage, micro_batch=micro_batch, seq_len=seq_len,
                     policies=policies, precision=precision, optimizer_bits=optimizer_bits, devices=devices,
-                    activation_bits=activation_bits, grad_accum=grad_accum,
+                    activation_bits=activation_bits, grad_accum=grad_accum, loss_chunks=loss_chunks,
+                    mlp_chunks=mlp_chunks, offload=offload,
                     sets=tuple(x for x in sets.values() if x.name in policies))
     law = loss_law_for(law, profile, name, graph)
     unique = data_tokens if data_tokens is not None else UNLIMITED_DATA_TOKENS

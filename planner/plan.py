@@ -47,6 +47,16 @@ class Decisions:
     """Width of the activations autograd saves for the backward outside checkpointed blocks:
     32 = as computed, 16 = bf16, 8 = int8 with a per-channel scale
     (`modeling.activation_compression`). Plans written before the field read 32."""
+    loss_chunks: int = 1
+    """Sequence chunks the LM head and loss run over (`modeling.tiling.tiled_lm_loss`: one
+    chunk's logits alive at a time, recomputed in the backward); 1 = not tiled. Plans written
+    before the field read 1."""
+    mlp_chunks: int = 1
+    """Sequence chunks every block's MLP runs over (`modeling.tiling.tile_mlp`); 1 = not tiled.
+    Above 1, blocks are checkpointed `none` or `full`. Plans written before the field read 1."""
+    offload: bool = False
+    """Checkpointed blocks' inputs kept in host memory from their forward to their backward
+    (`modeling.offload`). Plans written before the field read False."""
     data_fraction: float
     """Fraction of the corpus's training windows kept."""
     data_method: str
@@ -133,6 +143,11 @@ class Predictions:
     the scoring pass, `costmodels.data.scoring.reference_scoring_flops`), charged to the budget
     before training: `max_steps` is what is left. 0 for `random`; plans written before the
     field read 0."""
+    host_memory_bytes: float = 0.0
+    """Host memory per device holding offloaded activations (`Decisions.offload`); 0 without."""
+    host_memory_limit_bytes: float = 0.0
+    """Host memory one device may fill (`costmodels.step.offload.host_limit_bytes`); 0 on a
+    unified-memory device, where offload frees nothing, and in plans written before the field."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -229,7 +244,7 @@ class Plan:
 
 LAYOUT_FIELDS = ("devices", "sp_degree", "dp_degree", "zero_stage", "micro_batch", "seq_len",
                  "checkpoint", "checkpoint_sets", "precision", "optimizer_bits", "activation_bits",
-                 "grad_accum")
+                 "grad_accum", "loss_chunks", "mlp_chunks", "offload")
 """The decisions that set a step's memory, FLOPs and time (`Predictions.made_for`)."""
 
 

@@ -66,6 +66,9 @@ class DecisionsSchema(BaseModel):
     precision: Literal["fp32", "bf16-mixed", "bf16"]
     optimizer_bits: Annotated[Literal[32, 16, 8, 4], BeforeValidator(_whole)]
     activation_bits: Annotated[Literal[32, 16, 8], BeforeValidator(_whole)] = 32
+    loss_chunks: Count = 1
+    mlp_chunks: Count = 1
+    offload: bool = False
     data_fraction: float = Field(gt=0, le=1)
     data_method: Literal["random", "loss", "influence", "dsir"]
     max_tokens: Count
@@ -97,6 +100,9 @@ class DecisionsSchema(BaseModel):
                              "solved plan warms up over a tenth of its steps, at most 20)")
         if self.seq_len % self.sp_degree:
             raise ValueError(f"sp_degree={self.sp_degree} must divide seq_len={self.seq_len}")
+        if self.mlp_chunks > 1 and set(self.checkpoint) - {"none", "full"}:
+            raise ValueError(f"mlp_chunks={self.mlp_chunks} runs with the checkpoint entries none and full "
+                             f"only, not {sorted(set(self.checkpoint) - {'none', 'full'})}")
         return self
 
 
@@ -122,6 +128,8 @@ class PredictionsSchema(BaseModel):
     predicted_end_loss: float | None = None
     made_for: dict[str, Any] = {}
     scoring_flops: NonNegative = 0.0
+    host_memory_bytes: NonNegative = 0.0
+    host_memory_limit_bytes: NonNegative = 0.0
 
     @field_validator("memory_bytes")
     @classmethod

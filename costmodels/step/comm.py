@@ -353,3 +353,17 @@ __all__ = [
     "valid_sp_degrees",
     "zero_comm_bytes",
 ]
+
+
+def link_for(hw: Any, group: int) -> Link:
+    """The link a ring collective over `group` consecutive ranks of hardware profile `hw` runs
+    on: the intra-node link inside one node; across nodes, the ring's bus bandwidth is the node's
+    NICs together, devices_per_node x the per-device NIC share, at most the intra-node link: NCCL
+    runs one ring channel per NIC and its bus bandwidth is channels x per-channel inter-node speed
+    (NCCL `src/graph/tuning.cc`, `ncclTopoTuneModel`: busBw = nChannels * speedInter), and each
+    channel's data also crosses the intra-node links."""
+    if group <= hw.devices_per_node:
+        return Link(bandwidth_bytes_per_s=hw.intra_node_bandwidth_bytes_per_s,
+                    latency_s=hw.intra_node_latency_s, efficiency=hw.network_efficiency)
+    bw = min(hw.intra_node_bandwidth_bytes_per_s, hw.devices_per_node * hw.inter_node_bandwidth_bytes_per_s)
+    return Link(bandwidth_bytes_per_s=bw, latency_s=hw.inter_node_latency_s, efficiency=hw.network_efficiency)

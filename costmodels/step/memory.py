@@ -84,6 +84,13 @@ class RegionMemory:
     second micro-step on): autograd's AccumulateGrad adds each new gradient into `.grad` in
     place (`variable_grad += new_grad`, `torch/csrc/autograd/functions/accumulate_grad.h`), so
     a gradient is a temporary until it is added, and none is made for good."""
+    input_bytes: float = 0.0
+    """Bytes of the hidden states handed in (the region's activation input): what a checkpointed
+    block keeps of its forward beyond its saved outputs, and what activation offload moves to
+    host memory (`costmodels.step.model.StepModel.block_memory`)."""
+    offloaded_bytes: float = 0.0
+    """Bytes held in host memory from the forward to the backward (activation offload), not on
+    the device; 0 without offload."""
 
 
 def simulate_region(region: Region, b: int, s: int, *, checkpoint: bool = False,
@@ -150,8 +157,11 @@ def simulate_region(region: Region, b: int, s: int, *, checkpoint: bool = False,
     events.sort(key=lambda e: (e[0], e[1]))
     fwd_peak, retained, bwd_peak = _sweep(events, bnd, skip=ACCUMULATING)
     _, _, bwd_accumulating = _sweep(events, bnd, skip=FIRST)
+    inputs = sum(poly_at(r.bytes, b, s) for r in region.storages
+                 if r.category == "input" and r.input_kind == "act")
     return RegionMemory(fwd_peak=fwd_peak, retained=retained, bwd_peak=bwd_peak,
-                        grad_bytes=region.param_grad_bytes(b, s), bwd_peak_accumulating=bwd_accumulating)
+                        grad_bytes=region.param_grad_bytes(b, s), bwd_peak_accumulating=bwd_accumulating,
+                        input_bytes=inputs)
 
 
 BOTH, FIRST, ACCUMULATING = 0, 1, 2

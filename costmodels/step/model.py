@@ -16,12 +16,13 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from costmodels.checkpoint_sets import CheckpointSet, resolve, saved_nodes, sets_from_mapping
-from costmodels.graph import Region
+from costmodels.graph import Region, variant_key
 from costmodels.step import comm
 from costmodels.step.fsdp import FsdpLayout, root_gather_events
 from costmodels.step.memory import MemoryBreakdown, RegionMemory, model_state_bytes, simulate_region, step_peak
-from costmodels.step.optimizer_states import ADAMW_IMPLEMENTATION, adamw_traffic
-from costmodels.step.overlap import StepTimes, step_timeline
+from costmodels.step.offload import copy_s, exposed_s, in_flight, offloaded
+from costmodels.step.optimizer_states import ADAMW_IMPLEMENTATION, adamw_traffic, optimizer_step_s
+from costmodels.step.overlap import StepTimes, bwd_stream_s, fwd_stream_s, step_timeline
 from costmodels.step.precision import PRECISIONS
 from costmodels.step.roofline import RegionCost, region_cost
 from costmodels.step.ulysses import ulysses_block_events
@@ -51,6 +52,15 @@ class Choice:
     grad_accum: int = 1
     """Micro-steps (forward + backward of `micro_batch` sequences) per optimizer step: gradient
     accumulation. `StepModel` prices one optimizer step of `grad_accum` micro-steps."""
+    loss_chunks: int = 1
+    """Sequence chunks the tail's LM head and loss run over (`modeling.tiling.tiled_lm_loss`,
+    the captured `tail@l{k}`); 1 = not tiled."""
+    mlp_chunks: int = 1
+    """Sequence chunks every block's MLP runs over (`modeling.tiling.tile_mlp`, the captured
+    `block{i}@m{k}`); 1 = not tiled. Above 1 the blocks' entries are `none` or `full`."""
+    offload: bool = False
+    """Checkpointed blocks' inputs held in host memory between forward and backward
+    (`modeling.offload`, priced by `costmodels.step.offload`)."""
 
     @classmethod
     def from_decisions(cls, d) -> Choice:
@@ -59,7 +69,8 @@ class Choice:
                    seq_len=d.seq_len, policies=tuple(d.checkpoint), precision=d.precision,
                    optimizer_bits=d.optimizer_bits, devices=d.devices,
                    activation_bits=getattr(d, "activation_bits", 32),
-                   grad_accum=getattr(d, "grad_accum", 1),
+                   grad_accum=getattr(d, "grad_accum", 1), loss_chunks=getattr(d, "loss_chunks", 1),
+                   mlp_chunks=getattr(d, "mlp_chunks", 1), offload=getattr(d, "offload", False),
                    sets=tuple(sets_from_mapping(getattr(d, "checkpoint_sets", None)).values()))
 
     def entry(self, policy: str | CheckpointSet) -> CheckpointSet:
@@ -91,16 +102,21 @@ class StepCost:
     """Per-op overhead: ops executed x the profile's `op_overhead_s`."""
     comm_total_s: float = 0.0
     """All collectives' seconds, hidden or not (what a no-overlap model adds)."""
+    offload_s: float = 0.0
+    """Activation offload's copies on the critical path (`costmodels.step.offload.exposed_s`)."""
+    host_bytes: float = 0.0
+    """Host memory per device holding offloaded activations (`Choice.offload`)."""
 
     @property
     def time_s(self) -> float:
-        return self.compute_s + self.recompute_s + self.comm_s + self.optimizer_s + self.overhead_s
+        return (self.compute_s + self.recompute_s + self.comm_s + self.optimizer_s + self.overhead_s
+                + self.offload_s)
 
     def breakdown(self) -> dict[str, float]:
         """Seconds per step by part; they add up to `time_s`."""
         return {"compute": self.compute_s, "recompute": self.recompute_s,
                 "communication": self.comm_s, "optimizer": self.optimizer_s,
-                "overhead": self.overhead_s}
+                "overhead": self.overhead_s, "offload": self.offload_s}
 
 
 class StepModel:
@@ -138,25 +154,30 @@ class StepModel:
         return states
 
     def region_name(self, name: str, activation_bits: int, policy: str | CheckpointSet = "none", *,
-                    mixed_precision_policy: bool = False) -> str:
+                    mixed_precision_policy: bool = False, chunks: int = 1) -> str:
         """The captured region that runs `name`: under FSDP2's mixed-precision policy
         (`mixed_precision_policy`, see the method of that name) its variant `name@mp`, traced with
         bf16 parameters and no autocast; then, with saved activations at `activation_bits` < 32
         outside a checkpointed entry (torch's checkpoint hooks take precedence over the
         compression's, `modeling.activation_compression`), the variant `...@a{bits}` captured
-        under the compression.
+        under the compression. `chunks` > 1: the sequence-tiled variant (`variant_key`: `@m{k}` for
+        a block's MLP, `@l{k}` for the tail's loss), which the region table traces on first use.
 
         Raises:
             TrainplanError: the variant was not captured (capture with `activation_bits`, or
-                at bf16-mixed, which captures the `@mp` variants)."""
+                at bf16-mixed, which captures the `@mp` variants), or cannot be tiled."""
         base = f"{name}@mp" if mixed_precision_policy else name
         if base not in self.regions:
             raise TrainplanError(
                 f"bf16-mixed under FSDP2 needs the regions captured with bf16 parameters ({base!r} is "
                 "missing): capture the model at precision 'bf16-mixed' (planner.capture.setup.capture_model)")
-        if activation_bits == 32 or resolve(policy).checkpointed:
+        bits = 32 if activation_bits == 32 or resolve(policy).checkpointed else activation_bits
+        variant = variant_key(name, mixed_precision=mixed_precision_policy, activation_bits=bits, chunks=chunks)
+        if variant == base:
             return base
-        variant = f"{base}@a{activation_bits}"
+        if chunks > 1 and variant not in self.regions:
+            raise TrainplanError(f"{name!r} cannot run over {chunks} sequence chunks: the capture could "
+                                 f"not trace {variant!r} (a block without an MLP, or a sentinel collision)")
         if variant not in self.regions:
             raise TrainplanError(
                 f"activation_bits={activation_bits} needs the regions captured with that "
@@ -164,9 +185,18 @@ class StepModel:
         return variant
 
     def region_for(self, c: Choice, name: str, policy: str | CheckpointSet = "none") -> str:
-        """`region_name` of `name` under `c`'s activation width and precision policy."""
+        """`region_name` of `name` under `c`'s activation width, precision policy and tiling
+        (`Choice.loss_chunks` for the tail, `Choice.mlp_chunks` for blocks).
+
+        Raises:
+            TrainplanError: a tiled MLP under a selective entry (only `none` and `full` nest a
+                tiled MLP's chunk checkpoints as `modeling.tiling` runs them)."""
+        chunks = c.loss_chunks if name == "tail" else 1 if name == "head" else c.mlp_chunks
+        if chunks > 1 and name not in ("head", "tail") and resolve(policy).name not in ("none", "full"):
+            raise TrainplanError(f"mlp_chunks={c.mlp_chunks} runs with the checkpoint entries none and "
+                                 f"full only, not {resolve(policy).name!r}")
         return self.region_name(name, c.activation_bits, policy,
-                                mixed_precision_policy=self.mixed_precision_policy(c))
+                                mixed_precision_policy=self.mixed_precision_policy(c), chunks=chunks)
 
     def _region_memory(self, name: str, b: int, s: int, policy: str | CheckpointSet,
                        sp: int = 1) -> RegionMemory:
@@ -189,10 +219,23 @@ class StepModel:
 
     def block_memory(self, c: Choice, i: int, policy: str | CheckpointSet) -> RegionMemory:
         """Lifetime summary of block i under checkpoint entry `policy` at `c`'s shape, with
-        Ulysses' exchanges around attention when `c.sp_degree` > 1 (`costmodels.step.ulysses`)."""
+        Ulysses' exchanges around attention when `c.sp_degree` > 1 (`costmodels.step.ulysses`),
+        its input in host memory when `c.offload` and the entry checkpoints
+        (`costmodels.step.offload.offloaded`)."""
         entry = c.entry(policy)
-        return self._mem(self.region_for(c, self.blocks[i], entry), c.micro_batch,
-                         c.seq_len // c.sp_degree, entry, c.sp_degree)
+        m = self._mem(self.region_for(c, self.blocks[i], entry), c.micro_batch,
+                      c.seq_len // c.sp_degree, entry, c.sp_degree)
+        return offloaded(m, self.hw) if c.offload and entry.checkpointed else m
+
+    def offload_block_s(self, c: Choice, i: int, policy: str | CheckpointSet) -> float:
+        """Seconds block i's offloaded input adds to a micro-step (`costmodels.step.offload.exposed_s`,
+        overlapped with its own forward and backward); 0 without offload or checkpointing."""
+        entry = c.entry(policy)
+        if not (c.offload and entry.checkpointed):
+            return 0.0
+        x = self.block_cost(c, i, entry)
+        nbytes = self.block_memory(c, i, entry).input_bytes
+        return exposed_s(nbytes, x.fwd_s, x.bwd_s + x.recompute_s, self.hw)
 
     def block_cost(self, c: Choice, i: int, policy: str | CheckpointSet) -> RegionCost:
         """FLOPs and roofline seconds of block i under entry `policy` at `c`'s shape."""
@@ -203,7 +246,8 @@ class StepModel:
     def block_time(self, c: Choice, i: int, policy: str | CheckpointSet) -> float:
         """Seconds of block i per step: forward, backward, recompute and per-op overhead."""
         x = self.block_cost(c, i, policy)
-        return x.fwd_s + x.bwd_s + x.recompute_s + x.n_ops * self.hw.op_overhead_s
+        return (x.fwd_s + x.bwd_s + x.recompute_s + x.n_ops * self.hw.op_overhead_s
+                + self.offload_block_s(c, i, policy))
 
     def evaluate(self, c: Choice) -> StepCost:
         """Memory, FLOPs and time of one step under `c`, per device."""
@@ -214,7 +258,7 @@ class StepModel:
         blocks = [self.block_memory(c, i, p) for i, p in enumerate(c.policies)]
         held = states.grads if c.grad_accum > 1 else 0.0
         memory = step_peak(head, blocks, tail, states, fsdp=fsdp, held_grad_bytes=held)
-        return self._with_runtime(c, memory)
+        return replace(self._with_runtime(c, memory), host_bytes=sum(m.offloaded_bytes for m in blocks))
 
     def tail_memory(self, c: Choice) -> RegionMemory:
         """Lifetime summary of the tail (final norm, LM head, loss) at `c`'s shape; with ZeRO-3
@@ -224,8 +268,10 @@ class StepModel:
         fsdp = self.fsdp_layout(c)
         name = self.region_for(c, "tail")
         if fsdp is not None and fsdp.reshard_after_forward:
-            return self._tail_root(name, b, s, fsdp.root_param_bytes)
-        return self._mem(name, b, s, "none")
+            m = self._tail_root(name, b, s, fsdp.root_param_bytes)
+        else:
+            m = self._mem(name, b, s, "none")
+        return in_flight(m, self.hw) if c.offload else m
 
     def head_memory(self, c: Choice) -> RegionMemory:
         """Lifetime summary of the head (embedding, rotary tables) at `c`'s shape."""
@@ -262,13 +308,22 @@ class StepModel:
         ga = c.grad_accum
         model_flops = ga * sum(x.fwd_flops + x.bwd_flops for x in costs)
         recompute_flops = ga * sum(x.recompute_flops for x in costs)
-        opt_bytes, opt_ops = self.optimizer_traffic(c)
-        comm_total_s, exposed_s = self.comm_times(c, head, tail, blocks)
+        shard = c.devices if c.zero_stage >= 1 else 1
+        opt_bytes, opt_ops = adamw_traffic(sum(self.param_numels) / shard, len(self.param_numels), c.optimizer_bits)
+        comm_total_s, comm_exposed_s = self.comm_times(c, head, tail, blocks)
+        offload_s = 0.0
+        if c.offload:  # each block's copies beyond its compute, and the backward's first fetch
+            offload_s = ga * sum(self.offload_block_s(c, i, p) for i, p in enumerate(c.policies))
+            last = [i for i, p in enumerate(c.policies) if c.entry(p).checkpointed]
+            if last and not self.hw.unified_memory:
+                offload_s += ga * copy_s(self.block_memory(c, last[-1], c.policies[last[-1]]).input_bytes,
+                                         self.hw)
         return StepCost(memory=memory, flops=model_flops + recompute_flops, model_flops=model_flops,
                         compute_s=ga * sum(x.fwd_s + x.bwd_s for x in costs),
-                        recompute_s=ga * sum(x.recompute_s for x in costs),
-                        comm_s=exposed_s if self.overlap else comm_total_s, comm_total_s=comm_total_s,
-                        optimizer_s=self.optimizer_s(c, opt_bytes),
+                        recompute_s=ga * sum(x.recompute_s for x in costs), offload_s=offload_s,
+                        comm_s=comm_exposed_s if self.overlap else comm_total_s, comm_total_s=comm_total_s,
+                        optimizer_s=optimizer_step_s(self.hw, c.optimizer_bits, sum(self.param_numels) / shard,
+                                                     opt_bytes),
                         overhead_s=(ga * sum(x.n_ops for x in costs) + opt_ops) * self.hw.op_overhead_s)
 
     def comm_times(self, c: Choice, head: RegionCost, tail: RegionCost,
@@ -291,9 +346,9 @@ class StepModel:
                 micro_batch=c.micro_batch, seq_len=c.seq_len, n_heads=self.n_heads,
                 n_kv_heads=self.n_kv_heads, head_dim=self.head_dim, sp_degree=c.sp_degree,
                 bytes_per_element=PRECISIONS[c.precision][0] if c.precision != "bf16-mixed" else 2)
-            a2a = sum(comm.all_to_all_s(v, c.sp_degree, self.link(c.sp_degree)) for v in per.values())
+            a2a = sum(comm.all_to_all_s(v, c.sp_degree, comm.link_for(self.hw, c.sp_degree)) for v in per.values())
             a2a *= comm.ULYSSES_PER_STEP_FACTOR / 2  # per pass (forward, backward)
-        link = self.link(c.devices)
+        link = comm.link_for(self.hw, c.devices)
         n = c.devices
         block_numels = [self.block_numel(c.precision, name) for name in self.blocks]
         root_numel = max(0.0, sum(self.param_numels) - sum(block_numels))
@@ -310,10 +365,10 @@ class StepModel:
             tail_reduce = comm.all_reduce_s(tail_numel * rb, n, link)
             root_reduce = comm.all_reduce_s(max(0.0, root_numel - tail_numel) * rb, n, link)
         times = StepTimes(
-            head_fwd_s=_fwd_s(head, ov), head_bwd_s=_bwd_s(head, ov),
-            tail_fwd_s=_fwd_s(tail, ov), tail_bwd_s=_bwd_s(tail, ov),
-            block_fwd_s=tuple(_fwd_s(x, ov) + a2a for x in blocks),
-            block_bwd_s=tuple(_bwd_s(x, ov) + a2a for x in blocks),
+            head_fwd_s=fwd_stream_s(head, ov), head_bwd_s=bwd_stream_s(head, ov),
+            tail_fwd_s=fwd_stream_s(tail, ov), tail_bwd_s=bwd_stream_s(tail, ov),
+            block_fwd_s=tuple(fwd_stream_s(x, ov) + a2a for x in blocks),
+            block_bwd_s=tuple(bwd_stream_s(x, ov) + a2a for x in blocks),
             root_gather_s=root_gather, block_gather_s=gather, root_reduce_s=root_reduce,
             block_reduce_s=reduce, tail_reduce_s=tail_reduce)
         line = step_timeline(times, zero_stage=c.zero_stage, grad_accum=c.grad_accum)
@@ -342,46 +397,3 @@ class StepModel:
     def block_numel(self, precision: str, name: str) -> float:
         """Parameters of block region `name` (its bytes at `precision`'s parameter width)."""
         return self._param_bytes(name) / PRECISIONS[precision][0]
-
-    def optimizer_s(self, c: Choice, traffic_bytes: float) -> float:
-        """Seconds of one optimizer step on this device: the profile's measured seconds per
-        parameter for these bits (`HardwareProfile.optimizer_s_per_param`, the cpu profile's
-        probe) times this device's share of the parameters, else the roofline of its traffic
-        (`optimizer_traffic`) at the profile's memory bandwidth."""
-        measured = self.hw.optimizer_s_per_param.get(str(c.optimizer_bits))
-        if measured is not None:
-            shard = c.devices if c.zero_stage >= 1 else 1
-            return measured * sum(self.param_numels) / shard
-        return traffic_bytes / (self.hw.hbm_bandwidth_bytes_per_s * self.hw.memory_efficiency)
-
-    def optimizer_traffic(self, c: Choice) -> tuple[float, int]:
-        """(bytes moved, ops) of one AdamW step on this device's share of the parameters
-        (`costmodels.step.optimizer_states.adamw_traffic`)."""
-        shard = c.devices if c.zero_stage >= 1 else 1
-        return adamw_traffic(sum(self.param_numels) / shard, len(self.param_numels), c.optimizer_bits)
-
-    def link(self, group: int) -> comm.Link:
-        """The link a ring collective over `group` consecutive ranks runs on: the intra-node link
-        inside one node; across nodes, the ring's bus bandwidth is the node's NICs together,
-        devices_per_node x the per-device NIC share, at most the intra-node link: NCCL runs one
-        ring channel per NIC and its bus bandwidth is channels x per-channel inter-node speed
-        (NCCL `src/graph/tuning.cc`, `ncclTopoTuneModel`: busBw = nChannels * speedInter), and
-        each channel's data also crosses the intra-node links."""
-        hw = self.hw
-        if group <= hw.devices_per_node:
-            return comm.Link(bandwidth_bytes_per_s=hw.intra_node_bandwidth_bytes_per_s,
-                             latency_s=hw.intra_node_latency_s, efficiency=hw.network_efficiency)
-        bw = min(hw.intra_node_bandwidth_bytes_per_s, hw.devices_per_node * hw.inter_node_bandwidth_bytes_per_s)
-        return comm.Link(bandwidth_bytes_per_s=bw, latency_s=hw.inter_node_latency_s,
-                         efficiency=hw.network_efficiency)
-
-
-def _fwd_s(x: RegionCost, op_overhead_s: float) -> float:
-    """Seconds of a region's forward on the compute stream: its ops and their per-op overhead."""
-    return x.fwd_s + x.n_fwd_ops * op_overhead_s
-
-
-def _bwd_s(x: RegionCost, op_overhead_s: float) -> float:
-    """Seconds of a region's backward on the compute stream: its recompute, backward ops and
-    their per-op overhead."""
-    return x.bwd_s + x.recompute_s + (x.n_ops - x.n_fwd_ops) * op_overhead_s

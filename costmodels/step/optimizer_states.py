@@ -1,6 +1,6 @@
 """Optimizer states and the optimizer step as the executor runs them (`executor.optimizers`):
 bytes of Adam's moments at each state width, the scratch torch's AdamW allocates during its
-step, and the bytes one step moves (its roofline time, `costmodels.step.model.StepModel.optimizer_s`)."""
+step, and the bytes one step moves (its roofline time, `optimizer_step_s`)."""
 
 from __future__ import annotations
 
@@ -123,3 +123,14 @@ def adamw_traffic(local_numel: float, n_tensors: int, optimizer_bits: int,
         raise TrainplanError(f"adamw={adamw!r}; valid: {', '.join(ADAMW_IMPLEMENTATIONS)}")
     q = optimizer_bits / 8
     return (3 * 4 + 4 * q) * local_numel, 2 * n_tensors
+
+
+def optimizer_step_s(hw, optimizer_bits: int, local_numel: float, traffic_bytes: float) -> float:
+    """Seconds of one optimizer step on a device of profile `hw` holding `local_numel` parameters'
+    states: the profile's measured seconds per parameter for these bits
+    (`HardwareProfile.optimizer_s_per_param`, the cpu profile's probe), else the roofline of its
+    traffic (`adamw_traffic`) at the profile's memory bandwidth."""
+    measured = hw.optimizer_s_per_param.get(str(optimizer_bits))
+    if measured is not None:
+        return measured * local_numel
+    return traffic_bytes / (hw.hbm_bandwidth_bytes_per_s * hw.memory_efficiency)

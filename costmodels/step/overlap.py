@@ -217,3 +217,15 @@ def step_timeline(t: StepTimes, *, zero_stage: int, grad_accum: int = 1) -> Time
 
 
 __all__ = ["Phase", "StepTimes", "Timeline", "ddp_program", "fsdp_program", "schedule", "step_timeline"]
+
+
+def fwd_stream_s(x, op_overhead_s: float) -> float:
+    """Seconds of a region's forward on the compute stream: its ops (`x`, a
+    `costmodels.step.roofline.RegionCost`) and their per-op overhead."""
+    return x.fwd_s + x.n_fwd_ops * op_overhead_s
+
+
+def bwd_stream_s(x, op_overhead_s: float) -> float:
+    """Seconds of a region's backward on the compute stream: its recompute, backward ops and
+    their per-op overhead (`x`, a `costmodels.step.roofline.RegionCost`)."""
+    return x.bwd_s + x.recompute_s + (x.n_ops - x.n_fwd_ops) * op_overhead_s

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
+from costmodels.checkpoint_sets import resolve, sets_from_mapping
 from executor.accumulation import accumulation_sync, reset_memory_tracker_modules
 from executor.apply.checkpointing import apply_checkpointing, block_ops, check_block_ops, find_blocks
 from executor.apply.measuring import Measurement
@@ -45,6 +46,8 @@ from executor.parallel.launch import init_distributed
 from hardware_profiles import load as load_profile
 from modeling.activation_compression import compress_saved_activations
 from modeling.loss import lm_loss
+from modeling.offload import OffloadStats, offload_block
+from modeling.tiling import defer_head, find_mlp, tile_mlp, tiled_ce_sum, tiled_lm_loss
 from planner.plan import Plan
 from trainplan_errors import PlanMismatchError, TrainplanError, UnknownNameError
 
@@ -107,22 +110,29 @@ def lr_at(step: int, plan: Plan) -> float:
     return peak if step < start else peak * max(0.05, (d.max_steps - step) / cool)
 
 
-def micro_batch_loss(model, dev, sp: int, sp_rank: int, world: int, x, y) -> torch.Tensor:
+def micro_batch_loss(model, dev, sp: int, sp_rank: int, world: int, x, y, *, head=None,
+                     loss_chunks: int = 1) -> torch.Tensor:
     """Loss of one micro-batch (nats/token, a scalar): x, y (b, s) token ids and next-token
     targets, `model` on device `dev`. Under Ulysses SP (`sp` ranks per sequence, this one
     `sp_rank`, `world` ranks in all) each rank feeds its contiguous sequence shard with global
     positions; `executor.parallel.ulysses.sp_loss` makes the averaged gradients equal the
     single-process ones. No KV cache (`use_cache=False`): a training forward of a model whose
-    config enables it would otherwise fill one, ops the plan did not capture."""
+    config enables it would otherwise fill one, ops the plan did not capture. `head` (a tiled loss,
+    `modeling.tiling.defer_head`: the model's `.logits` are then its final hidden states): the
+    loss over `loss_chunks` sequence chunks (`modeling.tiling.tiled_lm_loss`)."""
     if world == 1:
-        return lm_loss(model(input_ids=x.to(dev), use_cache=False).logits, y.to(dev))
+        out = model(input_ids=x.to(dev), use_cache=False).logits
+        return lm_loss(out, y.to(dev)) if head is None else tiled_lm_loss(out, head, y.to(dev), loss_chunks)
     from executor.parallel.ulysses import sp_loss  # multi-device only: see the module docstring
 
     sl = x.shape[1] // sp
     lo, hi = sp_rank * sl, (sp_rank + 1) * sl
     pos = torch.arange(lo, hi, device=dev).unsqueeze(0).expand(x.shape[0], -1)
     logits = model(input_ids=x[:, lo:hi].to(dev), position_ids=pos, use_cache=False).logits
-    return sp_loss(logits, y[:, lo:hi].to(dev), None, None)
+    labels = y[:, lo:hi].to(dev)
+    if head is None:
+        return sp_loss(logits, labels, None, None)
+    return sp_loss(logits, labels, None, None, local_sum=tiled_ce_sum(logits, head, labels, loss_chunks))
 
 
 @dataclass(kw_only=True, eq=False)
@@ -146,6 +156,10 @@ class AppliedPlan:
     """FSDP2's `MixedPrecisionPolicy` when the plan runs bf16-mixed under it, else None."""
     lr_scheduler: LambdaLR | None = field(default=None, repr=False)
     """`scheduler`, or None for `apply_plan(..., lr_scheduler=False)`."""
+    head: Any = field(default=None, repr=False)
+    """The LM head's forward under a tiled loss (`modeling.tiling.defer_head`), else None."""
+    offload_stats: OffloadStats | None = field(default=None, repr=False)
+    """What activation offload moved to host memory in the last step (`Decisions.offload`)."""
 
     @property
     def micro_batch(self) -> int:
@@ -197,7 +211,8 @@ class AppliedPlan:
         """`micro_batch_loss` of this rank (its SP shard of (b, s) ids `x` and targets `y`),
         without the training contexts: held-out evaluation under `torch.no_grad()`."""
         d = self.plan.decisions
-        return micro_batch_loss(self.model, self.device, d.sp_degree, self.rank % d.sp_degree, self.world, x, y)
+        return micro_batch_loss(self.model, self.device, d.sp_degree, self.rank % d.sp_degree, self.world, x, y,
+                                head=self.head, loss_chunks=d.loss_chunks)
 
     def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Training loss of one micro-batch (nats/token, a scalar with its graph): `x`, `y` (b, s)
@@ -272,14 +287,19 @@ def apply_plan(plan: Plan, model: nn.Module, *, device_mesh=None, device: str | 
         from executor.parallel.zero import mixed_precision_policy  # see the module docstring
 
         mp = mixed_precision_policy(d)
+    if d.mlp_chunks > 1:  # before the op check: the plan captured the tiled MLP's ops
+        for layer in blocks:
+            tile_mlp(find_mlp(layer), d.mlp_chunks)
+    head = defer_head(model) if d.loss_chunks > 1 else None
     if check_ops:
         _check_ops(plan, model, blocks_name, blocks, dev, mixed_precision=mp is not None)
-    apply_checkpointing(model, d.checkpoint, d.checkpoint_sets, blocks=blocks)
+    apply_checkpointing(model, d.checkpoint, d.checkpoint_sets, blocks=blocks, early_stop=d.mlp_chunks == 1)
+    stats = _offload(d, blocks) if d.offload else None
     model.train()
     factory = partial(build_optimizer, bits=d.optimizer_bits, lr=d.lr, precision=d.precision)
     if world == 1:
         return _with_scheduler(AppliedPlan(plan=plan, model=model, optimizer=factory(model.parameters()),
-                                           device=dev), lr_scheduler)
+                                           device=dev, head=head, offload_stats=stats), lr_scheduler)
     from executor.parallel.ulysses import enable_ulysses  # see the module docstring
     from executor.parallel.zero import apply_zero
 
@@ -288,7 +308,20 @@ def apply_plan(plan: Plan, model: nn.Module, *, device_mesh=None, device: str | 
     wrapped, opt = apply_zero(model, factory, stage=d.zero_stage, mesh_or_group=device_mesh, device=dev,
                               mp_policy=mp)
     return _with_scheduler(AppliedPlan(plan=plan, model=wrapped, optimizer=opt, device=dev, rank=rank,
-                                       world=world, mixed_precision=mp), lr_scheduler)
+                                       world=world, mixed_precision=mp, head=head, offload_stats=stats),
+                           lr_scheduler)
+
+
+def _offload(d, blocks: nn.ModuleList) -> OffloadStats:
+    """Activation offload on the checkpointed blocks (`modeling.offload.offload_block`, outside
+    their checkpoint, so only the checkpoint's saved input moves), one `OffloadStats` shared so
+    the backward prefetches block i-1's input while block i runs."""
+    stats = OffloadStats()
+    sets = sets_from_mapping(d.checkpoint_sets)
+    for layer, policy in zip(blocks, d.checkpoint, strict=True):
+        if resolve(policy, sets).checkpointed:
+            offload_block(layer, stats=stats)
+    return stats
 
 
 def _with_scheduler(applied: AppliedPlan, make: bool) -> AppliedPlan:

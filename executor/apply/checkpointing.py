@@ -29,6 +29,7 @@ from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
     create_selective_checkpoint_contexts,
+    set_checkpoint_early_stop,
 )
 
 from costmodels.checkpoint_sets import (
@@ -67,7 +68,7 @@ def find_blocks(model: nn.Module, n_layers: int) -> tuple[str, nn.ModuleList]:
         "or solve one for this model (planner.api.solve(model, ...))")
 
 
-def sac_forward(orig, entry: CheckpointSet, *args, **kwargs):
+def sac_forward(orig, entry: CheckpointSet, *args, early_stop: bool = True, **kwargs):
     """Run `orig` under torch's selective activation checkpointing with `entry`'s saved set.
 
     The policy function names each op call of this forward by its node key (`KeyCounter`: the
@@ -86,15 +87,18 @@ def sac_forward(orig, entry: CheckpointSet, *args, **kwargs):
 
         return create_selective_checkpoint_contexts(policy_fn)
 
-    return checkpoint(orig, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+    with set_checkpoint_early_stop(early_stop):  # read when the checkpoint's frame is made
+        return checkpoint(orig, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
 
 def apply_checkpointing(model: nn.Module, policies: Sequence[str], sets: Mapping[str, list[str]] | None = None,
-                        *, blocks: nn.ModuleList | None = None) -> None:
+                        *, blocks: nn.ModuleList | None = None, early_stop: bool = True) -> None:
     """Wrap each transformer block's forward in the checkpoint its entry names (parameter
     names are unchanged). `policies`: one entry per block (`Decisions.checkpoint`); `sets`: the
     plan's `Decisions.checkpoint_sets`, the saved node keys of each solved entry (`remat:k`) that
     `policies` names; `blocks`: the blocks (None: `find_blocks(model, len(policies))`).
+    `early_stop=False`: the recompute runs the whole forward (`set_checkpoint_early_stop`), as a
+    block with a tiled MLP is modelled (`costmodels.graph.Region.recompute_to_end`).
 
     Raises:
         PlanMismatchError: the model has no list of as many blocks as `policies` (or `blocks`
@@ -111,7 +115,7 @@ def apply_checkpointing(model: nn.Module, policies: Sequence[str], sets: Mapping
         except TrainplanError as e:
             raise PlanMismatchError(str(e)) from None
         if entry.checkpointed:
-            layer.forward = partial(sac_forward, layer.forward, entry)
+            layer.forward = partial(sac_forward, layer.forward, entry, early_stop=early_stop)
 
 
 class _OpRecorder(TorchDispatchMode):

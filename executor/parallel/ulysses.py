@@ -312,6 +312,8 @@ def sp_loss(
     labels_shard: torch.Tensor,
     n_tokens_global: int | None,
     group: dist.ProcessGroup | None,
+    *,
+    local_sum: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Mean next-token cross-entropy over the global batch, from one rank's shard.
 
@@ -330,7 +332,11 @@ def sp_loss(
     After the average over W ranks the parameter gradient is ``sum_r dS_r / N``, the single-process
     gradient; under SP the all-to-all backward already routes each rank's attention gradients, so
     summing the per-rank parameter gradients is exact. Without a process group this is S / N.
+    ``local_sum``: S_r computed by the caller (a tiled loss, `modeling.tiling.tiled_ce_sum`, from the
+    hidden states, ``logits_shard`` then unused); None computes it from ``logits_shard``.
     """
+    if local_sum is not None:
+        return _mean_over_ranks(local_sum, labels_shard, n_tokens_global, group)
     v = logits_shard.shape[-1]
     local_sum = F.cross_entropy(
         logits_shard.float().reshape(-1, v),
@@ -338,6 +344,12 @@ def sp_loss(
         ignore_index=IGNORE_INDEX,
         reduction="sum",
     )
+    return _mean_over_ranks(local_sum, labels_shard, n_tokens_global, group)
+
+
+def _mean_over_ranks(local_sum: torch.Tensor, labels_shard: torch.Tensor, n_tokens_global: int | None,
+                     group: dist.ProcessGroup | None) -> torch.Tensor:
+    """`sp_loss`'s value and gradient from this rank's summed cross-entropy `local_sum`."""
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     if world == 1:
         n = n_tokens_global

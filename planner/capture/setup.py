@@ -84,10 +84,9 @@ def with_mixed_precision_variants(graph: ModelGraph, mp: ModelGraph) -> ModelGra
     """`graph` (bf16-mixed under autocast: fp32 parameters, what DDP runs) with the regions of
     `mp` (the same model traced with bf16 parameters and no autocast: what FSDP2 runs under
     `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`) added under
-    `mixed_precision_key`."""
-    extra = {mixed_precision_key(k): dataclasses.replace(r, name=mixed_precision_key(k))
-             for k, r in mp.regions.items()}
-    return dataclasses.replace(graph, regions={**graph.regions, **extra})
+    `mixed_precision_key`, and its tracer for their sequence-tiled variants
+    (`planner.capture.regions.RegionTable`)."""
+    return dataclasses.replace(graph, regions=graph.regions.with_variants(mp.regions, mixed_precision_key, "mp"))
 
 
 def setup_model(model: nn.Module | str, hw: str | HardwareProfile, *, precision: str | None,

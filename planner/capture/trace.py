@@ -21,15 +21,24 @@ B_SYM, S_SYM = sympy.symbols("b s", positive=True, integer=True)
 
 
 
-def _symbolize(shape: tuple[int, ...], b0: int, s0: int):
+def _symbolize(shape: tuple[int, ...], b0: int, s0: int, chunks: int = 1):
+    """Symbolic shape and numel of `shape` traced at micro-batch `b0`, sequence `s0`: a dimension
+    equal to b0*s0, s0 or b0 is `b*s`, `s` or `b`; with `chunks` > 1 (a sequence-tiled trace,
+    `s0` a multiple of `chunks`), one equal to b0*s0/chunks or s0/chunks is `b*s/chunks` or
+    `s/chunks` (one tile)."""
     expr = sympy.Integer(1)
     sym_shape = []
+    tile = s0 // chunks if chunks > 1 else None
     for d in shape:
         d = int(d)
         if d == b0 * s0:
             e = B_SYM * S_SYM
         elif d == s0:
             e = S_SYM
+        elif tile is not None and d == b0 * tile:
+            e = B_SYM * S_SYM / chunks
+        elif tile is not None and d == tile:
+            e = S_SYM / chunks
         elif d == b0:
             e = B_SYM
         else:
@@ -39,23 +48,23 @@ def _symbolize(shape: tuple[int, ...], b0: int, s0: int):
     return tuple(sym_shape), expr
 
 
-def _sym_args(x, b0, s0):
+def _sym_args(x, b0, s0, chunks=1):
     if isinstance(x, torch.Tensor):
-        return _symbolize(tuple(x.shape), b0, s0)[0]
+        return _symbolize(tuple(x.shape), b0, s0, chunks)[0]
     if isinstance(x, (list, tuple)):
-        return type(x)(_sym_args(v, b0, s0) for v in x)
+        return type(x)(_sym_args(v, b0, s0, chunks) for v in x)
     return x
 
 
-def _flops(node, b0, s0):
+def _flops(node, b0, s0, chunks=1):
     packet = getattr(node.target, "overloadpacket", None)
     if packet not in _FLOP_FORMULAS:
         return sympy.Integer(0)
-    args = [_sym_args(a.meta.get("val") if isinstance(a, torch.fx.Node) else a, b0, s0)
+    args = [_sym_args(a.meta.get("val") if isinstance(a, torch.fx.Node) else a, b0, s0, chunks)
             for a in node.args]
-    kwargs = {k: _sym_args(v.meta.get("val") if isinstance(v, torch.fx.Node) else v, b0, s0)
+    kwargs = {k: _sym_args(v.meta.get("val") if isinstance(v, torch.fx.Node) else v, b0, s0, chunks)
               for k, v in node.kwargs.items()}
-    out = _sym_args(node.meta.get("val"), b0, s0)
+    out = _sym_args(node.meta.get("val"), b0, s0, chunks)
     return sympy.expand(_FLOP_FORMULAS[packet](*args, out_val=out, **kwargs))
 
 
@@ -70,7 +79,7 @@ def _tensors(val):
 def trace_region(name: str, fn, inputs: dict, *, kinds: dict[str, str], b0: int, s0: int,
                  block: int | None, autocast_dtype: torch.dtype | None = None,
                  activation_bits: int = 32, held_to_output: tuple[str, ...] = (),
-                 held: list | None = None, device_type: str = "cpu") -> Region:
+                 held: list | None = None, device_type: str = "cpu", chunks: int = 1) -> Region:
     """Trace `fn(**inputs)` and summarise it as a Region. `fn` returns
     (forward_output, [parameter gradients], [other outputs]).
 
@@ -84,7 +93,9 @@ def trace_region(name: str, fn, inputs: dict, *, kinds: dict[str, str], b0: int,
     to that its Python frame keeps until the forward output is made (the logits `lm_loss`
     receives, bf16 under autocast, beside the fp32 copy cross-entropy makes of them).
     `device_type`: trace attention and dropout as that device runs them
-    (`planner.capture.device_kernels.target_kernels`)."""
+    (`planner.capture.device_kernels.target_kernels`). `chunks` > 1: `fn` tiles the sequence
+    into that many chunks (`modeling.tiling`) and `s0` is a multiple of it; a chunk's dimensions
+    become `s/chunks` (`_symbolize`)."""
     names = list(inputs)
     param_ids = frozenset(id(inputs[n]) for n in names if kinds[n] == "param")
     compression = []
@@ -122,7 +133,7 @@ def trace_region(name: str, fn, inputs: dict, *, kinds: dict[str, str], b0: int,
             key = StorageWeakRef(t.untyped_storage()).cdata
             if key in storages:
                 continue
-            _, numel_expr = _symbolize(tuple(t.shape), b0, s0)
+            _, numel_expr = _symbolize(tuple(t.shape), b0, s0, chunks)
             nbytes = t.untyped_storage().nbytes()
             numel_at = int(numel_expr.subs({B_SYM: b0, S_SYM: s0}))
             coef = sympy.Rational(nbytes, numel_at) if numel_at else sympy.Integer(nbytes)
@@ -138,12 +149,12 @@ def trace_region(name: str, fn, inputs: dict, *, kinds: dict[str, str], b0: int,
                                  fwd_out=n is fwd_out, copied=key in copied)
         if n.op != "call_function":
             continue
-        out_bytes = _nbytes(n.meta.get("val"), b0, s0)
-        in_bytes = sum((_nbytes(a.meta.get("val"), b0, s0) for a in n.all_input_nodes),
+        out_bytes = _nbytes(n.meta.get("val"), b0, s0, chunks)
+        in_bytes = sum((_nbytes(a.meta.get("val"), b0, s0, chunks) for a in n.all_input_nodes),
                        sympy.Integer(0))
         graph.add_node(n.name, op=str(n.target), phase=phase, order=order[n], block=block,
                        out_bytes=to_poly(out_bytes), in_bytes=to_poly(in_bytes),
-                       flops=to_poly(_flops(n, b0, s0)))
+                       flops=to_poly(_flops(n, b0, s0, chunks)))
         for a in n.all_input_nodes:
             if a.op == "call_function":
                 graph.add_edge(a.name, n.name)
@@ -188,6 +199,6 @@ def to_poly(expr) -> Poly:
     return tuple((int(i), int(j), float(c)) for (i, j), c in poly.terms())
 
 
-def _nbytes(val, b0, s0):
-    return sum((_symbolize(tuple(t.shape), b0, s0)[1] * t.element_size() for t in _tensors(val)),
+def _nbytes(val, b0, s0, chunks=1):
+    return sum((_symbolize(tuple(t.shape), b0, s0, chunks)[1] * t.element_size() for t in _tensors(val)),
                sympy.Integer(0))

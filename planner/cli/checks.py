@@ -201,3 +201,18 @@ def check_plan_model(plan) -> None:
             f"{plan.model} at vocab_size={plan.vocab_size} has {n:,}: the plan was made for another "
             "model or edited; solve it again")
 
+
+def parse_bits(flag: str, text: str | None) -> tuple[int, ...] | None:
+    """`32,8` -> (32, 8); None stays None; a width given twice counts once (`8,8` -> (8,)).
+
+    Raises:
+        TrainplanError: not a comma-separated list of whole numbers (the value and flag named)."""
+    if text is None:
+        return None
+    try:
+        out = tuple(int(x) for x in str(text).split(","))
+    except ValueError:
+        out = ()
+    if not out:
+        raise TrainplanError(f"{flag} {text!r} is not a comma-separated list of bit widths, e.g. 32,8")
+    return tuple(dict.fromkeys(out))

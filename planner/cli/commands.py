@@ -28,6 +28,7 @@ from planner.cli.checks import (
     check_out_dir,
     check_plan_model,
     check_schedule,
+    parse_bits,
     plan_from_data,
     with_schedule,
 )
@@ -76,22 +77,6 @@ def _sp_note(args) -> str:
                           devices=args.devices, seq_len=args.seq_len)
 
 
-def parse_bits(flag: str, text: str | None) -> tuple[int, ...] | None:
-    """`32,8` -> (32, 8); None stays None; a width given twice counts once (`8,8` -> (8,)).
-
-    Raises:
-        TrainplanError: not a comma-separated list of whole numbers (the value and flag named)."""
-    if text is None:
-        return None
-    try:
-        out = tuple(int(x) for x in str(text).split(","))
-    except ValueError:
-        out = ()
-    if not out:
-        raise TrainplanError(f"{flag} {text!r} is not a comma-separated list of bit widths, e.g. 32,8")
-    return tuple(dict.fromkeys(out))
-
-
 def cmd_solve(args) -> int:
     """`trainplan solve`: print the plan (on stderr with `--json -`, the JSON then alone on stdout)
     and write its files. Raises the checks' errors and what `planner.api.solve` raises."""
@@ -136,7 +121,16 @@ def _solve_and_print(args, curve, json_path: Path | None) -> Plan:
                     global_batch_tokens=args.global_batch_tokens,
                     optimizer_bits=parse_bits("--optimizer-bits", args.optimizer_bits),
                     activation_bits=parse_bits("--activation-bits", args.activation_bits))
-        if args.frontier:
+        if args.max_seq_len and args.frontier:
+            raise TrainplanError("--max-seq-len and --frontier cannot be combined: the frontier is at one "
+                                 "sequence length; leave one out")
+        if args.max_seq_len:
+            from planner.api import solve_longest
+
+            opts.pop("seq_len")
+            plan = solve_longest(args.model, args.hw, _budget(args), **opts)
+            plan = choose_data_method(plan, methods=args.data_methods)
+        elif args.frontier:
             fr = frontier(args.model, args.hw, _budget(args), **opts)
             plan = choose_data_method(fr.plan, methods=args.data_methods)
         else:

@@ -203,6 +203,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--devices", type=int, default=1, metavar="N",
                    help="number of devices (GPUs, or CPU processes) the run uses")
     s.add_argument("--seq-len", type=int, default=2048, metavar="TOKENS", help="tokens per sequence")
+    s.add_argument("--max-seq-len", action="store_true",
+                   help="plan the longest sequence the budget fits instead of --seq-len (a multiple of "
+                        "1024 tokens up to 64M; tiled loss, tiled MLP and activation offload join the "
+                        "search where nothing fits without them)")
     g = s.add_mutually_exclusive_group(required=True)
     g.add_argument("--budget-device-hours", type=float, metavar="H",
                    help="compute budget in device-hours (devices x wall-clock hours)")

@@ -20,6 +20,11 @@ def print_plan(plan: Plan) -> None:
           f"micro_batch={d.micro_batch} grad_accum={d.grad_accum} precision={d.precision} "
           f"optimizer_bits={d.optimizer_bits} activation_bits={d.activation_bits}")
     print(f"             checkpoint per block: {', '.join(f'{n} x {e}' for e, n in ck.items())}")
+    if d.loss_chunks > 1 or d.mlp_chunks > 1 or d.offload:
+        host = (f" ({p.host_memory_bytes / gib:.2f} GiB of {p.host_memory_limit_bytes / gib:.2f} host memory)"
+                if d.offload and p.host_memory_limit_bytes else "")
+        print(f"             long context: loss_chunks={d.loss_chunks} mlp_chunks={d.mlp_chunks} "
+              f"offload={d.offload}{host}")
     print(f"             data_fraction={d.data_fraction} ({d.data_method}) max_tokens={d.max_tokens:,} "
           f"max_steps={d.max_steps:,}")
     if p.scoring_flops > 0 or d.selection_every_steps:

@@ -27,15 +27,18 @@ moment are at most those accumulated), so their largest is still `evaluate`'s pe
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from costmodels.checkpoint_sets import CheckpointSet
+from costmodels.checkpoint_sets import CheckpointSet, resolve
 from costmodels.step.fsdp import FsdpLayout
 from costmodels.step.memory import RegionMemory
 from costmodels.step.model import Choice, StepModel
+from costmodels.step.offload import host_limit_bytes
+from planner.joint.space import SearchSpace
 
 BYTES_PER_UNIT = 2**16          # memory in 64 KiB units
 
@@ -288,3 +291,61 @@ def menu_targets(c: Combo, L: int, limit: float) -> tuple[float, float]:
     m = c.memory
     held = max(m.fwd_unsharded_bytes, m.bwd_fixed_bytes + (L - 1) * m.per_earlier_block_bytes)
     return limit - m.base_bytes - held, (limit - m.base_bytes - m.tail_bytes) / L
+
+# ---- long-context variants ------------------------------------------------------------
+# The long-context knobs in the joint model: for each combo of the shape knobs, its variants with
+# a tiled loss, a tiled MLP and activation offload (`long_context_combos`), each a combo of its own
+# (`planner.joint.combos.Combo`) the CP-SAT model chooses among like any other.
+#
+# The knobs trade step time for memory (`costmodels.step.model.Choice`): a tiled loss or MLP
+# recomputes its chunks' forward in the backward, offload copies the checkpointed blocks' inputs to
+# host memory and back. None of them makes a step faster. So a variant is added only where its
+# plain combo does not fit with every block unchecked (`none`, the fastest entry): where it does,
+# that plan is at least as fast as any variant's and uses the same tokens, bits and loss, and the
+# variant can never win. This pruning is exact.
+#
+# When to search them (`SearchSpace.long_context_when_needed`): with the default values
+# (`planner.joint.space.default_tiling`) only when no combo without them fits memory with any
+# checkpoint entry: each tiled variant is one more trace of its region, seconds for a large
+# model (llama3-70b's tiled tail at 64 chunks, 2,786 ops, traces in about 5 s), which would
+# otherwise be paid by every long-sequence solve, and a plan that fits without them never tiles
+# or offloads. A plan that fits only by checkpointing its blocks may then run slower than one
+# that would tile instead (e.g. an untiled `full` against a tiled MLP on `none`); values given
+# to `solve` (`loss_chunks=`, `mlp_chunks=`, `offload=`) search the variants wherever they may
+# pay.
+#
+# Menus: a tiled MLP runs under `none` or `full` only (`Choice.mlp_chunks`); offload acts on
+# checkpointed blocks, so its combos keep the named entries (those on `none` move nothing).
+# An offload variant is dropped when the inputs of all its blocks would not fit the device's share
+# of host memory (`costmodels.step.offload.host_limit_bytes`): the plan's own host bytes are
+# at most that.
+
+MLP_TILED_ENTRIES = ("none", "full")
+"""The checkpoint entries a block with a tiled MLP may take (`Choice.mlp_chunks`)."""
+
+
+def long_context_combos(sm: StepModel, plain: Combo, space: SearchSpace, named: Sequence[str],
+                        limit: float) -> list[Combo]:
+    """The variants of combo `plain` (no tiling, no offload) over the space's `loss_chunks`,
+    `mlp_chunks` and `offload` values (module docstring): none where `plain` fits `limit` with
+    every block on `none`, or where a variant's menu would be empty."""
+    L = len(sm.blocks)
+    if "none" in plain.menu and fits_uniform(plain, "none", L, limit):
+        return []
+    out = []
+    for lc, mc, off in itertools.product(space.loss_chunks, space.mlp_chunks, space.offload):
+        if (lc, mc, off) == (1, 1, False):
+            continue
+        entries = [e for e in named if mc == 1 or e in MLP_TILED_ENTRIES]
+        if not entries or (off and not any(resolve(e).checkpointed for e in entries)):
+            continue
+        choice = dataclasses.replace(plain.choice, loss_chunks=lc, mlp_chunks=mc, offload=off)
+        if off and not sm.hw.unified_memory and L * _input_bytes(sm, choice) > host_limit_bytes(sm.hw):
+            continue
+        out.append(make_combo(sm, choice, {e: resolve(e) for e in entries}))
+    return out
+
+
+def _input_bytes(sm: StepModel, c) -> float:
+    """Bytes of one block's input at `c` (what offload moves per block)."""
+    return sm.block_memory(dataclasses.replace(c, grad_accum=1), 0, "full").input_bytes

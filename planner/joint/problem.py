@@ -1,6 +1,7 @@
 """A planning problem: a model captured once on a hardware profile with its search-space options
 and loss law (`Problem`, `prepare`), solved by the joint CP-SAT model for a budget
-(`solve_problem`) into a `Plan` (`make_plan`). `planner.api.solve` prepares and solves one;
+(`solve_problem`) into a `Plan` (`make_plan`), or at the longest sequence the budget trains
+(`longest_plan`). `planner.api.solve` prepares and solves one;
 `planner.joint.frontier` and `planner.joint.explain` re-solve one under other budgets, memory
 caps, device counts and sequence lengths.
 """
@@ -10,14 +11,15 @@ from __future__ import annotations
 import datetime as _dt
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from torch import nn
 
 from costmodels.checkpoint_sets import node_keys, resolve
 from costmodels.loss.law import LossLaw
-from costmodels.step.model import Choice, StepModel
+from costmodels.step.model import Choice, StepCost, StepModel
+from costmodels.step.offload import host_limit_bytes
 from costmodels.step.precision import check_optimizer_bits
 from hardware_profiles import HardwareProfile
 from hardware_profiles import load as load_profile
@@ -40,9 +42,9 @@ from planner.capture.setup import (
 )
 from planner.joint.remat_menu import BlockMenus, MenuSource
 from planner.joint.solver import solve_joint
-from planner.joint.space import DEFAULT_POLICIES, SearchSpace, default_space
+from planner.joint.space import DEFAULT_POLICIES, SearchSpace, default_space, default_tiling
 from planner.plan import Decisions, Plan, Predictions, SolverFacts, layout_fields, relative_gap
-from trainplan_errors import TrainplanError
+from trainplan_errors import BudgetError, InfeasibleError, TrainplanError
 
 DEFAULT_ACTIVATION_BITS = (32,)
 """Saved-activation widths `solve` chooses from by default: as computed. Each width is one more
@@ -77,7 +79,8 @@ class Problem:
     seq_len: int
     options: dict[str, Any]
     """`default_space` options: micro_batches, optimizer_bits, policies, data_fractions,
-    activation_bits, global_batch_tokens."""
+    activation_bits, global_batch_tokens, loss_chunks, mlp_chunks, offload,
+    long_context_when_needed."""
     menus: BlockMenus
     """The step model's solved block menus, kept across re-solves (a problem with another step
     model needs its own)."""
@@ -106,7 +109,8 @@ def prepare(model: nn.Module | str, hw: str | HardwareProfile, *, seq_len: int =
             optimizer_bits: tuple[int, ...] | None = None, policies: tuple[str, ...] = DEFAULT_POLICIES,
             data_fractions: tuple[float, ...] = (0.25, 0.5, 0.75, 1.0),
             activation_bits: object = DEFAULT_ACTIVATION_BITS,
-            global_batch_tokens: int | None = None) -> Problem:
+            global_batch_tokens: int | None = None, loss_chunks: tuple[int, ...] | None = None,
+            mlp_chunks: tuple[int, ...] | None = None, offload: tuple[bool, ...] | None = None) -> Problem:
     """Capture `model` on `hw` once (arguments as `planner.api.solve`'s) for `solve_problem`.
 
     Raises:
@@ -133,6 +137,13 @@ def prepare(model: nn.Module | str, hw: str | HardwareProfile, *, seq_len: int =
                    policies=tuple(policies), data_fractions=tuple(data_fractions),
                    activation_bits=check_activation_bits_options(activation_bits),
                    global_batch_tokens=global_batch_tokens)
+    tiling = default_tiling(vocab_size=graph.vocab_size, hidden_size=graph.hidden_size,
+                            intermediate_size=graph.intermediate_size,
+                            act_bytes=2 if precision != "fp32" else 4, unified_memory=profile.unified_memory)
+    for key, value in (("loss_chunks", loss_chunks), ("mlp_chunks", mlp_chunks), ("offload", offload)):
+        options[key] = tiling[key] if value is None else tuple(value)
+    # values given: searched wherever they may pay; the defaults: only where nothing fits without
+    options["long_context_when_needed"] = loss_chunks is None and mlp_chunks is None and offload is None
     pr = Problem(profile=profile, precision=precision, graph=graph, name=name, step_model=step_model,
                  law=law, unique=int(unique), seq_len=seq_len, options=options, menus=BlockMenus(step_model))
     pr.space(1)  # bad options fail here, before any solve
@@ -229,7 +240,7 @@ def make_plan(step_model: StepModel, profile: HardwareProfile, graph: ModelGraph
         checkpoint_sets={x.name: sorted(x.saved or ()) for x in c.sets if x.name in c.policies},
         checkpoint_block_ops=checkpoint_block_ops(step_model, graph.blocks, c, profile.device_type),
         precision=c.precision, optimizer_bits=c.optimizer_bits, activation_bits=c.activation_bits,
-        data_fraction=data_fraction,
+        loss_chunks=c.loss_chunks, mlp_chunks=c.mlp_chunks, offload=c.offload, data_fraction=data_fraction,
         data_method="random", max_tokens=max_steps * tokens_per_step, max_steps=max_steps,
         governor_threshold=0.0, lr=lr, warmup_steps=max(1, min(20, max_steps // 10)), seed=seed)
     limit = float(profile.usable_bytes if memory_limit_bytes is None
@@ -242,14 +253,90 @@ def make_plan(step_model: StepModel, profile: HardwareProfile, graph: ModelGraph
         tokens_per_step=tokens_per_step, total_tokens=max_steps * tokens_per_step,
         device_hours=cost.time_s * max_steps * c.devices / 3600.0, final_loss=predicted_loss,
         mfu=cost.model_flops / (cost.time_s * peak_flops) if cost.time_s > 0 else 0.0,
-        made_for=layout_fields(decisions))
+        made_for=layout_fields(decisions), host_memory_bytes=cost.host_bytes,
+        host_memory_limit_bytes=0.0 if profile.unified_memory else host_limit_bytes(profile))
     if not all(math.isfinite(v) for v in (cost.flops, cost.time_s, cost.memory.total)):
         raise TrainplanError("predictions are not finite; the captured graph is broken")
     overlap = (f"communication overlapped with compute as the executor issues it: "
                f"{cost.comm_s:.3g} s of {cost.comm_total_s:.3g} s exposed (costmodels.step.overlap)"
                if step_model.overlap else "communication added to compute, not overlapped: a conservative bound")
-    notes = (overlap, f"loss law: {law.source}")
+    notes = (overlap, f"loss law: {law.source}", *long_context_notes(c, cost, profile))
     return Plan(model=name, model_n_params=graph.n_params, model_n_layers=graph.n_layers,
                 hw=profile.name, budget=dict(budget) | {"seq_len": c.seq_len}, data_tokens=int(unique),
                 vocab_size=graph.vocab_size, decisions=decisions, predictions=predictions, solver=facts,
                 created=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"), notes=notes)
+
+
+def long_context_notes(c: Choice, cost: StepCost, profile: HardwareProfile) -> tuple[str, ...]:
+    """The plan's notes on its long-context knobs (`Choice.loss_chunks`, `mlp_chunks`,
+    `offload`): what each does and, for offload, the host memory it fills."""
+    notes = []
+    if c.loss_chunks > 1:
+        notes.append(f"tiled loss: the LM head and cross-entropy run over {c.loss_chunks} sequence chunks, "
+                     "each recomputed in the backward (modeling.tiling)")
+    if c.mlp_chunks > 1:
+        notes.append(f"tiled MLP: every block's MLP runs over {c.mlp_chunks} sequence chunks, each "
+                     "recomputed in the backward (modeling.tiling)")
+    if c.offload:
+        notes.append("activation offload: nothing moves on this unified-memory device (host memory is "
+                     "device memory)" if profile.unified_memory else
+                     f"activation offload: checkpointed blocks' inputs in host memory, "
+                     f"{cost.host_bytes / 2**30:.3g} GiB per device of {host_limit_bytes(profile) / 2**30:.3g} "
+                     f"GiB (the node's host memory over its {profile.devices_per_node} devices); "
+                     f"{cost.offload_s:.3g} s per step of copies exposed (modeling.offload)")
+    return tuple(notes)
+
+
+# ---- the longest sequence a budget trains (`trainplan solve --max-seq-len`) ------------------
+# Per-device memory grows with the sequence at every knob setting (every captured size is a
+# polynomial in the sequence with non-negative coefficients), and a longer sequence buys fewer
+# steps of a budget, so "a plan exists at this length" is monotone: doubling, then bisection,
+# about 2 log2(longest / granularity) solves of one prepared problem (one capture; tiled regions
+# are traced once, at their first use).
+
+GRANULARITY_TOKENS = 1024
+"""Sequence lengths tried: multiples of this (a multiple of every SP degree up to 1024)."""
+MAX_TOKENS = 2**26
+"""The search's ceiling, 64M tokens: a plan that fits there is reported at the ceiling."""
+
+
+def longest_plan(pr: Problem, budget: Budget, *, granularity: int = GRANULARITY_TOKENS,
+                 up_to: int = MAX_TOKENS, **solve_options: Any) -> Plan:
+    """The plan (`solve_problem`, with `solve_options`) at the longest multiple of `granularity`
+    tokens, at most `up_to`, for which the budget has a plan; its notes say how it was found.
+
+    Raises:
+        TrainplanError: `granularity` or `up_to` not a whole number >= 1, or `up_to` below
+            `granularity`.
+        InfeasibleError: not even `granularity` tokens fit (the solver's message at that length)."""
+    for what, v in (("granularity", granularity), ("up_to", up_to)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise TrainplanError(f"{what}={v!r} must be a whole number of tokens >= 1")
+    if up_to < granularity:
+        raise TrainplanError(f"up_to={up_to} is below granularity={granularity}: nothing to search")
+    plans: dict[int, Plan | None] = {}
+
+    def fits(k: int) -> bool:
+        if k not in plans:
+            try:
+                plans[k] = solve_problem(pr, budget, seq_len=k * granularity, diagnose=False, **solve_options)
+            except (InfeasibleError, BudgetError):
+                plans[k] = None
+        return plans[k] is not None
+
+    top = up_to // granularity
+    if not fits(1):
+        return solve_problem(pr, budget, seq_len=granularity, **solve_options)  # raises with the reason
+    lo, hi = 1, 2
+    while hi <= top and fits(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, top + 1)
+    while hi - lo > 1:  # fits(lo), and hi does not fit or is past the ceiling
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    plan = plans[lo]
+    assert plan is not None
+    beyond = "the search ceiling" if lo == top else f"{(lo + 1) * granularity} has none"
+    how = (f"longest sequence: {lo * granularity} tokens, the longest multiple of {granularity} with a plan "
+           f"for this budget ({len(plans)} solves; {beyond})")
+    return replace(plan, notes=(*plan.notes, how))

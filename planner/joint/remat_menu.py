@@ -94,11 +94,14 @@ def add_menus(sm: StepModel, combos: Sequence[Combo], limit: float, menus: MenuS
     `none` or nothing wins). Besides its ladder, the menu is solved at each such combo's own
     budget for one block with every block alike (`planner.joint.combos.menu_targets`: the
     stacked peak and retained bytes that fit the limit beside the bytes every block phase
-    holds), so that budget has its best entry."""
+    holds), so that budget has its best entry. Combos with a tiled MLP keep their menu
+    (`none`, `full`: `costmodels.step.model.Choice.mlp_chunks`)."""
     L = len(sm.blocks)
     region = sm.regions[sm.blocks[0]]
     by_shape: dict[tuple[int, int], list[Combo]] = {}
     for c in combos:
+        if c.choice.mlp_chunks > 1:  # a tiled MLP runs under `none` or `full` only
+            continue
         if not fits_uniform(c, "none", L, limit) and fits_uniform(c, "full", L, limit):
             by_shape.setdefault((c.choice.sp_degree, c.choice.micro_batch), []).append(c)
     added: dict[int, Combo] = {}

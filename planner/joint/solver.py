@@ -25,7 +25,17 @@ from costmodels.loss.law import LossLaw
 from costmodels.step.model import Choice, StepModel
 from hardware_profiles import HardwareProfile
 from planner.budget import Budget
-from planner.joint.combos import BYTES_PER_UNIT, Combo, combo_memory, make_combo, memory_rows, phase_peaks, units
+from planner.joint.combos import (
+    BYTES_PER_UNIT,
+    Combo,
+    combo_memory,
+    fits_uniform,
+    long_context_combos,
+    make_combo,
+    memory_rows,
+    phase_peaks,
+    units,
+)
 from planner.joint.polish import cheapest_tokens
 from planner.joint.remat_menu import BlockMenus, MenuSource, add_menus, by_recompute, menu_index, named_entries
 from planner.joint.search import (
@@ -127,6 +137,8 @@ def solve_joint(step_model: StepModel, hw: HardwareProfile, budget: Budget, *, s
             dropped.append(base)
             continue
         combos.append(make_combo(step_model, base, {e: resolve(e) for e in named}, memory))
+    if not space.long_context_when_needed or not any(fits_uniform(c, e, L, limit) for c in combos for e in named):
+        combos += [v for c in list(combos) for v in long_context_combos(step_model, c, space, named, limit)]
     if not combos and not diagnose:
         raise InfeasibleError(f"per-device memory binds: no plan fits {limit / 2**30:.3g} GiB")
     if not combos:
@@ -168,7 +180,8 @@ def solve_joint(step_model: StepModel, hw: HardwareProfile, budget: Budget, *, s
     # ---- variables --------------------------------------------------------------------
     m = cp_model.CpModel()
     z = [m.new_bool_var(f"combo_sp{c.choice.sp_degree}_z{c.choice.zero_stage}_mb{c.choice.micro_batch}"
-                        f"_ga{c.choice.grad_accum}_b{c.bits[0]}_a{c.bits[1]}") for c in combos]  # shape knobs
+                        f"_ga{c.choice.grad_accum}_b{c.bits[0]}_a{c.bits[1]}_l{c.choice.loss_chunks}"
+                        f"_m{c.choice.mlp_chunks}_o{int(c.choice.offload)}") for c in combos]  # shape knobs
     n = {e: m.new_int_var(0, L, f"blocks_{e}") for e in entries}  # blocks per checkpoint entry
     y = [m.new_bool_var(f"tokens_{t}") for t in levels]  # stopping budget level
     x = {f: m.new_bool_var(f"fraction_{f}") for f in fractions}  # data fraction

@@ -4,13 +4,15 @@ gradient accumulation a global batch sets for each SP degree and micro-batch (`s
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from costmodels.checkpoint_sets import MENU
 from costmodels.step import comm
 from costmodels.step.precision import check_optimizer_bits, optimizer_bits_for
 from modeling.activation_compression import check_activation_bits
-from trainplan_errors import BudgetError
+from modeling.tiling import check_chunks
+from trainplan_errors import BudgetError, TrainplanError
 
 DEFAULT_POLICIES = ("none", "save_matmuls", "save_attention", "full", MENU)
 """Checkpoint menu: the built-in entries plus each block shape's solved Pareto menu."""
@@ -33,24 +35,36 @@ class SearchSpace:
     global_batch_tokens: int | None = None
     """Tokens every plan trains per optimizer step, all ranks together: dp_degree x micro_batch
     x seq_len x grad_accum (`shapes`); None: one micro-step per optimizer step (grad_accum 1)."""
+    loss_chunks: tuple[int, ...] = (1,)
+    """Sequence chunks of the tiled loss (1 = not tiled; `costmodels.step.model.Choice.loss_chunks`)."""
+    mlp_chunks: tuple[int, ...] = (1,)
+    """Sequence chunks of the tiled MLP (1 = not tiled; `Choice.mlp_chunks`)."""
+    offload: tuple[bool, ...] = (False,)
+    """Activation offload off and/or on (`Choice.offload`)."""
+    long_context_when_needed: bool = True
+    """True: the long-context knobs' variants are searched only when no plan without them fits
+    memory (`planner.joint.combos.long_context_combos`); False: wherever a combo does not fit unchecked."""
 
 
 def default_space(*, devices: int, seq_len: int, n_heads: int, n_kv_heads: int,
                   precision: str, micro_batches=(1, 2, 4, 8, 16), optimizer_bits=None,
                   policies=DEFAULT_POLICIES, data_fractions=(0.25, 0.5, 0.75, 1.0),
                   devices_per_node: int | None = None, activation_bits=(32,),
-                  global_batch_tokens: int | None = None) -> SearchSpace:
+                  global_batch_tokens: int | None = None, loss_chunks=(1,), mlp_chunks=(1,),
+                  offload=(False,), long_context_when_needed: bool = True) -> SearchSpace:
     """The search space for `devices` devices: SP degrees that divide the device count, the
     heads and the sequence, and, given `devices_per_node` (the profile's), keep each SP group
     inside one node when the run spans nodes (`comm.sp_degrees_within_node`: SP inside a node,
     data parallelism across nodes); ZeRO stages 0-3 when there is more than one device;
     `optimizer_bits` None: the two widest the executor runs at `precision`
     (`costmodels.step.precision.optimizer_bits_for`: 32 and 8, or 16 and 8 for pure bf16);
-    `global_batch_tokens`: tokens per optimizer step (`shapes` sets the accumulation; None: 1).
+    `global_batch_tokens`: tokens per optimizer step (`shapes` sets the accumulation; None: 1);
+    `loss_chunks`, `mlp_chunks`, `offload`: the long-context knobs' values (`default_tiling`).
 
     Raises:
-        TrainplanError: an optimizer width that cannot run at `precision`, or an unknown
-            activation width."""
+        TrainplanError: an optimizer width that cannot run at `precision`, an unknown
+            activation width, a chunk count that is not a power of two, or an offload value
+            that is not a bool."""
     sps = [p for p in comm.valid_sp_degrees(seq_len, n_heads, n_kv_heads) if devices % p == 0]
     if devices_per_node is not None:
         sps = comm.sp_degrees_within_node(sps, devices=devices, devices_per_node=devices_per_node)
@@ -61,7 +75,62 @@ def default_space(*, devices: int, seq_len: int, n_heads: int, n_kv_heads: int,
                        micro_batches=tuple(micro_batches), policies=tuple(policies),
                        optimizer_bits=tuple(optimizer_bits), data_fractions=tuple(data_fractions),
                        precision=precision, activation_bits=activation_bits,
-                       global_batch_tokens=global_batch_tokens)
+                       global_batch_tokens=global_batch_tokens,
+                       loss_chunks=check_chunk_options(loss_chunks, "loss_chunks"),
+                       mlp_chunks=check_chunk_options(mlp_chunks, "mlp_chunks"),
+                       offload=check_offload_options(offload),
+                       long_context_when_needed=bool(long_context_when_needed))
+
+
+def next_pow2(x: float) -> int:
+    """The least power of two >= x (1 for x <= 1)."""
+    return 1 if x <= 1 else 1 << math.ceil(math.log2(x))
+
+
+def default_tiling(*, vocab_size: int, hidden_size: int, intermediate_size: int, act_bytes: int,
+                   unified_memory: bool) -> dict[str, tuple]:
+    """The long-context knobs' default values: each off, or on at one chunk count that brings its
+    largest tensor down to about the hidden states' size, where the rest of a block's
+    activations already are (more chunks would add recompute overhead, not headroom):
+
+    - `loss_chunks`: 1 or the least power of two >= V x 4 / (h x act_bytes): a chunk's fp32
+      logits (cross-entropy upcasts them) no larger than the (b, s, h) hidden states;
+    - `mlp_chunks`: 1 or the least power of two >= intermediate / h: a chunk's MLP activations
+      no larger than the hidden states;
+    - `offload`: off and on, except on a unified-memory device (host memory is device memory).
+
+    These sizes are trainplan's rule, not a published one; pass other counts to `solve` to search
+    them (each is one more capture of the tiled region)."""
+    kl = next_pow2(vocab_size * 4 / (hidden_size * act_bytes))
+    km = next_pow2(intermediate_size / hidden_size) if intermediate_size else 1
+    return dict(loss_chunks=tuple(sorted({1, kl})), mlp_chunks=tuple(sorted({1, km})),
+                offload=(False,) if unified_memory else (False, True))
+
+
+def check_chunk_options(values, what: str) -> tuple[int, ...]:
+    """`values` (chunk counts for `what`) as a tuple, each a power of two >= 1: the capture traces
+    a tiled region at a sequence of chunks x an odd prime, so a chunk's dimensions never collide
+    with the micro-batch's (`planner.capture.trace`).
+
+    Raises:
+        TrainplanError: empty, not whole numbers >= 1, or not powers of two."""
+    out = tuple(check_chunks(v, what=what) for v in values)
+    bad = [v for v in out if v & (v - 1)]
+    if not out or bad:
+        raise TrainplanError(f"{what}={tuple(values)!r} is not valid: give chunk counts that are powers of "
+                             "two (1 = not tiled), e.g. (1, 8)")
+    return out
+
+
+def check_offload_options(values) -> tuple[bool, ...]:
+    """`values` (offload off and/or on) as a tuple of bools.
+
+    Raises:
+        TrainplanError: empty, or not True/False."""
+    out = tuple(values)
+    if not out or not all(isinstance(v, bool) for v in out):
+        raise TrainplanError(f"offload={tuple(values)!r} is not valid: give (False,), (True,) or (False, True)")
+    return out
 
 
 def grad_accum_for(global_batch_tokens: int | None, *, devices: int, sp_degree: int, micro_batch: int,

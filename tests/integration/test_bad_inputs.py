@@ -193,6 +193,8 @@ CLI_ROWS: dict[str, tuple[str, type, list[str]]] = {
     "global-batch-indivisible": (f"{TINY} --budget-seconds 60 --global-batch-tokens 1000", BudgetError,
                                  ["global_batch_tokens=1000", "dp_degree x micro_batch x seq_len x grad_accum",
                                   "nearest valid global batches are 896 and 1024 tokens"]),
+    "max-seq-len-with-frontier": ("solve --model tiny-llama --hw cpu --budget-seconds 60 --max-seq-len --frontier",
+                                  TrainplanError, ["--max-seq-len and --frontier cannot be combined", "leave one out"]),
     "activation-bits-unknown": (f"{TINY} --budget-seconds 60 --activation-bits 32,4", TrainplanError,
                                 ["activation_bits=4", "32, 16, 8"]),
     "optimizer-bits-for-precision": (f"{TINY} --budget-seconds 60 --optimizer-bits 16", TrainplanError,
@@ -580,6 +582,13 @@ API_ROWS = {
         PlanMismatchError, ["model.layers.2 is not the block the plan was captured from (block0, 70 ops)",
                             "op 59 of its forward is aten.gelu.default, the plan expects aten.silu.default",
                             "solve the plan for this model"]),
+    "loss-chunks-not-power-of-two": (
+        lambda: solve("tiny-llama", "cpu", Budget(wall_clock_s=60), seq_len=128, loss_chunks=(1, 3)),
+        TrainplanError, ["loss_chunks=(1, 3) is not valid", "powers of two", "e.g. (1, 8)"]),
+    "tiled-mlp-with-selective-entry": (
+        lambda: plan_for_choice("tiny-llama", "cpu", seq_len=128, micro_batch=1, checkpoint="save_matmuls",
+                                mlp_chunks=4),
+        TrainplanError, ["mlp_chunks=4 runs with the checkpoint entries none and full only", "'save_matmuls'"]),
     "apply-plan-other-layer-count": (
         lambda: _apply_to_another_model(lambda m: setattr(m.model, "layers", m.model.layers[:2])),
         PlanMismatchError, ["the plan has 4 layers but LlamaForCausalLM has no nn.ModuleList of 4 blocks",

@@ -150,3 +150,17 @@ def test_the_command_starts_without_importing_torch():
             "from planner import solve; assert solve.__module__ == 'planner.api'")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
+
+
+def test_max_seq_len_plans_the_longest_sequence_the_budget_buys(capsys, tmp_path):
+    """`trainplan solve --max-seq-len`: the plan is at the longest multiple of 1024 tokens with a
+    plan for the budget (on this CPU one step of tiny-llama at 8K tokens takes seconds, so a
+    5-second budget ends well below the 64M ceiling), and says so in its notes."""
+    out = tmp_path / "plan.json"
+    assert main(["solve", "--model", "tiny-llama", "--hw", "cpu", "--budget-seconds", "5", "--max-seq-len",
+                 "--json", str(out)]) == 0
+    plan = Plan.from_json(out)
+    seq = plan.decisions.seq_len
+    assert seq % 1024 == 0 and 1024 <= seq < 2**26, seq
+    assert any(n.startswith(f"longest sequence: {seq} tokens") for n in plan.notes), plan.notes
+    assert f"seq_len {seq}" in capsys.readouterr().out

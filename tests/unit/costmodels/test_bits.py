@@ -328,7 +328,7 @@ def test_4bit_states_and_8bit_activations_checkpoint_and_resume_exactly(tmp_path
 
 
 def test_cli_bit_widths_given_twice_count_once():
-    from planner.cli.commands import parse_bits
+    from planner.cli.checks import parse_bits
 
     assert parse_bits("--optimizer-bits", "8,8,32,8") == (8, 32)
     assert parse_bits("--activation-bits", None) is None

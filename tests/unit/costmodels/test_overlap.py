@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from costmodels.step import comm
 from costmodels.step.overlap import Phase, StepTimes, schedule, step_timeline
 from trainplan_errors import TrainplanError
 
@@ -148,7 +149,7 @@ def test_multi_node_ring_runs_at_the_nodes_nic_bandwidth(tiny_h100):
     """Across nodes a ring's bus bandwidth is devices_per_node NICs (NCCL's channels x
     per-channel speed), at most the intra-node link's."""
     hw = tiny_h100.hw
-    inter = tiny_h100.link(2 * hw.devices_per_node)
+    inter = comm.link_for(hw, 2 * hw.devices_per_node)
     assert inter.bandwidth_bytes_per_s == min(hw.intra_node_bandwidth_bytes_per_s,
                                               hw.devices_per_node * hw.inter_node_bandwidth_bytes_per_s)
-    assert tiny_h100.link(hw.devices_per_node).bandwidth_bytes_per_s == hw.intra_node_bandwidth_bytes_per_s
+    assert comm.link_for(hw, hw.devices_per_node).bandwidth_bytes_per_s == hw.intra_node_bandwidth_bytes_per_s

@@ -48,7 +48,8 @@ def test_every_toml_loads_and_every_number_has_a_source():
     for f in files:
         raw = tomllib.loads(f.read_text())
         sources = raw["sources"]
-        numeric = [k for k, v in raw.items() if isinstance(v, (int, float, list)) and k != "aliases"]
+        numeric = [k for k, v in raw.items()
+                   if isinstance(v, (int, float, list)) and not isinstance(v, bool) and k != "aliases"]
         assert set(numeric) == set(NUMERIC_FIELDS), f.name
         for key in numeric + [f"peak_flops_per_s.{d}" for d in raw["peak_flops_per_s"]]:
             assert sources.get(key, "").strip(), f"{f.name}: no source for {key}"

@@ -151,3 +151,22 @@ def test_the_documented_example_profile_loads():
     path = Path(__file__).resolve().parents[3] / "docs" / "example-l40s.toml"
     profile = load(str(path))
     assert profile.name == "l40s" and profile.peak("bf16") == 362.05e12 and profile.missing_sources() == []
+
+
+def test_host_memory_link_and_unified_memory(tmp_path, cpu_profile):
+    """The offload keys: PCIe one way per GPU, the node's host memory, MI300A and cpu unified."""
+    assert [load(n).host_link_bandwidth_bytes_per_s for n in ("a100", "a100-40gb", "h100", "h200", "mi300x")] == [
+        32e9, 32e9, 64e9, 64e9, 64e9]
+    assert load("a100-40gb").host_memory_bytes == 2**40 and load("h100").host_memory_bytes == 2 * 2**40
+    assert not any(load(n).unified_memory for n in SHIPPED if n != "mi300a")
+    mi300a = load("mi300a")
+    assert mi300a.unified_memory and mi300a.host_memory_bytes == mi300a.devices_per_node * mi300a.hbm_bytes
+    assert mi300a.host_link_bandwidth_bytes_per_s == mi300a.hbm_bandwidth_bytes_per_s / 2
+    assert cpu_profile.unified_memory and cpu_profile.host_memory_bytes == cpu_profile.hbm_bytes
+    assert cpu_profile.host_link_bandwidth_bytes_per_s == cpu_profile.hbm_bandwidth_bytes_per_s / 2
+    assert cpu_profile.missing_sources() == []
+    path = tmp_path / "mine.toml"  # unified_memory may be left out (false); the numbers may not
+    path.write_text(_text(unified_memory=None))
+    assert load(str(path)).unified_memory is False
+    assert "missing key(s) host_memory_bytes" in _bad(tmp_path, _text(host_memory_bytes=None))
+    assert "unified_memory=1 must be" in _bad(tmp_path, _text(unified_memory=1))
