@@ -8,7 +8,9 @@
 #      predicted for h200 beside measured, and h200 refit from it (benchmarks/gpu_step.py:
 #      gpu_step.csv, gpu_step.json, h200-calibrated.toml);
 #   4. `trainplan calibrate` on the run of step 2 (the GPU refit: h200-calibrated-run.toml);
-#   5. a profile file used as --hw: the one refit in step 3 where there is one, else a template.
+#   5. a profile file used as --hw: the one refit in step 3 where there is one, else a template;
+#   6. the long-context knobs (tiled loss, tiled MLP, activation offload) run on the device
+#      (benchmarks/long_context.py: offload's device saving predicted beside measured).
 # Results go to benchmarks/results/gpu-<date>-<device>/ (GPU_CHECK_OUT=DIR to choose; with
 # GPU_CHECK_TAR=FILE also one .tar.gz of it). A failed step is named at the end (exit 1); the
 # others still run. Without a CUDA/ROCm device it says so and exits 3; GPU_CHECK_DRY=1 runs the
@@ -73,6 +75,14 @@ if [ ! -f "$profile" ]; then
 fi
 "$PY" -m planner solve --model tiny-llama --hw "$profile" --seq-len "$seq" --budget-seconds 45 \
   | tee "$out/solve-profile-file.log" || failed+=("5-solve-hw-file")
+
+# 6. the long-context knobs on the device: tiled loss, tiled MLP and activation offload (pinned host
+#    memory, side stream) planned for h200 at fp32 and run; offload's device saving predicted beside
+#    max_memory_allocated (benchmarks/long_context.py: long_context.csv/.json). On a CPU (dry run):
+#    the cpu profile, where offload frees nothing.
+lc_hw=h200; [ "$device" = "cpu" ] && lc_hw=cpu
+timeout 300 "$PY" benchmarks/long_context.py --hw "$lc_hw" --device "$device" --out "$out" \
+  | tee "$out/long_context.log" || failed+=("6-long_context")
 
 if [ -n "${GPU_CHECK_TAR:-}" ]; then
   tar -czf "$GPU_CHECK_TAR" -C "$(dirname "$out")" "$(basename "$out")"

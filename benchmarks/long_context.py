@@ -1,7 +1,7 @@
 """Each long-context knob run for real on this CPU: predicted peak memory and FLOPs beside
 MemTracker and FlopCounterMode, and the losses beside the same plan without the knob.
 
-    python benchmarks/long_context.py [--quick] [--out DIR]
+    python benchmarks/long_context.py [--quick] [--out DIR] [--hw cpu --device cpu]
 
 Model: `tiny-llama` (4 layers, hidden 256, fp32, 32-bit AdamW) with the default corpus's
 8192-token BPE, so the loss head (8192 logits per token, 32 x the width) weighs as it does at
@@ -14,6 +14,11 @@ after two warm-up steps, FlopCounterMode), one torch thread. Plans (`planner.api
 - `full+loss8+mlp4`: both, blocks fully checkpointed;
 - `full+offload`: checkpointed blocks' inputs to host memory (`modeling.offload`); on a CPU the
   device is the host, so this measures the mechanism's cost, not a saving.
+
+With `--hw h200 --device cuda` (`benchmarks/gpu_check.sh`, step 6) the plans are made for that
+profile at fp32 (so bytes compare exactly) and run on the accelerator, the peak measured as
+`max_memory_allocated`: there offload moves the inputs to pinned host memory, and
+`offload_saving_bytes_predicted` / `_measured` (`full` less `full+offload`) check it.
 
 --quick runs `none`, `none+loss8` and `full+loss8+mlp4`. Summary keys: `peak_rel_err_max` and
 `flops_rel_err_max` over the tiled plans, `loss_rel_diff_max` (each plan's train losses against
@@ -47,15 +52,15 @@ PLANS = {
 QUICK = ("none", "none+loss8", "full+loss8+mlp4")
 
 
-def run_plan(name: str, data, out: Path) -> dict:
+def run_plan(name: str, data, out: Path, hw: str = "cpu", device: str = "cpu") -> dict:
     """Plan `name` (`PLANS`) trained for `STEPS` steps: its predictions beside its measurements."""
     from executor.train import run
     from planner.api import plan_for_choice
 
-    plan = plan_for_choice(MODEL, "cpu", seq_len=SEQ, micro_batch=MB, max_steps=STEPS, vocab_size=data.vocab_size,
-                           data_tokens=data.n_train_tokens, optimizer_bits=32, **PLANS[name])
+    plan = plan_for_choice(MODEL, hw, seq_len=SEQ, micro_batch=MB, max_steps=STEPS, vocab_size=data.vocab_size,
+                           data_tokens=data.n_train_tokens, optimizer_bits=32, precision="fp32", **PLANS[name])
     t0 = time.perf_counter()
-    rec = run(plan, data=data, out=out / name, device="cpu", progress=False, check_fits=False, threads=1)
+    rec = run(plan, data=data, out=out / name, device=device, progress=False, check_fits=False, threads=1)
     p = plan.predictions
     pred, meas = p.memory_bytes["total"], rec.peak_memory_bytes["total"]
     return dict(plan=name, predicted_peak_bytes=pred, measured_peak_bytes=meas, peak_rel_err=pred / meas - 1,
@@ -65,7 +70,7 @@ def run_plan(name: str, data, out: Path) -> dict:
                 train_losses=json.dumps([round(v, 7) for _, v in rec.train_loss]), run_s=time.perf_counter() - t0)
 
 
-def summarize(df: pd.DataFrame, quick: bool) -> dict:
+def summarize(df: pd.DataFrame, quick: bool, hw: str = "cpu", device: str = "cpu") -> dict:
     rows = df.set_index("plan")
     tiled = rows.drop(index=[n for n in ("none", "full") if n in rows.index])
     diffs = []
@@ -76,11 +81,17 @@ def summarize(df: pd.DataFrame, quick: bool) -> dict:
             diffs += [abs(x / y - 1) for x, y in zip(a, b, strict=True)]
     saving = (1 - rows.loc["none+loss8", "measured_peak_bytes"] / rows.loc["none", "measured_peak_bytes"]
               if {"none", "none+loss8"} <= set(rows.index) else None)
+    offload = {}
+    if {"full", "full+offload"} <= set(rows.index):
+        offload = {f"offload_saving_bytes_{k}": float(rows.loc["full", f"{k}_peak_bytes"]
+                                                      - rows.loc["full+offload", f"{k}_peak_bytes"])
+                   for k in ("predicted", "measured")}
     return {"peak_rel_err_max": float(tiled["peak_rel_err"].abs().max()),
             "flops_rel_err_max": float(tiled["flops_rel_err"].abs().max()),
-            "loss_rel_diff_max": max(diffs) if diffs else None, "tiled_loss_peak_saving_frac": saving,
+            "loss_rel_diff_max": max(diffs) if diffs else None, "tiled_loss_peak_saving_frac": saving, **offload,
             "targets_met": bool(tiled["peak_rel_err"].abs().max() <= 0.01 and (not diffs or max(diffs) <= 1e-5)),
             "quick": quick, "machine": f"{platform.node()} {platform.machine()}, 1 torch thread",
+            "hw": hw, "device": device,
             "torch": torch.__version__, "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds")}
 
 
@@ -88,6 +99,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--hw", default="cpu", help="the profile the plans are made for")
+    ap.add_argument("--device", default="cpu", help="where they run (cuda on a GPU)")
     a = ap.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -96,10 +109,10 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     data = load_corpus(vocab_size=VOCAB)
     with tempfile.TemporaryDirectory() as runs:  # the runs' folders: only their numbers are kept
-        rows = [run_plan(n, data, Path(runs)) for n in (QUICK if a.quick else PLANS)]
+        rows = [run_plan(n, data, Path(runs), a.hw, a.device) for n in (QUICK if a.quick else PLANS)]
     df = pd.DataFrame(rows)
     df.to_csv(out / "long_context.csv", index=False)
-    summary = summarize(df, a.quick) | {"wall_s": time.perf_counter() - t0}
+    summary = summarize(df, a.quick, a.hw, a.device) | {"wall_s": time.perf_counter() - t0}
     (out / "long_context.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(df[["plan", "predicted_peak_bytes", "measured_peak_bytes", "peak_rel_err", "phase",
               "flops_rel_err"]].to_string(index=False))
