@@ -30,7 +30,7 @@ from planner.joint.problem import (
     prepare,
     solve_problem,
 )
-from planner.joint.space import DEFAULT_POLICIES
+from planner.joint.space import DEFAULT_POLICIES, check_chunk_options
 from planner.plan import Plan, SolverFacts
 from trainplan_errors import InfeasibleError, TrainplanError
 
@@ -136,6 +136,10 @@ def solve_longest(model: nn.Module | str, hw: str | HardwareProfile, budget: Bud
         raise TrainplanError(f"budget must be a planner.Budget, got {type(budget).__name__}")
     check_time_limit(time_limit_s)
     check_seed(seed)
+    if space_options.get("global_batch_tokens") is not None:
+        raise TrainplanError("a global batch and the longest sequence cannot be planned together: a global batch "
+                             "divides into micro-steps at some lengths only, so the longest one is not found by "
+                             "bisection; leave global_batch_tokens out (or solve at a --seq-len)")
     pr = prepare(model, hw, seq_len=granularity, data_tokens=data_tokens, vocab_size=vocab_size,
                  precision=precision, law=law, **space_options)
     return longest_plan(pr, budget, granularity=granularity, up_to=up_to, time_limit_s=time_limit_s, seed=seed,
@@ -165,7 +169,8 @@ def plan_for_choice(model: nn.Module | str, hw: str | HardwareProfile, *, seq_le
             >= 1; a tiled MLP under a selective checkpoint entry).
     """
     check_seq_len(seq_len)
-    loss_chunks, mlp_chunks = check_chunks(loss_chunks, what="loss_chunks"), check_chunks(mlp_chunks, what="mlp_chunks")
+    loss_chunks = check_chunk_options(check_chunks(loss_chunks, what="loss_chunks"), "loss_chunks")[0]
+    mlp_chunks = check_chunk_options(check_chunks(mlp_chunks, what="mlp_chunks"), "mlp_chunks")[0]
     if not isinstance(offload, bool):
         raise TrainplanError(f"offload={offload!r} must be True or False")
     for what, value in (("max_steps", max_steps), ("grad_accum", grad_accum)):
@@ -189,6 +194,11 @@ def plan_for_choice(model: nn.Module | str, hw: str | HardwareProfile, *, seq_le
     if sp_degree not in valid:
         raise TrainplanError(f"sp_degree={sp_degree} is not valid for devices={devices}, seq_len={seq_len} "
                              f"and {graph.n_heads} heads: valid degrees are {valid}")
+    for what, chunks in (("loss_chunks", loss_chunks), ("mlp_chunks", mlp_chunks)):
+        if isinstance(micro_batch, int) and chunks > micro_batch * seq_len // sp_degree:
+            raise TrainplanError(f"{what}={chunks} is more chunks than a micro-batch has tokens on one rank "
+                                 f"(micro_batch x seq_len / sp_degree = {micro_batch * seq_len // sp_degree}): "
+                                 "use at most that many")
     choice = Choice(sp_degree=sp_degree, zero_stage=zero_stage, micro_batch=micro_batch, seq_len=seq_len,
                     policies=policies, precision=precision, optimizer_bits=optimizer_bits, devices=devices,
                     activation_bits=activation_bits, grad_accum=grad_accum, loss_chunks=loss_chunks,

@@ -332,9 +332,11 @@ def long_context_combos(sm: StepModel, plain: Combo, space: SearchSpace, named: 
     L = len(sm.blocks)
     if "none" in plain.menu and fits_uniform(plain, "none", L, limit):
         return []
+    c0 = plain.choice
+    tokens = c0.micro_batch * c0.seq_len // c0.sp_degree  # a micro-batch's tokens on one rank
     out = []
     for lc, mc, off in itertools.product(space.loss_chunks, space.mlp_chunks, space.offload):
-        if (lc, mc, off) == (1, 1, False):
+        if (lc, mc, off) == (1, 1, False) or max(lc, mc) > tokens:  # more chunks than tokens: none
             continue
         entries = [e for e in named if mc == 1 or e in MLP_TILED_ENTRIES]
         if not entries or (off and not any(resolve(e).checkpointed for e in entries)):

@@ -42,7 +42,14 @@ from planner.capture.setup import (
 )
 from planner.joint.remat_menu import BlockMenus, MenuSource
 from planner.joint.solver import solve_joint
-from planner.joint.space import DEFAULT_POLICIES, SearchSpace, default_space, default_tiling
+from planner.joint.space import (
+    DEFAULT_POLICIES,
+    SearchSpace,
+    check_chunk_options,
+    check_offload_options,
+    default_space,
+    default_tiling,
+)
 from planner.plan import Decisions, Plan, Predictions, SolverFacts, layout_fields, relative_gap
 from trainplan_errors import BudgetError, InfeasibleError, TrainplanError
 
@@ -140,8 +147,10 @@ def prepare(model: nn.Module | str, hw: str | HardwareProfile, *, seq_len: int =
     tiling = default_tiling(vocab_size=graph.vocab_size, hidden_size=graph.hidden_size,
                             intermediate_size=graph.intermediate_size,
                             act_bytes=2 if precision != "fp32" else 4, unified_memory=profile.unified_memory)
-    for key, value in (("loss_chunks", loss_chunks), ("mlp_chunks", mlp_chunks), ("offload", offload)):
-        options[key] = tiling[key] if value is None else tuple(value)
+    given = dict(loss_chunks=loss_chunks, mlp_chunks=mlp_chunks, offload=offload)
+    for key, value in given.items():
+        options[key] = (tiling[key] if value is None else check_offload_options(value) if key == "offload"
+                        else check_chunk_options(value, key))
     # values given: searched wherever they may pay; the defaults: only where nothing fits without
     options["long_context_when_needed"] = loss_chunks is None and mlp_chunks is None and offload is None
     pr = Problem(profile=profile, precision=precision, graph=graph, name=name, step_model=step_model,

@@ -108,29 +108,33 @@ def default_tiling(*, vocab_size: int, hidden_size: int, intermediate_size: int,
 
 
 def check_chunk_options(values, what: str) -> tuple[int, ...]:
-    """`values` (chunk counts for `what`) as a tuple, each a power of two >= 1: the capture traces
-    a tiled region at a sequence of chunks x an odd prime, so a chunk's dimensions never collide
-    with the micro-batch's (`planner.capture.trace`).
+    """`values` (chunk counts for `what`: a tuple, or one count) as a tuple, each a power of two
+    >= 1: the capture traces a tiled region at a sequence of chunks x an odd prime, so a chunk's
+    dimensions never collide with the micro-batch's (`planner.capture.trace`). The values are
+    what the solver may choose from; the untiled plan is always among its plans.
 
     Raises:
-        TrainplanError: empty, not whole numbers >= 1, or not powers of two."""
-    out = tuple(check_chunks(v, what=what) for v in values)
-    bad = [v for v in out if v & (v - 1)]
-    if not out or bad:
-        raise TrainplanError(f"{what}={tuple(values)!r} is not valid: give chunk counts that are powers of "
+        TrainplanError: empty, a string, not whole numbers >= 1, or not powers of two."""
+    if isinstance(values, (str, bytes)):
+        raise TrainplanError(f"{what}={values!r} is not valid: give chunk counts, e.g. (1, 8)")
+    seq = values if isinstance(values, (tuple, list)) else (values,)
+    out = tuple(check_chunks(v, what=what) for v in seq)
+    if not out or any(v & (v - 1) for v in out):
+        raise TrainplanError(f"{what}={values!r} is not valid: give chunk counts that are powers of "
                              "two (1 = not tiled), e.g. (1, 8)")
     return out
 
 
 def check_offload_options(values) -> tuple[bool, ...]:
-    """`values` (offload off and/or on) as a tuple of bools.
+    """`values` (offload off and/or on: a tuple of bools, or one bool) as a tuple: the values the
+    solver may choose from; a plan without offload is always among its plans.
 
     Raises:
         TrainplanError: empty, or not True/False."""
-    out = tuple(values)
-    if not out or not all(isinstance(v, bool) for v in out):
-        raise TrainplanError(f"offload={tuple(values)!r} is not valid: give (False,), (True,) or (False, True)")
-    return out
+    seq = values if isinstance(values, (tuple, list)) else (values,)
+    if not seq or not all(isinstance(v, bool) for v in seq):
+        raise TrainplanError(f"offload={values!r} is not valid: give True, False or (False, True)")
+    return tuple(seq)
 
 
 def grad_accum_for(global_batch_tokens: int | None, *, devices: int, sp_degree: int, micro_batch: int,

@@ -83,3 +83,25 @@ def test_plan_file_refuses_a_tiled_mlp_with_a_selective_entry(tiny_llama):
         del old["predictions"]["made_for"][key]
     assert _long(Plan.from_json(json.dumps(old))) == (1, 1, False)
     assert dataclasses.asdict(plan.decisions)["mlp_chunks"] == 4
+
+
+def test_one_value_is_a_menu_of_one_and_a_string_is_refused(tiny_llama):
+    """`offload=True` and `loss_chunks=8` read as (True,) and (8,): values the solver may choose,
+    beside the plan without them (which wins where it fits)."""
+    model = tiny_llama(device="meta")
+    plan = solve(model, "cpu", Budget(wall_clock_s=600), seq_len=256, loss_chunks=8, offload=True)
+    assert _long(plan) == (1, 1, False)
+    with pytest.raises(TrainplanError, match="offload='yes' is not valid"):
+        solve(model, "cpu", Budget(wall_clock_s=600), seq_len=256, offload="yes")
+
+
+@pytest.mark.parametrize("knobs, needle", [(dict(loss_chunks=1024), "loss_chunks=1024 is more chunks than"),
+                                           (dict(mlp_chunks=3), "mlp_chunks=3 is not valid")])
+def test_chunk_counts_beyond_the_tokens_or_not_powers_of_two_are_refused(tiny_llama, knobs, needle):
+    with pytest.raises(TrainplanError, match=needle):
+        plan_for_choice(tiny_llama(device="meta"), "cpu", seq_len=256, micro_batch=1, **knobs)
+
+
+def test_longest_sequence_with_a_global_batch_is_refused(tiny_llama):
+    with pytest.raises(TrainplanError, match="a global batch and the longest sequence cannot be planned together"):
+        solve_longest(tiny_llama(device="meta"), "cpu", Budget(wall_clock_s=600), global_batch_tokens=8192)
