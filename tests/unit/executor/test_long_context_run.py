@@ -101,3 +101,31 @@ def test_offload_trains_to_the_same_losses_bit_for_bit(tiny_llama, tmp_path, unt
     stats = applied.offload_stats
     hidden = model.config.hidden_size
     assert stats.host_peak_bytes == model.config.num_hidden_layers * MB * SEQ * hidden * 4, stats
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "known gap (issue #25's note): at long sequences a fully checkpointed block's backward holds "
+    "about three hidden-state-sized tensors more than the lifetime replay predicts (57.53 MiB "
+    "predicted, 64.41 measured: -10.7%); not yet explained"))
+def test_full_checkpoint_peak_at_a_long_sequence_within_1_percent(tiny_llama, tmp_path, torch_threads):
+    model = tiny_llama(vocab_size=256, hidden_size=128, intermediate_size=352, max_position_embeddings=4096)
+    plan = plan_for_choice(model, "cpu", seq_len=4096, micro_batch=1, max_steps=STEPS, optimizer_bits=32,
+                           checkpoint="full")
+    applied = executor.apply_plan(plan, model)
+    data = torch.Generator().manual_seed(0)
+
+    def train_step() -> float:
+        tokens = torch.randint(0, 256, (1, 4097), generator=data)
+        loss = applied.loss(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        applied.optimizer.step()
+        applied.optimizer.zero_grad(set_to_none=True)
+        return loss.item()
+
+    with torch_threads(1), applied.measure(tmp_path) as m:
+        for _ in range(STEPS):
+            m.step(train_step)
+    record = RunRecord.from_json(tmp_path / "record.json")
+    assert plan.predictions.memory_phase.startswith("bwd:block")
+    pred, meas = plan.predictions.memory_bytes["total"], record.peak_memory_bytes["total"]
+    assert math.isclose(pred, meas, rel_tol=0.01), (pred, meas)
