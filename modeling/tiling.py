@@ -38,9 +38,9 @@ Nothing here names a device: the tensors given decide it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import numbers
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -214,26 +214,44 @@ def find_mlp(block: nn.Module) -> nn.Module:
                          f"(its children: {have}); MLP tiling needs the block's MLP module")
 
 
-def defer_head(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    """Make `model`'s output embedding (the LM head, `model.get_output_embeddings()`) pass its
-    input through, so `model(...).logits` are the final norm's hidden states (b, s, h), and
-    return the head's own forward for `tiled_lm_loss`: the logits are then made chunk by chunk
-    by the loss, never whole. The head's forward is kept in `UNTILED_FORWARD_ATTR`; the module
-    stays (parameter names, FSDP2's root group and tied weights are unchanged).
+class TiledHead:
+    """The LM head of `model` made a tiled loss inside the model's own forward (`tiled_ce_sum`):
+    `with head.labels(y): out = model(input_ids=x)` makes `out.logits` the 0-dim sum of
+    cross-entropy over the tokens of `y` that take part, computed `chunks` token chunks at a time
+    by the head's own forward, so the logits are never whole. Inside the forward because FSDP2
+    holds the root group's parameters (the LM head's among them) unsharded only there and in the
+    backward it triggers from the forward's outputs; a loss computed after the forward would meet
+    sharded parameters (DTensors). Without labels set (an op check's or a generation's forward)
+    the head passes the hidden states through. The head's forward is kept in
+    `UNTILED_FORWARD_ATTR`; the module stays (parameter names, FSDP2's groups, tied weights).
 
-    Raises:
+    Raises (constructor):
         TrainplanError: the model has no output embedding (`get_output_embeddings()` is None or
-            missing)."""
-    get = getattr(model, "get_output_embeddings", None)
-    head = get() if callable(get) else None
-    if not isinstance(head, nn.Module):
-        raise TrainplanError(f"{type(model).__name__} has no output embedding (get_output_embeddings()): "
-                             "a tiled loss needs the LM head apart from the model's forward")
-    if UNTILED_FORWARD_ATTR not in head.__dict__:
-        head.__dict__[UNTILED_FORWARD_ATTR] = head.forward
-        head.forward = _pass_through
-    return head.__dict__[UNTILED_FORWARD_ATTR]
+            missing), or `chunks` is not a whole number >= 1."""
 
+    def __init__(self, model: nn.Module, chunks: int):
+        get = getattr(model, "get_output_embeddings", None)
+        head = get() if callable(get) else None
+        if not isinstance(head, nn.Module):
+            raise TrainplanError(f"{type(model).__name__} has no output embedding (get_output_embeddings()): "
+                                 "a tiled loss needs the LM head apart from the model's forward")
+        self.chunks = check_chunks(chunks, what="loss_chunks")
+        self._labels: torch.Tensor | None = None
+        if UNTILED_FORWARD_ATTR not in head.__dict__:
+            head.__dict__[UNTILED_FORWARD_ATTR] = head.forward
+        self.head_forward = head.__dict__[UNTILED_FORWARD_ATTR]
+        head.forward = self._forward
 
-def _pass_through(hidden: torch.Tensor) -> torch.Tensor:
-    return hidden
+    @contextlib.contextmanager
+    def labels(self, labels: torch.Tensor):
+        """The labels (b, s) of the next forward's tiled loss."""
+        self._labels = labels
+        try:
+            yield
+        finally:
+            self._labels = None
+
+    def _forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self._labels is None:
+            return hidden
+        return tiled_ce_sum(hidden, self.head_forward, self._labels.to(hidden.device), self.chunks)

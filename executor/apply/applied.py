@@ -47,7 +47,7 @@ from hardware_profiles import load as load_profile
 from modeling.activation_compression import compress_saved_activations
 from modeling.loss import lm_loss
 from modeling.offload import OffloadStats, offload_block
-from modeling.tiling import defer_head, find_mlp, tile_mlp, tiled_ce_sum, tiled_lm_loss
+from modeling.tiling import IGNORE_INDEX, TiledHead, find_mlp, tile_mlp
 from planner.plan import Plan
 from trainplan_errors import PlanMismatchError, TrainplanError, UnknownNameError
 
@@ -110,29 +110,35 @@ def lr_at(step: int, plan: Plan) -> float:
     return peak if step < start else peak * max(0.05, (d.max_steps - step) / cool)
 
 
-def micro_batch_loss(model, dev, sp: int, sp_rank: int, world: int, x, y, *, head=None,
-                     loss_chunks: int = 1) -> torch.Tensor:
+def micro_batch_loss(model, dev, sp: int, sp_rank: int, world: int, x, y, *,
+                     head: TiledHead | None = None) -> torch.Tensor:
     """Loss of one micro-batch (nats/token, a scalar): x, y (b, s) token ids and next-token
     targets, `model` on device `dev`. Under Ulysses SP (`sp` ranks per sequence, this one
     `sp_rank`, `world` ranks in all) each rank feeds its contiguous sequence shard with global
     positions; `executor.parallel.ulysses.sp_loss` makes the averaged gradients equal the
     single-process ones. No KV cache (`use_cache=False`): a training forward of a model whose
     config enables it would otherwise fill one, ops the plan did not capture. `head` (a tiled loss,
-    `modeling.tiling.defer_head`: the model's `.logits` are then its final hidden states): the
-    loss over `loss_chunks` sequence chunks (`modeling.tiling.tiled_lm_loss`)."""
+    `modeling.tiling.TiledHead`): the model's `.logits` are then the summed cross-entropy of its
+    tokens, computed in `head.chunks` token chunks inside the forward, divided here by the tokens
+    that take part (`modeling.tiling.tiled_lm_loss`'s value)."""
     if world == 1:
-        out = model(input_ids=x.to(dev), use_cache=False).logits
-        return lm_loss(out, y.to(dev)) if head is None else tiled_lm_loss(out, head, y.to(dev), loss_chunks)
+        if head is None:
+            return lm_loss(model(input_ids=x.to(dev), use_cache=False).logits, y.to(dev))
+        with head.labels(y):
+            total = model(input_ids=x.to(dev), use_cache=False).logits
+        return total / (y != IGNORE_INDEX).sum().to(total.device)
     from executor.parallel.ulysses import sp_loss  # multi-device only: see the module docstring
 
     sl = x.shape[1] // sp
     lo, hi = sp_rank * sl, (sp_rank + 1) * sl
     pos = torch.arange(lo, hi, device=dev).unsqueeze(0).expand(x.shape[0], -1)
-    logits = model(input_ids=x[:, lo:hi].to(dev), position_ids=pos, use_cache=False).logits
     labels = y[:, lo:hi].to(dev)
     if head is None:
+        logits = model(input_ids=x[:, lo:hi].to(dev), position_ids=pos, use_cache=False).logits
         return sp_loss(logits, labels, None, None)
-    return sp_loss(logits, labels, None, None, local_sum=tiled_ce_sum(logits, head, labels, loss_chunks))
+    with head.labels(labels):
+        total = model(input_ids=x[:, lo:hi].to(dev), position_ids=pos, use_cache=False).logits
+    return sp_loss(total, labels, None, None, local_sum=total)
 
 
 @dataclass(kw_only=True, eq=False)
@@ -156,8 +162,8 @@ class AppliedPlan:
     """FSDP2's `MixedPrecisionPolicy` when the plan runs bf16-mixed under it, else None."""
     lr_scheduler: LambdaLR | None = field(default=None, repr=False)
     """`scheduler`, or None for `apply_plan(..., lr_scheduler=False)`."""
-    head: Any = field(default=None, repr=False)
-    """The LM head's forward under a tiled loss (`modeling.tiling.defer_head`), else None."""
+    head: TiledHead | None = field(default=None, repr=False)
+    """The LM head made a tiled loss inside the forward (`modeling.tiling.TiledHead`), else None."""
     offload_stats: OffloadStats | None = field(default=None, repr=False)
     """What activation offload moved to host memory in the last step (`Decisions.offload`)."""
 
@@ -212,7 +218,7 @@ class AppliedPlan:
         without the training contexts: held-out evaluation under `torch.no_grad()`."""
         d = self.plan.decisions
         return micro_batch_loss(self.model, self.device, d.sp_degree, self.rank % d.sp_degree, self.world, x, y,
-                                head=self.head, loss_chunks=d.loss_chunks)
+                                head=self.head)
 
     def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Training loss of one micro-batch (nats/token, a scalar with its graph): `x`, `y` (b, s)
@@ -290,7 +296,7 @@ def apply_plan(plan: Plan, model: nn.Module, *, device_mesh=None, device: str | 
     if d.mlp_chunks > 1:  # before the op check: the plan captured the tiled MLP's ops
         for layer in blocks:
             tile_mlp(find_mlp(layer), d.mlp_chunks)
-    head = defer_head(model) if d.loss_chunks > 1 else None
+    head = TiledHead(model, d.loss_chunks) if d.loss_chunks > 1 else None
     if check_ops:
         _check_ops(plan, model, blocks_name, blocks, dev, mixed_precision=mp is not None)
     apply_checkpointing(model, d.checkpoint, d.checkpoint_sets, blocks=blocks, early_stop=d.mlp_chunks == 1)
