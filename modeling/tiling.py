@@ -2,7 +2,7 @@
 that only one chunk's intermediates are alive at a time, each chunk recomputed in the backward.
 
 Two uses, both from ALST (Bekman et al. 2025, "Arctic Long Sequence Training",
-arXiv:2506.13996, Sec. 3): the tiled logits and loss (`tiled_lm_loss`: the LM head and
+arXiv:2506.13996): the tiled logits and loss (`tiled_lm_loss`: the LM head and
 cross-entropy of one chunk of tokens at a time, so the (b, s, V) logits, their log-softmax and
 their gradient are never whole) and TiledMLP (`tile_mlp`: a transformer block's MLP run chunk by
 chunk along the sequence, so its (b, s, intermediate) activations are never whole). Both are
@@ -93,7 +93,7 @@ def _chunk_ce_sum(head, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Ten
 
 def tiled_lm_loss(hidden: torch.Tensor, head, labels: torch.Tensor, chunks: int) -> torch.Tensor:
     """Mean next-token cross-entropy (nats, 0-dim) of `head(hidden)` against `labels`, computed
-    `chunks` sequence chunks at a time (ALST's tiled logits and loss, arXiv:2506.13996, Sec. 3).
+    `chunks` sequence chunks at a time (ALST's tiled logits and loss, arXiv:2506.13996).
 
     hidden: (b, s, h), the final norm's output; head: a callable (c, h) -> logits (c, V) over
     c tokens (any leading shape works: a linear LM head); labels: (b, s) int64, already shifted,
@@ -180,7 +180,7 @@ def untile_mlp(mlp: nn.Module) -> None:
 
 def tile_mlp(mlp: nn.Module, chunks: int) -> None:
     """Make `mlp`'s forward tiled over the sequence in `chunks` pieces (TiledMLP, ALST,
-    arXiv:2506.13996, Sec. 3): `mlp.forward` becomes the instance attribute
+    arXiv:2506.13996): `mlp.forward` becomes the instance attribute
     `functools.partial(tiled_forward, <its untiled forward>, chunks)`; the module is not wrapped,
     so parameter names and state_dict keys are unchanged and hooks on `mlp` still run. The
     untiled forward is kept in `UNTILED_FORWARD_ATTR`; calling again replaces the tiling, and

@@ -1,6 +1,6 @@
 """Activation offload: checkpointed blocks' inputs held in host memory between their forward and
 their backward, as `modeling.offload` runs it (ALST's activation checkpoint offload, Bekman et al.
-2025, arXiv:2506.13996, Sec. 3).
+2025, arXiv:2506.13996).
 
 A fully checkpointed block keeps only its input (the hidden states, b x s x h) from its forward
 to its backward; over L blocks that is L inputs, the largest activation term left at long

@@ -7,7 +7,7 @@ A region key (`costmodels.graph.variant_key`) is `{region}[@mp][@m{k}|@l{k}][@a{
   `planner.capture.setup.with_mixed_precision_variants`);
 - `@m{k}`: a block whose MLP runs over `k` sequence chunks; `@l{k}`: the tail's LM head and loss
   over `k` chunks (`modeling.tiling`, ALST's tiled MLP and tiled loss, Bekman et al. 2025,
-  arXiv:2506.13996, Sec. 3);
+  arXiv:2506.13996);
 - `@a{bits}`: saved activations compressed to `bits` (`modeling.activation_compression`).
 
 The untiled regions are traced by `planner.capture.graph.capture`. A tiled variant is one trace
