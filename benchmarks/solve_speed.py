@@ -142,6 +142,12 @@ def main(argv=None) -> int:
     from planner.capture.setup import capture_model
 
     capture_model("tiny-llama", "bf16-mixed")  # warm: imports and tracing machinery
+    capture_s = {}
+    for name in ("llama3-70b", "llama3.1-405b"):  # the capture alone, as a solve on mi300 runs it (issue #20)
+        t0 = time.perf_counter()
+        capture_model(name, "bf16-mixed", device_type="cuda")
+        capture_s[name] = time.perf_counter() - t0
+        print(f"  capture {name}: {capture_s[name]:.2f} s", flush=True)
     joint = joint_70b()  # before the block rows, which capture llama3-70b too
     print(f"  {joint['graph']}: {joint['solve_s']:.2f} s ({joint['checkpoint']})", flush=True)
     big = joint_405b_1024()
@@ -168,6 +174,8 @@ def main(argv=None) -> int:
     summary = {
         "solve_s_llama3_70b": joint["solve_s"],
         "solve_s_llama3_70b_capture": joint["capture_s"],
+        "capture_s_llama3_70b": capture_s["llama3-70b"],
+        "capture_s_llama3_405b": capture_s["llama3.1-405b"],
         "solve_s_llama3_70b_solver": joint["solver_s"],
         "solve_s_405b_1024": big["solve_s"],
         "solve_s_405b_1024_solver": big["solver_s"],

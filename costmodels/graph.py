@@ -74,6 +74,10 @@ class Region:
     storages: tuple[StorageRecord, ...]
     boundary: int
     n_nodes: int
+    handed: tuple[Poly, ...] = ()
+    """The head: bytes of each tensor it hands the blocks besides the hidden states (rotary
+    tables, masks, position ids), in `planner.capture.layout`'s order; 0 for one whose storage
+    an earlier one shares or the forward retains anyway."""
     recompute_to_end: bool = False
     """Checkpointed, the whole forward is recomputed (the executor turns torch's early stop off):
     a block whose MLP is tiled (`modeling.tiling`), whose chunk checkpoints save their inputs as

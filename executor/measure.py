@@ -25,7 +25,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from executor.kernels import PROFILED_STEPS, merge_splits, profile_step
 from executor.record import RunRecord
-from modeling.flop_counting import CPU_ATTENTION_FLOP_FORMULAS
+from modeling.flop_counting import EXTRA_FLOP_FORMULAS
 from trainplan_errors import require_extra
 
 WARMUP_STEPS_UNMEASURED = 2
@@ -147,7 +147,7 @@ def measured_step(step: int, train_step, rec: RunRecord, dev: torch.device, mode
         rec.peak_memory_bytes = measure_memory(lambda: losses.append(train_step(step)), model, opt)
         return losses[0]
     if step == WARMUP_STEPS_UNMEASURED + 1:
-        fc = FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOP_FORMULAS)
+        fc = FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS)
         with fc:
             loss = train_step(step)
         rec.flops_per_step = float(fc.get_total_flops())

@@ -1,17 +1,17 @@
 """Run a Plan for real: trainplan's own training loop over the plan's corpus, measured and
 checkpointed.
 
-One process per rank. The model (the preset's, or the caller's) gets the plan applied by
-`executor.apply.applied.apply_plan`, the function a user's own loop calls too: checkpoint sets
-(with the op check), `sp_degree`/`zero_stage` above one device through `executor.parallel.ulysses`
-and `executor.parallel.zero` under torchrun, the optimizer of its bits. The plan's data fraction,
-method and token budget become the sampler (`executor.data.dynamic_selection.PlannedBatches`) and
-the step count. An optimizer step runs `grad_accum` micro-steps (`executor.accumulation`), each on
-the next micro-batch, at the learning rate of `executor.apply.applied.lr_at` times the governor's.
-Measured: peak tensor memory by category (MemTracker, one step after warm-up), FLOPs of one step
-(FlopCounterMode), every step's wall time, train loss, held-out loss, the data selection's scoring
-FLOPs. Interrupts, checkpoints and resuming: `executor.checkpoint`; the measurement helpers:
-`executor.measure`.
+One process per rank. The model (the preset's, the one the plan's `hf_config` builds, or the
+caller's) gets the plan applied by `executor.apply.applied.apply_plan`, the function a user's own
+loop calls too: checkpoint sets (with the op check), `sp_degree`/`zero_stage` above one device
+through `executor.parallel.ulysses` and `executor.parallel.zero` under torchrun, the optimizer of
+its bits. The plan's data fraction, method and token budget become the sampler
+(`executor.data.dynamic_selection.PlannedBatches`) and the step count. An optimizer step runs
+`grad_accum` micro-steps (`executor.accumulation`), each on the next micro-batch, at the learning
+rate of `executor.apply.applied.lr_at` times the governor's. Measured: peak tensor memory by
+category (MemTracker, one step after warm-up), FLOPs of one step (FlopCounterMode), every step's
+wall time, train loss, held-out loss, the data selection's scoring FLOPs. Interrupts, checkpoints
+and resuming: `executor.checkpoint`; the measurement helpers: `executor.measure`.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from executor.optimizers import set_lr
 from executor.record import RunRecord, same_hardware
 from executor.reporting.trackers import TrackerSpec, open_trackers
 from hardware_profiles.threads import threads_per_rank
-from modeling import presets
+from modeling import configs, presets
 from planner.plan import Plan
 from trainplan_errors import TrainingDivergedError, TrainplanError
 
@@ -128,7 +128,11 @@ def run(plan: Plan, model: nn.Module | None = None, data: TokenCorpus | None = N
     check_corpus_for_plan(data, seq_len=d.seq_len, vocab_size=plan.vocab_size)  # before building
     if model is None:
         dtype = torch.bfloat16 if d.precision == "bf16" else torch.float32  # bf16-mixed: autocast
-        model = presets.build_model(plan.model, device=dev, dtype=dtype, vocab_size=data.vocab_size, seed=d.seed)
+        if plan.hf_config is not None:  # a config-built model (`trainplan solve --model config.json`)
+            model = configs.build_from_config(plan.hf_config, device=dev, dtype=dtype, vocab_size=data.vocab_size,
+                                              seed=d.seed, name=plan.model)
+        else:
+            model = presets.build_model(plan.model, device=dev, dtype=dtype, vocab_size=data.vocab_size, seed=d.seed)
     applied = apply_plan(plan, model, device=dev, lr_scheduler=False)  # checkpoint sets, SP, ZeRO, optimizer
     model, opt, dp_rank = applied.model, applied.optimizer, applied.dp_rank
     held = heldout_batches(data.heldout_tokens, seq_len=d.seq_len, micro_batch=d.micro_batch,

@@ -18,7 +18,31 @@ CPU_ATTENTION_FLOP_FORMULAS = {
             lambda g, q, k, v, *args, out_shape=None, **kw:
             flop_counter.sdpa_backward_flop_count(g, q, k, v)),
 }
-for _formula in CPU_ATTENTION_FLOP_FORMULAS.values():
+
+
+def grouped_mm_flop(a_shape, b_shape, offs_shape=None, bias_shape=None, out_dtype=None, *, out_shape=None,
+                    **kwargs) -> int:
+    """FLOPs of `aten._grouped_mm` (a mixture of experts' expert matmuls, transformers'
+    `grouped_mm` experts), which torch's registry lacks: 2 x the multiply-adds, whatever the
+    routing (the groups partition the rows, so their sizes cancel out of the sum). Shapes:
+    (S, K) x (E, K, N) -> (S, N), the forward and the input gradient; (K, S) x (S, N) ->
+    (E, K, N), the weight gradient; (G, M, K) x (G, K, N) -> (G, M, N), batched."""
+    if len(a_shape) == 3 and len(b_shape) == 3:
+        return 2 * a_shape[0] * a_shape[1] * a_shape[2] * b_shape[-1]
+    if len(out_shape) == 2:  # rows of a, grouped weights
+        return 2 * out_shape[0] * a_shape[-1] * out_shape[1]
+    if len(out_shape) == 3:  # a weight gradient: the rows are contracted
+        return 2 * out_shape[1] * a_shape[-1] * out_shape[2]
+    return 0
+
+
+EXTRA_FLOP_FORMULAS = {
+    **CPU_ATTENTION_FLOP_FORMULAS,
+    torch.ops.aten._grouped_mm: flop_counter.shape_wrapper(grouped_mm_flop),
+}
+"""Formulas `FlopCounterMode` lacks, for the capture and the executor's `custom_mapping`: the CPU
+attention kernels and grouped matmuls."""
+for _formula in EXTRA_FLOP_FORMULAS.values():
     _formula._get_raw = True  # torch's own registry entries are marked so (flop_counter.register_flop_formula)
-FLOP_FORMULAS = {**flop_counter.flop_registry, **CPU_ATTENTION_FLOP_FORMULAS}
-"""Every op's formula: torch's own registry plus the CPU attention kernels above."""
+FLOP_FORMULAS = {**flop_counter.flop_registry, **EXTRA_FLOP_FORMULAS}
+"""Every op's formula: torch's own registry plus `EXTRA_FLOP_FORMULAS`."""

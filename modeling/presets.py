@@ -144,15 +144,24 @@ def build_model(name: str, *, device: str | torch.device = "meta", dtype: torch.
         torch.manual_seed(seed)
         with torch.device(device):
             model = cls(cfg)
-    rotary = {name: buf for name, buf in model.named_buffers() if name.endswith("inv_freq")}
-    model.to(dtype=dtype)  # type: ignore[call-arg]  # transformers' stub of `to` misses `self`
-    for name, buf in rotary.items():  # RoPE frequencies stay fp32, as transformers loads them
-        owner, _, attr = name.rpartition(".")
-        model.get_submodule(owner).register_buffer(attr, buf, persistent=False)
+    cast_keeping_rotary(model, dtype)
     model.config.use_cache = False
     # how a Plan recognises the model it was made for (torch's stub types module attributes as
     # tensors or modules)
     model.trainplan_preset = preset.name  # type: ignore[assignment]
+    return model
+
+
+def cast_keeping_rotary(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """`model` (in place, and returned) with its parameters and buffers cast to `dtype`, except
+    the rotary `inv_freq` buffers, which stay fp32 as transformers keeps them when it loads a
+    model (`.to(bf16)` would round the frequencies by up to 0.4%: 0.7 rad of rotation error at
+    position 4,000)."""
+    rotary = {name: buf for name, buf in model.named_buffers() if name.endswith("inv_freq")}
+    model.to(dtype=dtype)
+    for name, buf in rotary.items():  # RoPE frequencies stay fp32, as transformers loads them
+        owner, _, attr = name.rpartition(".")
+        model.get_submodule(owner).register_buffer(attr, buf, persistent=False)
     return model
 
 

@@ -5,6 +5,8 @@ the joint CP-SAT model) is `planner.joint.problem`'s.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from torch import nn
 
 from costmodels.checkpoint_sets import check_policy, sets_from_mapping
@@ -15,8 +17,10 @@ from costmodels.step import comm
 from costmodels.step.model import Choice
 from costmodels.step.precision import optimizer_bits_for
 from hardware_profiles import HardwareProfile
+from modeling.configs import max_positions, position_warning
 from modeling.tiling import check_chunks
 from planner.budget import UNLIMITED_DATA_TOKENS, Budget, check_global_batch_tokens, check_seed, check_time_limit
+from planner.capture.layout import sp_refusal
 from planner.capture.setup import loss_law_for, setup_model
 from planner.data_choice import DEFAULT_DATA_METHODS, check_data_methods, choose_data_method, with_data_method
 from planner.joint.explain import explain_infeasible
@@ -114,8 +118,29 @@ def solve(model: nn.Module | str, hw: str | HardwareProfile, budget: Budget, *, 
         if not explain:
             raise
         raise explain_infeasible(pr, budget, e, memory_limit_bytes=memory_limit_bytes) from e
-    return choose_data_method(plan, pr.law, methods=data_methods, fractions=data_fractions,
+    plan = choose_data_method(plan, pr.law, methods=data_methods, fractions=data_fractions,
                               fits=data_quality)
+    return with_model_facts(with_feature_notes(plan, pr.graph), model)
+
+
+def with_feature_notes(plan: Plan, graph) -> Plan:
+    """`plan` with the notes its model's features call for: why SP above 1 was not offered,
+    when the model's attention is one Ulysses cannot run (`planner.capture.layout.sp_refusal`)
+    and the plan has devices to share a sequence over; and, for a mixture of experts, where its
+    experts are (no expert parallelism: on every device, their states sharded by the ZeRO stage)."""
+    notes = []
+    why = sp_refusal(graph.features)
+    if why and plan.decisions.devices > 1:
+        notes.append(f"sp_degree 1 only: {why}")
+    experts = next((f.split("=")[1] for f in graph.features if f.startswith("experts=")), None)
+    if experts is not None:
+        d = plan.decisions
+        where = ("sharded by ZeRO-3 across the devices, gathered per block" if d.zero_stage == 3 and d.devices > 1
+                 else f"replicated on every device (ZeRO-{d.zero_stage}"
+                      + (": optimizer states sharded)" if d.zero_stage in (1, 2) and d.devices > 1 else ")"))
+        notes.append(f"mixture of {experts} experts: no expert parallelism; experts {where}")
+    new = tuple(n for n in notes if n not in plan.warnings)
+    return replace(plan, warnings=plan.warnings + new) if new else plan
 
 
 def solve_longest(model: nn.Module | str, hw: str | HardwareProfile, budget: Budget, *,
@@ -142,8 +167,21 @@ def solve_longest(model: nn.Module | str, hw: str | HardwareProfile, budget: Bud
                              "bisection; leave global_batch_tokens out (or solve at a --seq-len)")
     pr = prepare(model, hw, seq_len=granularity, data_tokens=data_tokens, vocab_size=vocab_size,
                  precision=precision, law=law, **space_options)
-    return longest_plan(pr, budget, granularity=granularity, up_to=up_to, time_limit_s=time_limit_s, seed=seed,
+    plan = longest_plan(pr, budget, granularity=granularity, up_to=up_to, time_limit_s=time_limit_s, seed=seed,
                         memory_limit_bytes=memory_limit_bytes)
+    return with_model_facts(with_feature_notes(plan, pr.graph), model)
+
+
+def with_model_facts(plan: Plan, model: nn.Module | str) -> Plan:
+    """`plan` with what its model adds to it: the transformers config a config-built module
+    carries (`Plan.hf_config`, from `modeling.configs.build_from_config`), and a warning when the
+    plan's sequence is beyond the positions the model was configured for
+    (`modeling.configs.position_warning`, presets included). `solve`, `solve_longest` and
+    `plan_for_choice` apply it; applied twice, it adds nothing more."""
+    config = getattr(model, "trainplan_config", None) if isinstance(model, nn.Module) else None
+    warning = position_warning(plan.model, max_positions(model), plan.decisions.seq_len)
+    warnings = plan.warnings + ((warning,) if warning and warning not in plan.warnings else ())
+    return replace(plan, warnings=warnings, hf_config=config if isinstance(config, dict) else plan.hf_config)
 
 
 def plan_for_choice(model: nn.Module | str, hw: str | HardwareProfile, *, seq_len: int,
@@ -191,6 +229,8 @@ def plan_for_choice(model: nn.Module | str, hw: str | HardwareProfile, *, seq_le
     for p in policies:
         check_policy(p, sets)
     valid = [p for p in comm.valid_sp_degrees(seq_len, graph.n_heads, graph.n_kv_heads) if devices % p == 0]
+    if sp_degree > 1 and sp_refusal(graph.features):
+        raise TrainplanError(f"sp_degree={sp_degree} cannot run {name}: {sp_refusal(graph.features)}; use sp_degree=1")
     if sp_degree not in valid:
         raise TrainplanError(f"sp_degree={sp_degree} is not valid for devices={devices}, seq_len={seq_len} "
                              f"and {graph.n_heads} heads: valid degrees are {valid}")
@@ -213,6 +253,7 @@ def plan_for_choice(model: nn.Module | str, hw: str | HardwareProfile, *, seq_le
     plan = make_plan(step_model, profile, graph, name, choice, budget={"devices": devices, "fixed_steps": max_steps},
                      data_fraction=data_fraction, max_steps=max_steps, predicted_loss=loss,
                      unique=unique, law=law, lr=lr, seed=seed, facts=facts, memory_limit_bytes=None)
+    plan = with_model_facts(with_feature_notes(plan, graph), model)
     if data_method == "random" and selection_every_steps == 0:
         return plan
     return with_data_method(plan, data_method, selection_every_steps=selection_every_steps, law=law)

@@ -179,7 +179,8 @@ class Plan:
     """A training plan: model, hardware, budget, decisions, predictions and solver facts."""
 
     model: str
-    """Preset name (or the module's class name for a user model)."""
+    """Preset name, a config-built model's name (`modeling.configs.config_name`), or the module's
+    class name for a user model."""
     model_n_params: int
     model_n_layers: int
     hw: str
@@ -194,6 +195,15 @@ class Plan:
     created: str = ""
     format: int = PLAN_FORMAT
     notes: tuple[str, ...] = field(default=())
+    warnings: tuple[str, ...] = field(default=())
+    """What the user should know before running the plan, one line each (e.g. a sequence beyond
+    the model's `max_position_embeddings`, `modeling.configs.position_warning`); `trainplan solve`
+    prints them. Plans written before the field read ()."""
+    hf_config: dict[str, Any] | None = None
+    """The transformers config dict the model was built from (`modeling.configs.build_from_config`,
+    e.g. by `trainplan solve --model config.json`): `trainplan run` rebuilds the model from it.
+    None for a preset (rebuilt by name) or a user's own module; plans written before the field
+    read None."""
 
     def to_json(self, path: str | Path | None = None) -> str:
         """JSON text of the plan; also written to `path` when given."""
@@ -233,7 +243,8 @@ class Plan:
             p = PlanSchema.model_validate(raw)
         except ValidationError as e:
             raise PlanMismatchError(f"{where}: {one_line(e, PlanSchema)}; {corrupt}") from None
-        plan = cls(**{**p.model_dump(exclude={"decisions", "predictions", "solver"}), "notes": tuple(p.notes)},
+        plan = cls(**{**p.model_dump(exclude={"decisions", "predictions", "solver"}), "notes": tuple(p.notes),
+                      "warnings": tuple(p.warnings)},
                    decisions=Decisions(**{**p.decisions.model_dump(), "checkpoint": tuple(p.decisions.checkpoint)}),
                    predictions=Predictions(**p.predictions.model_dump()), solver=SolverFacts(**p.solver.model_dump()))
         edited = edited_layout(plan)

@@ -174,6 +174,15 @@ class PlanSchema(BaseModel):
     format: Annotated[Literal[1], BeforeValidator(_whole)]
     """Required in a file (its version, read before the rest); `Plan`'s default in Python."""
     notes: Names = []
+    warnings: Names = []
+    hf_config: dict[str, Any] | None = None
+
+    @field_validator("hf_config")
+    @classmethod
+    def _names_a_model_type(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None and not (isinstance(v.get("model_type"), str) and v["model_type"].strip()):
+            raise ValueError("must be a transformers config object with a model_type string, or null")
+        return v
 
     @model_validator(mode="after")
     def _one_entry_per_layer(self) -> PlanSchema:

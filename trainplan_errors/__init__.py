@@ -69,6 +69,11 @@ class DeviceError(TrainplanError):
     """A torch device that is not a device name or is not present on this machine."""
 
 
+class ModelConfigError(TrainplanError):
+    """A model config (a transformers `config.json`) that cannot be read or built: a missing file,
+    not JSON, no `model_type`, a type transformers does not know or that is not a causal LM."""
+
+
 class CaptureError(TrainplanError):
     """A model that cannot be captured as a graph (not a causal LM of the supported layout, or
     its forward/backward cannot be traced, e.g. data-dependent control flow)."""

@@ -91,6 +91,9 @@ class RegionMemory:
     offloaded_bytes: float = 0.0
     """Bytes held in host memory from the forward to the backward (activation offload), not on
     the device; 0 without offload."""
+    handed: tuple[float, ...] = ()
+    """The head: bytes of each tensor it hands the blocks besides the hidden states (rotary
+    tables, masks, position ids; `Region.handed`), not in `retained`."""
 
 
 def simulate_region(region: Region, b: int, s: int, *, checkpoint: bool = False,
@@ -161,7 +164,7 @@ def simulate_region(region: Region, b: int, s: int, *, checkpoint: bool = False,
                  if r.category == "input" and r.input_kind == "act")
     return RegionMemory(fwd_peak=fwd_peak, retained=retained, bwd_peak=bwd_peak,
                         grad_bytes=region.param_grad_bytes(b, s), bwd_peak_accumulating=bwd_accumulating,
-                        input_bytes=inputs)
+                        input_bytes=inputs, handed=tuple(poly_at(p, b, s) for p in region.handed))
 
 
 BOTH, FIRST, ACCUMULATING = 0, 1, 2
@@ -369,7 +372,14 @@ def _micro_step_phases(head: RegionMemory, blocks: list[RegionMemory], tail: Reg
             activations=retained, grads=grads, params=extra, phase=phase))
 
     at("fwd:head", 0.0, 0.0, head.fwd_peak, u_head)
-    acc = head.retained
+    # what the head hands the blocks (rotary tables, masks) is kept by every block that saves it
+    # (a rotary product's saved cos/sin, SDPA's saved mask) or is checkpointed (the checkpoint
+    # keeps the block's inputs) until that block's backward, block 0's the last: counted from the
+    # blocks' forward to block 0's backward. A constant of the step, as the joint model counts it
+    # (`planner.joint.combos.combo_memory`); an upper bound where no block keeps one (an eager
+    # attention's mask, added to the scores, with no block checkpointed), freed after the forward
+    handed = sum(head.handed)
+    acc = head.retained + handed
     prefix = [acc]
     for i, blk in enumerate(blocks):
         at(f"fwd:block{i}", acc, 0.0, blk.fwd_peak, u_fwd[i])

@@ -46,6 +46,7 @@ from executor.parallel.launch import init_distributed
 from hardware_profiles import load as load_profile
 from modeling.activation_compression import compress_saved_activations
 from modeling.loss import lm_loss
+from modeling.model_call import accepts_position_ids, forward_logits
 from modeling.offload import OffloadStats, offload_block
 from modeling.tiling import IGNORE_INDEX, TiledHead, find_mlp, tile_mlp
 from planner.plan import Plan
@@ -113,31 +114,35 @@ def lr_at(step: int, plan: Plan) -> float:
 def micro_batch_loss(model, dev, sp: int, sp_rank: int, world: int, x, y, *,
                      head: TiledHead | None = None) -> torch.Tensor:
     """Loss of one micro-batch (nats/token, a scalar): x, y (b, s) token ids and next-token
-    targets, `model` on device `dev`. Under Ulysses SP (`sp` ranks per sequence, this one
-    `sp_rank`, `world` ranks in all) each rank feeds its contiguous sequence shard with global
-    positions; `executor.parallel.ulysses.sp_loss` makes the averaged gradients equal the
-    single-process ones. No KV cache (`use_cache=False`): a training forward of a model whose
-    config enables it would otherwise fill one, ops the plan did not capture. `head` (a tiled loss,
-    `modeling.tiling.TiledHead`): the model's `.logits` are then the summed cross-entropy of its
+    targets, `model` on device `dev`, called as its forward accepts
+    (`modeling.model_call.forward_logits`: the logits as a tensor, `.logits`, a dict or a tuple).
+    Under Ulysses SP (`sp` ranks per sequence, this one `sp_rank`, `world` ranks in all) each rank
+    feeds its contiguous sequence shard with global positions; `executor.parallel.ulysses.sp_loss`
+    makes the averaged gradients equal the single-process ones. No KV cache (`use_cache=False`
+    where the forward takes it): a training forward of a model whose config enables it would
+    otherwise fill one, ops the plan did not capture. `head` (a tiled loss,
+    `modeling.tiling.TiledHead`): the model's logits are then the summed cross-entropy of its
     tokens, computed in `head.chunks` token chunks inside the forward, divided here by the tokens
     that take part (`modeling.tiling.tiled_lm_loss`'s value)."""
     if world == 1:
         if head is None:
-            return lm_loss(model(input_ids=x.to(dev), use_cache=False).logits, y.to(dev))
+            return lm_loss(forward_logits(model, x.to(dev)), y.to(dev))
         with head.labels(y):
-            total = model(input_ids=x.to(dev), use_cache=False).logits
+            total = forward_logits(model, x.to(dev), allow_scalar=True)
         return total / (y != IGNORE_INDEX).sum().to(total.device)
     from executor.parallel.ulysses import sp_loss  # multi-device only: see the module docstring
 
     sl = x.shape[1] // sp
     lo, hi = sp_rank * sl, (sp_rank + 1) * sl
-    pos = torch.arange(lo, hi, device=dev).unsqueeze(0).expand(x.shape[0], -1)
+    pos: torch.Tensor | None = torch.arange(lo, hi, device=dev).unsqueeze(0).expand(x.shape[0], -1)
+    if sp == 1 and not accepts_position_ids(model):
+        pos = None  # data parallel only: the model's own positions are these (no check, no sync)
     labels = y[:, lo:hi].to(dev)
     if head is None:
-        logits = model(input_ids=x[:, lo:hi].to(dev), position_ids=pos, use_cache=False).logits
+        logits = forward_logits(model, x[:, lo:hi].to(dev), position_ids=pos)
         return sp_loss(logits, labels, None, None)
     with head.labels(labels):
-        total = model(input_ids=x[:, lo:hi].to(dev), position_ids=pos, use_cache=False).logits
+        total = forward_logits(model, x[:, lo:hi].to(dev), position_ids=pos, allow_scalar=True)
     return sp_loss(total, labels, None, None, local_sum=total)
 
 
@@ -257,8 +262,9 @@ def _lr_factor(step: int, plan: Plan) -> float:
 
 def apply_plan(plan: Plan, model: nn.Module, *, device_mesh=None, device: str | torch.device | None = None,
                check_ops: bool = True, lr_scheduler: bool = True) -> AppliedPlan:
-    """Apply `plan` to `model` (a transformers causal LM: `model(input_ids=...).logits`) for the
-    caller's own training loop; the steps are the module docstring's.
+    """Apply `plan` to `model` (a causal LM: its forward takes token ids and returns the logits,
+    `modeling.model_call.forward_logits`) for the caller's own training loop; the steps are the
+    module docstring's.
 
     device: where to train (None: the plan's profile's device type, `resolve_device`); the model
         is moved there.
@@ -275,7 +281,8 @@ def apply_plan(plan: Plan, model: nn.Module, *, device_mesh=None, device: str | 
     Raises:
         PlanMismatchError: the model has no list of the plan's layer count, another parameter
             count, a checkpointed block whose ops differ from the captured ones (the first
-            mismatching op), or the plan names an unknown checkpoint entry.
+            mismatching op), the plan names an unknown checkpoint entry, or it runs sequence
+            parallelism and the model's forward takes no `position_ids`.
         TrainplanError: the process count is not the plan's devices; a `device_mesh` of another
             size or SP degree; an accelerator plan without an accelerator.
     """
@@ -287,6 +294,11 @@ def apply_plan(plan: Plan, model: nn.Module, *, device_mesh=None, device: str | 
     if n_params != plan.model_n_params:
         raise PlanMismatchError(f"plan was made for {plan.model} with {plan.model_n_params:,} "
                                 f"parameters; this model has {n_params:,}")
+    if d.sp_degree > 1 and not accepts_position_ids(model):  # on every rank, before any collective
+        raise PlanMismatchError(
+            f"the plan runs sequence parallelism (sp_degree={d.sp_degree}), which feeds each rank its "
+            f"sequence shard with global positions, but {type(model).__name__}.forward takes no position_ids: "
+            "give its forward a `position_ids` argument, or plan with sp_degree=1")
     model = model.to(dev)
     mp = None
     if world > 1:
@@ -350,7 +362,7 @@ def _check_ops(plan: Plan, model: nn.Module, blocks_name: str, blocks: nn.Module
         return
     autocast = torch.bfloat16 if d.precision == "bf16-mixed" and not mixed_precision else None
     layers = sorted({i for v in expected.values() for i in v["layers"]})
-    got = block_ops(model, blocks, layers, seq_len=d.seq_len, device=dev,
+    got = block_ops(model, blocks, layers, seq_len=d.seq_len, device=dev, micro_batch=d.micro_batch,
                     param_dtype=torch.bfloat16 if mixed_precision else None, autocast_dtype=autocast)
     check_block_ops(expected, got, blocks_name)
 

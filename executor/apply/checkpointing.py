@@ -40,6 +40,8 @@ from costmodels.checkpoint_sets import (
     resolve,
     sets_from_mapping,
 )
+from modeling.fake_run import as_run
+from modeling.model_call import forward_call
 from trainplan_errors import PlanMismatchError, TrainplanError
 
 
@@ -133,23 +135,20 @@ class _OpRecorder(TorchDispatchMode):
 
 def block_ops(model: nn.Module, blocks: nn.ModuleList, layers: Sequence[int], *, seq_len: int,
               device: torch.device, param_dtype: torch.dtype | None = None,
-              autocast_dtype: torch.dtype | None = None) -> dict[int, list[str]]:
+              autocast_dtype: torch.dtype | None = None, micro_batch: int = 1) -> dict[int, list[str]]:
     """The ops each of `layers` (indices into `blocks`) runs in one forward of `model` on token
-    ids of shape (1, `seq_len`) without a KV cache, in order, as the SAC policy function sees them (canonical op
+    ids of shape (`micro_batch`, `seq_len`) without a KV cache (the run's: a reshape that is a view
+    at one batch size copies at another), in order, as the SAC policy function sees them (canonical op
     names, `costmodels.checkpoint_sets.canonical_op`). Runs on fake tensors on `device`
     (`FakeTensorMode`: nothing allocated, nothing computed), floating parameters at `param_dtype`
     (None: their own), under `torch.autocast(device.type, autocast_dtype)` when given. A layer
-    the forward does not reach maps to []. The attention mask a block is handed is dropped, as
-    the capture traces a block (`planner.capture.graph.capture`) and as an unpadded causal run
-    passes it: transformers makes a mask only because it sees fake tensors (`is_tracing`)."""
+    the forward does not reach maps to []. Masks are made as a training step makes them
+    (`modeling.fake_run.as_run`), as the capture makes them (`planner.capture.layout`)."""
     recorder = _OpRecorder()
     got: dict[int, list[str]] = {i: [] for i in layers}
 
     def start(i, module, args, kwargs):
         recorder.ops = got[i]
-        if kwargs.get("attention_mask") is not None:  # made only because it sees fake tensors
-            return args, {**kwargs, "attention_mask": None}
-        return None
 
     def stop(module, args, output):
         recorder.ops = None
@@ -163,22 +162,32 @@ def block_ops(model: nn.Module, blocks: nn.ModuleList, layers: Sequence[int], *,
                 k: torch.empty(v.shape, device=device, requires_grad=v.requires_grad,
                                dtype=param_dtype if param_dtype is not None and v.is_floating_point() else v.dtype)
                 for k, v in model.named_parameters()}
-            ids = torch.zeros(1, seq_len, dtype=torch.long, device=device)
+            ids = torch.zeros(micro_batch, seq_len, dtype=torch.long, device=device)
+        args, kwargs = forward_call(model, ids)  # as its forward takes ids (no KV cache where it has one)
         cast = (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None
                 else contextlib.nullcontext())
-        with mode, recorder, cast:
-            torch.func.functional_call(model, state, (), {"input_ids": ids, "use_cache": False}, strict=False)
+        with mode, as_run(), recorder, cast:
+            torch.func.functional_call(model, state, args, kwargs, strict=False)
     finally:
         for h in hooks:
             h.remove()
     return got
 
 
+LAYOUT_OPS = frozenset(f"aten.{op}.{overload}" for op, overload in (
+    ("view", "default"), ("_unsafe_view", "default"), ("reshape", "default"), ("clone", "default"),
+    ("expand", "default"), ("t", "default"), ("transpose", "int"), ("permute", "default"),
+    ("unsqueeze", "default"), ("squeeze", "dim"), ("alias", "default"), ("_to_copy", "default")))
+"""Ops that move or re-view data without computing: whether a reshape is a view or a copy
+depends on the strides at the run's batch size (a size-1 batch is contiguous where a larger one
+is not), so the op check leaves them out; no checkpoint set saves them."""
+
+
 def check_block_ops(expected: Mapping[str, Mapping[str, Any]], got: Mapping[int, list[str]],
                     blocks_name: str) -> None:
     """Compare each checkpointed layer's ops (`got`, from `block_ops`) with the plan's
-    (`Decisions.checkpoint_block_ops`: per block kind its `layers` and `ops`); `blocks_name`:
-    the blocks' qualified name in the model, for the message.
+    (`Decisions.checkpoint_block_ops`: per block kind its `layers` and `ops`), both without
+    `LAYOUT_OPS`; `blocks_name`: the blocks' qualified name in the model, for the message.
 
     Raises:
         PlanMismatchError: the first layer whose ops differ, with the position (0-based, within
@@ -186,9 +195,9 @@ def check_block_ops(expected: Mapping[str, Mapping[str, Any]], got: Mapping[int,
             `the end of the block` when one sequence is shorter).
     """
     for kind, entry in expected.items():
-        want = list(entry["ops"])
+        want = [op for op in entry["ops"] if op not in LAYOUT_OPS]
         for i in entry["layers"]:
-            seen = got.get(i, [])
+            seen = [op for op in got.get(i, []) if op not in LAYOUT_OPS]
             k = next((k for k, (a, b) in enumerate(zip(want, seen, strict=False)) if a != b), min(len(want), len(seen)))
             if k == len(want) == len(seen):
                 continue
@@ -196,6 +205,6 @@ def check_block_ops(expected: Mapping[str, Mapping[str, Any]], got: Mapping[int,
             exp, found = (want[k] if k < len(want) else end), (seen[k] if k < len(seen) else end)
             raise PlanMismatchError(
                 f"{blocks_name}.{i} is not the block the plan was captured from ({kind}, "
-                f"{len(want)} ops): op {k} of its forward is {found}, the plan expects {exp}; its "
+                f"{len(want)} ops): compute op {k} of its forward is {found}, the plan expects {exp}; its "
                 "checkpoint set would save other ops than planned: solve the plan for this model "
                 "(planner.api.solve(model, ...))")

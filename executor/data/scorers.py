@@ -24,7 +24,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from executor.data.batches import TokenBatches, check_window_args, gather_windows
 from executor.data.dsir import score_dsir
-from modeling.flop_counting import CPU_ATTENTION_FLOP_FORMULAS
+from modeling.flop_counting import EXTRA_FLOP_FORMULAS
+from modeling.model_call import forward_logits
 from trainplan_errors import TrainplanError, require_extra
 
 T = TypeVar("T")
@@ -114,7 +115,7 @@ def matmul_params(model: nn.Module) -> int:
 
 def _counted(fn: Callable[[], T]) -> tuple[T, float]:
     """Run `fn` under FlopCounterMode; (its result, FLOPs)."""
-    fc = FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOP_FORMULAS)
+    fc = FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS)
     with fc:
         out = fn()
     return out, float(fc.get_total_flops())
@@ -153,7 +154,7 @@ def train_reference(tokens, *, seq_len: int, vocab_size: int, config: ReferenceC
         for g in opt.param_groups:
             g["lr"] = config.lr * min(1.0, (s + 1) / warm)
         x, y = batches.batch(s)
-        loss = F.cross_entropy(model(input_ids=x).logits.flatten(0, 1), y.flatten())
+        loss = F.cross_entropy(forward_logits(model, x).flatten(0, 1), y.flatten())
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -195,7 +196,7 @@ def score_loss(tokens, starts: np.ndarray, *, seq_len: int, model: nn.Module, ba
             x, y = gather_windows(tokens, chunk, seq_len)
 
             def run(x=x, y=y):
-                logits = model(input_ids=x.to(dev)).logits.float()
+                logits = forward_logits(model, x.to(dev)).float()
                 return F.cross_entropy(logits.transpose(1, 2), y.to(dev),
                                        reduction="none").mean(1)
 
@@ -249,7 +250,7 @@ def _projected_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor, mods: l
         handles.append(m.register_forward_hook(
             lambda mod, inp, out, j=j: store.setdefault(j, []).append((inp[0], out))))
     try:
-        logits = model(input_ids=x).logits
+        logits = forward_logits(model, x)
     finally:
         for h in handles:
             h.remove()

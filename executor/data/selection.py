@@ -241,8 +241,9 @@ def score_windows(tokens: torch.Tensor | np.ndarray, *, seq_len: int, method: st
 
     tokens: (n_tokens,) int token stream (e.g. `TokenCorpus.train_tokens`).
     seq_len: window length; window i is tokens[i*seq_len : i*seq_len + seq_len + 1].
-    reference: "loss"/"influence": a model to score with (`model(input_ids=x).logits`), or a
-        ReferenceConfig to train one (None: the default config), cached like the scores.
+    reference: "loss"/"influence": a model to score with (its logits as
+        `modeling.model_call.forward_logits` takes them), or a ReferenceConfig to train one
+        (None: the default config), cached like the scores.
     target_tokens: "influence"/"dsir": a held-out token stream of the target distribution,
         windowed the same way (at least one window). Keep it disjoint from evaluation data.
     seed: "random": the draw; "influence": the projection matrices.

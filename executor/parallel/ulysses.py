@@ -21,7 +21,7 @@ How a training loop calls this module (after ``executor.parallel.launch.init_dis
                                   stage=zero_stage, mesh_or_group=None, device=device)
     for input_ids, labels in replica_batches:               # replica = rank // sp_degree
         ids, tgt, pos = shard_sequence(input_ids, labels, rank % sp_degree, sp_degree)
-        logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+        logits = forward_logits(model, ids, position_ids=pos)   # modeling.model_call
         loss = sp_loss(logits, tgt, None, group=None)      # value: global mean CE, all ranks
         loss.backward(); optimizer.step(); optimizer.zero_grad()
 """

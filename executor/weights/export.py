@@ -3,9 +3,10 @@ the run's tokenizer, loadable with `transformers.AutoModelForCausalLM` / `AutoTo
 
 `export_weights(run_dir, out_dir)` reads the run folder `trainplan run` wrote (`plan.json` and
 `checkpoint/latest` -> `checkpoint/step-N/`, `executor.checkpoint`), builds the plan's preset
-(`modeling.presets.build_model`) on the CPU at the run's vocabulary, loads the checkpoint's
-model state into it and writes it with the model's own `save_pretrained` (safetensors; tied
-weights handled by transformers).
+(`modeling.presets.build_model`, or `modeling.configs.build_from_config` for a plan holding a
+config) on the CPU at the run's vocabulary, loads the checkpoint's model state into it and
+writes it with the model's own `save_pretrained` (safetensors; tied weights handled by
+transformers).
 
 One process, no process group: `torch.distributed.checkpoint.load` reads a checkpoint written
 by any number of ranks (plain modules, DDP, FSDP2's sharded DTensors: each rank's shards are
@@ -43,7 +44,7 @@ from torch import nn
 
 from executor.checkpoint import CHECKPOINT_DIR, LATEST, META, TOKENIZER, latest_checkpoint
 from executor.data.corpus import load_tokenizer, separator_id
-from modeling import presets
+from modeling import configs, presets
 from planner.plan import Plan
 from trainplan_errors import DataError, OutputPathError, TrainplanError, UnknownNameError
 
@@ -111,7 +112,7 @@ def run_checkpoint(run_dir: str | Path) -> tuple[Plan, Path]:
         raise TrainplanError(f"{str(run)!r} is not a trainplan run folder (no plan.json); pass the "
                              "--out folder of `trainplan run`")
     plan, ckpt = Plan.from_json(run / "plan.json"), latest_checkpoint(run)
-    if ckpt is None and not _is_preset(model := plan.model):
+    if ckpt is None and plan.hf_config is None and not _is_preset(model := plan.model):
         raise TrainplanError(
             f"run folder {str(run)!r} has no checkpoint (no {CHECKPOINT_DIR}/{LATEST}), and its model "
             f"{model!r} is not a preset, which `trainplan run` cannot build: a run of your own loop "
@@ -166,8 +167,11 @@ def load_trained_model(run_dir: str | Path, *, dtype: str | torch.dtype | None =
     plan, ckpt = run_checkpoint(run_dir)
     stored = trained_dtype(ckpt)
     try:
-        model = presets.build_model(plan.model, device="cpu", dtype=stored, vocab_size=plan.vocab_size,
-                                    seed=plan.decisions.seed)
+        model = (configs.build_from_config(plan.hf_config, device="cpu", dtype=stored, vocab_size=plan.vocab_size,
+                                           seed=plan.decisions.seed, name=plan.model)
+                 if plan.hf_config is not None else  # a config-built model: `trainplan solve --model config.json`
+                 presets.build_model(plan.model, device="cpu", dtype=stored, vocab_size=plan.vocab_size,
+                                     seed=plan.decisions.seed))
     except UnknownNameError:
         raise UnknownNameError(
             f"the run in {str(run_dir)!r} trained model {plan.model!r}, which is not a preset "

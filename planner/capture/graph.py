@@ -4,17 +4,22 @@ What the planner reasons over must be what runs. Selective activation checkpoint
 sees ops *below* autograd (`aten.mm`, `aten._scaled_dot_product_flash_attention_for_cpu`, ...),
 so each region is traced with `make_fx` over a function that runs forward and backward
 (`torch.func.functional_call` + `torch.autograd.grad`) under `FakeTensorMode`: no memory is
-allocated, so a 405B model captures on a laptop. A region is one piece of a causal LM:
+allocated, so a 405B model captures on a laptop. Any causal LM qualifies: the regions come from
+the model's own forward (`planner.capture.layout`), not from attribute names:
 
-- `head`: token embedding and rotary position embedding;
-- `block`: one transformer layer (identical layers are detected by parameter signature and
-  traced once);
-- `tail`: final norm, LM head and the cross-entropy loss (`lm_loss`, which the executor uses too).
+- `head`: the forward up to the first block (embeddings, learned or rotary positions, an
+  embedding scale, the masks the model builds);
+- `block`: one layer, called with what the model called it with (identical layers, by
+  parameters, call structure and settings, are traced once; Gemma-2's sliding and global
+  layers are two regions);
+- `tail`: the forward after the last block (final norm, LM head, logit softcapping) and the
+  cross-entropy loss (`lm_loss`, which the executor uses too).
 
 Shapes are made symbolic by tracing at sentinel sizes (micro-batch `B0`, sequence `S0`, primes
-that no model dimension equals): every tensor dimension equal to B0, S0 or B0*S0 becomes `b`,
-`s` or `b*s`, so bytes and FLOPs of every node are polynomials in (b, s), evaluated by the cost
-models for any micro-batch and sequence length. FLOPs per node use torch's own formulas
+that divide no model dimension): every tensor dimension factors into powers of B0 and S0 and a
+model constant, so `b*heads`, `b*s*top_k` and `s*s` all become polynomials in (b, s)
+(`planner.capture.trace._symbolize`), evaluated by the cost models for any micro-batch and
+sequence length. FLOPs per node use torch's own formulas
 (`torch.utils.flop_counter.flop_registry`), the same that `FlopCounterMode` applies at run time.
 
 The trace runs with fake *CPU* tensors, so attention appears as
@@ -33,16 +38,35 @@ from typing import Any
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils import _pytree as pytree
 
 from costmodels.graph import Region, variant_key
 from modeling.activation_compression import check_activation_bits
 from modeling.loss import lm_loss
-from modeling.tiling import find_mlp, tile_mlp, tiled_lm_loss, untile_mlp
+from modeling.tiling import TiledHead, find_mlp, tile_mlp, untile_mlp
+from planner.capture.errors import capture_errors
+from planner.capture.layout import (
+    BlockCall,
+    Stop,
+    as_run,
+    attention_features,
+    call_model,
+    config_int,
+    functional,
+    handed,
+    hidden_of,
+    intercepted,
+    logits_of,
+    module_int,
+    record_layout,
+    with_hidden,
+)
 from planner.capture.regions import RegionTable
 from planner.capture.trace import trace_region
-from trainplan_errors import TrainplanError
+from trainplan_errors import CaptureError, TrainplanError
 
-_SENTINELS = [(7, 113), (11, 127), (13, 131), (5, 139)]
+_SENTINELS = [(7, 113), (11, 127), (13, 131), (5, 139), (17, 151), (19, 157), (23, 163), (29, 167)]
+"""(micro-batch, sequence) primes to trace at, in order of preference (`_pick_sentinels`)."""
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ModelGraph:
@@ -67,6 +91,9 @@ class ModelGraph:
     vocab_size: int
     intermediate_size: int = 0
     """The blocks' MLP width (the config's `intermediate_size`; 0 when it has none)."""
+    features: tuple[str, ...] = ()
+    """What the model's attention does beyond plain causal attention, as `name=value`
+    (`planner.capture.layout.attention_features`: a sliding window, softcapping, experts)."""
     n_layers: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -82,38 +109,41 @@ class ModelGraph:
 
 
 def _model_dims(model: nn.Module) -> set[int]:
-    """Every parameter dimension and integer config field of `model`: sizes a sentinel must avoid."""
-    dims = {int(d) for p in model.parameters() for d in p.shape}
+    """Every parameter and buffer dimension and integer config field of `model`: sizes the
+    sentinel primes must not divide."""
+    dims = {int(d) for t in [*model.parameters(), *model.buffers()] for d in t.shape}
     cfg = getattr(model, "config", None)
     if cfg is not None:
         dims |= {int(v) for v in vars(cfg).values() if isinstance(v, int) and not isinstance(v, bool)}
-    return dims
+    return {d for d in dims if d > 1}
 
 
 def _pick_sentinels(model: nn.Module) -> tuple[int, int]:
+    """(micro-batch, sequence) to trace at: two primes that divide no model dimension, so every
+    traced size factors into its batch, sequence and model parts (`planner.capture.trace._symbolize`)."""
     dims = _model_dims(model)
     for b0, s0 in _SENTINELS:
-        if not dims & {b0, s0, b0 * s0}:
+        if not any(d % b0 == 0 or d % s0 == 0 for d in dims):
             return b0, s0
-    raise TrainplanError("model dimensions collide with every capture sentinel size")
+    raise CaptureError(f"{type(model).__name__}: every capture sentinel prime ({_SENTINELS}) divides one of "
+                       "the model's dimensions")
 
 
-def _fake_params(module: nn.Module, mode: FakeTensorMode, dtype: torch.dtype | None) -> dict:
+def _fake(tensors: dict[str, torch.Tensor], mode: FakeTensorMode, dtype: torch.dtype | None) -> dict:
+    """Fake copies of parameters (requiring grad, at `dtype` if given) and buffers (own dtype)."""
     with mode:
-        return {k: torch.empty(v.shape, dtype=dtype or v.dtype, device="cpu", requires_grad=True)
-                for k, v in module.named_parameters()}
-
-
-def _block_signature(block: nn.Module) -> tuple:
-    return (type(block).__name__,) + tuple((k, tuple(v.shape), str(v.dtype))
-                                           for k, v in block.named_parameters())
+        return {k: torch.empty(v.shape, dtype=(dtype if isinstance(v, nn.Parameter) and v.is_floating_point()
+                                               else None) or v.dtype, device="cpu",
+                               requires_grad=isinstance(v, nn.Parameter) and v.requires_grad)
+                for k, v in tensors.items()}
 
 
 def capture(model: nn.Module, *, dtype: torch.dtype | None = None, name: str | None = None,
             autocast_dtype: torch.dtype | None = None,
             activation_bits: tuple[int, ...] = (), device_type: str = "cpu") -> ModelGraph:
-    """Capture `model` (a HF-style causal LM: `.model.embed_tokens`, `.model.layers`,
-    `.model.norm`, `.model.rotary_emb`, `.lm_head`) as a ModelGraph, on fake tensors.
+    """Capture `model` as a ModelGraph, on fake tensors: any causal LM whose forward takes token
+    ids and returns logits (a tensor, `.logits` or `(logits, ...)`) and runs its repeated
+    blocks from an `nn.ModuleList` (`planner.capture.layout`).
 
     `dtype` is the dtype of parameters (default: the model's). `autocast_dtype` traces under
     `torch.autocast` (mixed precision: fp32 parameters, bf16 matmuls), so the casts autocast
@@ -130,21 +160,18 @@ def capture(model: nn.Module, *, dtype: torch.dtype | None = None, name: str | N
     traced on first use, not here: `ModelGraph.regions` is a `RegionTable`.
 
     Raises:
-        TrainplanError: the module is not a causal LM of that layout; the message says what
-            was found.
+        CaptureError: the module has no blocks, its forward does not return logits, or a
+            region cannot be traced; the message names the op and the module where it failed.
     """
     tracer = RegionTracer(model, dtype=dtype, autocast_dtype=autocast_dtype, device_type=device_type)
-    cfg: Any = model.config  # a transformers config: its fields differ by model family
     variants = sorted({check_activation_bits(a) for a in activation_bits} - {32}, reverse=True)
     regions: dict[str, Region] = {}
-    block_names: list[str] = []
     for bits in [32, *variants]:
         regions[variant_key("head", activation_bits=bits)] = tracer.trace("head", bits)
-        for rname in tracer.block_regions:
+        for rname in tracer.layout.block_regions:
             regions[variant_key(rname, activation_bits=bits)] = tracer.trace(rname, bits)
         regions[variant_key("tail", activation_bits=bits)] = tracer.trace("tail", bits)
-    block_names = list(tracer.layer_regions)
-    if getattr(cfg, "tie_word_embeddings", False):
+    if tracer.tied:
         warnings.warn("tied embeddings: the LM head's weight is counted once in model states",
                       stacklevel=2)
     n_params = sum(p.numel() for p in model.parameters())
@@ -152,55 +179,65 @@ def capture(model: nn.Module, *, dtype: torch.dtype | None = None, name: str | N
     return ModelGraph(name=name or str(getattr(model, "trainplan_preset", type(model).__name__)),
                       n_params=n_params, param_bytes=param_bytes,
                       regions=RegionTable(regions, {"": tracer.trace}),
-                      blocks=tuple(block_names), n_heads=tracer.n_heads, n_kv_heads=tracer.n_kv,
+                      blocks=tuple(tracer.layout.layer_regions), n_heads=tracer.n_heads, n_kv_heads=tracer.n_kv,
                       head_dim=tracer.head_dim, hidden_size=tracer.hidden, vocab_size=tracer.vocab,
-                      intermediate_size=int(getattr(cfg, "intermediate_size", 0) or 0))
+                      intermediate_size=tracer.intermediate, features=tracer.features)
 
 
 class RegionTracer:
     """Traces the regions of one causal LM (head, each distinct block, tail) on fake tensors, at
-    any saved-activation width and sequence tiling (`trace`); `capture` keeps one for the
-    variants traced on first use (`planner.capture.regions.RegionTable`).
+    any saved-activation width and sequence tiling (`trace`), through the model's own forward
+    (`planner.capture.layout`); `capture` keeps one for the variants traced on first use
+    (`planner.capture.regions.RegionTable`).
+
+    - `head`: the model's forward up to its first block: what it hands the blocks (the hidden
+      states, and rotary tables, masks, positions it builds once) and its backward;
+    - a block region: one layer, called with what the model's forward called it with;
+    - `tail`: the model's forward after its last block (final norm, LM head, logit softcapping,
+      whatever the model does there) and the loss (`modeling.loss.lm_loss`), forward and backward.
 
     Raises (constructor):
-        TrainplanError: the module is not a causal LM laid out like HF transformers."""
+        CaptureError: no blocks, no logits, or the model's forward fails on fake tensors."""
 
     def __init__(self, model: nn.Module, *, dtype: torch.dtype | None, autocast_dtype: torch.dtype | None,
                  device_type: str):
-        core = getattr(model, "model", None)
-        needed = ("embed_tokens", "layers", "norm", "rotary_emb")
-        if core is None or not all(hasattr(core, a) for a in needed) or not hasattr(model, "lm_head"):
-            raise TrainplanError(
-                f"cannot capture {type(model).__name__}: trainplan plans causal LMs laid out like "
-                "HF transformers (model.embed_tokens, model.layers, model.norm, model.rotary_emb, "
-                "lm_head); use a preset or a transformers *ForCausalLM model")
-        cfg: Any = model.config
-        self.model, self.core, self.lm_head = model, core, model.get_submodule("lm_head")
+        self.model = model
         self.dtype = dtype or next(model.parameters()).dtype
         self.autocast_dtype, self.device_type = autocast_dtype, device_type
-        self.dims = _model_dims(model)
         self.b0, self.s0 = _pick_sentinels(model)
-        self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
-        self.hidden, self.vocab = cfg.hidden_size, cfg.vocab_size
         self.mode = FakeTensorMode()
-        self.layer_regions: list[str] = []
-        """Region name of each layer, in order (identical layers share one)."""
-        self.block_regions: dict[str, int] = {}
-        """Region name -> index of the first layer that runs it."""
-        seen: dict[tuple, str] = {}
-        for i, layer in enumerate(core.layers):
-            sig = _block_signature(layer)
-            if sig not in seen:
-                seen[sig] = f"block{len(seen)}"
-                self.block_regions[seen[sig]] = i
-            self.layer_regions.append(seen[sig])
-        self._params: dict[str, dict] = {}
+        params = dict(model.named_parameters())
+        self.param_names = frozenset(params)
+        self.tensors = _fake({**params, **dict(model.named_buffers())}, self.mode, dtype)
+        self.tied = len(params) < len(dict(model.named_parameters(remove_duplicate=False)))
+        with self.mode:
+            ids = torch.zeros(self.b0, self.s0, dtype=torch.long)
+        with capture_errors(model, "its forward", before_blocks=True):
+            self.layout = record_layout(model, self.tensors, ids, self.mode)
+        self._layouts = {1: self.layout}
+        prefix = self.layout.blocks_name + "."
+        self.outer = [k for k in self.tensors if not k.startswith(prefix)]
+        self.hidden, self.vocab = self.layout.hidden_size, self.layout.vocab_size
+        self.n_heads = config_int(model, "num_attention_heads", "n_head") \
+            or module_int(model, "num_attention_heads", "num_heads", "n_head", "n_heads") or 1
+        self.n_kv = config_int(model, "num_key_value_heads") \
+            or module_int(model, "num_key_value_heads", "num_kv_heads", "n_kv_heads") or self.n_heads
+        self.head_dim = config_int(model, "head_dim") or module_int(model, "head_dim") or self.hidden // self.n_heads
+        self.intermediate = config_int(model, "intermediate_size", "n_inner") or 0
+        self.features = attention_features(model, self.layout)
 
-    def _fake(self, key: str, module: nn.Module) -> dict:
-        if key not in self._params:
-            self._params[key] = _fake_params(module, self.mode, self.dtype)
-        return self._params[key]
+    def _layout(self, chunks: int):
+        """The layout recorded at the sequence a `chunks`-tiled trace runs at (the blocks' call
+        arguments, rotary tables and masks, have that length)."""
+        if chunks not in self._layouts:
+            with self.mode:
+                ids = torch.zeros(self.b0, self.s0 * chunks, dtype=torch.long)
+            with capture_errors(self.model, "its forward"):
+                self._layouts[chunks] = record_layout(self.model, self.tensors, ids, self.mode)
+        return self._layouts[chunks]
+
+    def _kinds(self, names) -> dict[str, str]:
+        return {k: "param" if k in self.param_names else "const" for k in names}
 
     def trace(self, region: str, activation_bits: int = 32, chunks: int = 1) -> Region:
         """The region `region` (`head`, `tail` or a block region name) traced with saved
@@ -208,106 +245,137 @@ class RegionTracer:
         a block's MLP or the tail's LM head and loss over that many chunks.
 
         Raises:
-            TrainplanError: an unknown region, tiling of the head, or a chunk count whose
-                sentinel sequence collides with a model dimension."""
+            TrainplanError: an unknown region, tiling of the head, or a tiling the model does
+                not allow (no MLP child; logits post-processed after the LM head).
+            CaptureError: the region cannot be traced; the message names the op and module."""
         b0, s0 = self.b0, self.s0 * chunks
-        if chunks > 1 and (region == "head" or self.dims & {s0, b0 * s0}):
-            raise TrainplanError(f"cannot tile {region!r} into {chunks} chunks: "
-                                 + ("the head is not tiled" if region == "head" else
-                                    f"the trace's sequence {s0} equals a model dimension"))
+        if chunks > 1 and region == "head":
+            raise TrainplanError(f"cannot tile {region!r} into {chunks} chunks: the head is not tiled")
         name = variant_key(region, activation_bits=activation_bits, chunks=chunks)
         common: dict[str, Any] = dict(b0=b0, s0=s0, autocast_dtype=self.autocast_dtype,
                                       activation_bits=activation_bits,
-                      device_type=self.device_type, chunks=chunks)
+                                      device_type=self.device_type, chunks=chunks)
         mode, dtype = self.mode, self.dtype
         with mode:
             ids = torch.zeros(b0, s0, dtype=torch.long)
-            pos = torch.arange(s0)[None]
-            x = torch.empty(b0, s0, self.hidden, dtype=dtype, requires_grad=True)
             g = torch.empty(b0, s0, self.hidden, dtype=dtype)
             labels = torch.zeros(b0, s0, dtype=torch.long)
+            x = torch.empty(b0, s0, self.hidden, dtype=dtype, requires_grad=True)
+        outer = {k: self.tensors[k] for k in self.outer}
         if region == "head":
-            ep = self._fake("head", self.core.embed_tokens)
-            with mode:
-                return trace_region(name, self._head_fn, {"weight": ep["weight"], "ids": ids, "pos": pos, "g": g},
-                                    kinds={"weight": "param", "ids": "const", "pos": "const", "g": "grad"},
+            with capture_errors(self.model, "its head (the forward up to the first block)"), mode, as_run():
+                return trace_region(name, self._head_fn, {"ids": ids, "g": g, **outer},
+                                    kinds={"ids": "const", "g": "grad", **self._kinds(outer)},
                                     block=None, **common)
         if region == "tail":
+            if chunks > 1 and not self.layout.head_logits:
+                raise TrainplanError(f"cannot tile the loss of {type(self.model).__name__}: its logits are not its "
+                                     "output embedding's output (it has none, or changes the logits after it, "
+                                     "e.g. softcapping)")
             held: list = []
-            tp = {f"norm.{k}": v for k, v in self._fake("norm", self.core.norm).items()}
-            tp |= {f"lm_head.{k}": v for k, v in self._fake("lm_head", self.lm_head).items()}
-            fn = partial(self._tail_fn, held=held, chunks=chunks, pnames=list(tp))
-            with mode:  # untiled, lm_loss holds the logits until it returns (`trace_region`)
-                return trace_region(name, fn, {"x": x, "labels": labels, **tp},
-                                    kinds={"x": "act", "labels": "const", **{p: "param" for p in tp}},
+            fn = partial(self._tail_fn, held=held, chunks=chunks)
+            what = "its tail (the forward after the last block, and the loss)"
+            with capture_errors(self.model, what), mode, as_run():
+                # untiled, lm_loss holds the logits until it returns (`trace_region`)
+                return trace_region(name, fn, {"x": x, "labels": labels, "ids": ids, **outer},
+                                    kinds={"x": "act", "labels": "const", "ids": "const", **self._kinds(outer)},
                                     block=None, held_to_output=("aten._log_softmax.default",) if chunks == 1 else (),
-                                    held=held, **common)
-        if region not in self.block_regions:
+                                    held=held, keep_from=("x", "labels"), **common)
+        if region not in self.layout.block_regions:
             raise TrainplanError(f"no region {region!r}: regions are head, tail and "
-                                 f"{', '.join(self.block_regions)}")
-        i = self.block_regions[region]
-        layer = self.core.layers[i]
-        lp = self._fake(region, layer)
-        with mode:
-            cos = torch.empty(1, s0, self.head_dim, dtype=dtype)
-            sin = torch.empty(1, s0, self.head_dim, dtype=dtype)
+                                 f"{', '.join(self.layout.block_regions)}")
+        i = self.layout.block_regions[region]
+        layer = self.layout.blocks[i]
+        prefix = f"{self.layout.blocks_name}.{i}."
+        lp = {k[len(prefix):]: v for k, v in self.tensors.items() if k.startswith(prefix)}
+        call = self._layout(chunks).calls[i]
+        leaves, spec = pytree.tree_flatten((call.args, call.kwargs))
+        hidden, _ = hidden_of(call.args, call.kwargs)
+        slots = {f"in{j}": (leaf.detach() if leaf.requires_grad else leaf) for j, leaf in enumerate(leaves)
+                 if isinstance(leaf, torch.Tensor) and leaf is not hidden}
+        where = ["x" if leaf is hidden else f"in{j}" if f"in{j}" in slots else None for j, leaf in enumerate(leaves)]
         mlp = find_mlp(layer) if chunks > 1 else None
         if mlp is not None:
             tile_mlp(mlp, chunks)
         try:
-            with mode:
+            with capture_errors(self.model, f"block {i} ({self.layout.blocks_name}.{i})"), mode, as_run():
                 return dataclasses.replace(trace_region(
-                    name, partial(self._block_fn, layer=layer, pnames=list(lp)),
-                    {"x": x, "cos": cos, "sin": sin, "pos": pos, "g": g, **lp},
-                    kinds={"x": "act", "cos": "shared", "sin": "shared", "pos": "const", "g": "grad",
-                           **{p: "param" for p in lp}}, block=i, **common), recompute_to_end=chunks > 1)
+                    name, partial(self._block_fn, layer=layer, leaves=leaves, where=where, spec=spec,
+                                  pnames=[p for p in lp if prefix + p in self.param_names]),
+                    {"x": x, "g": g, **slots, **{f"p.{k}": v for k, v in lp.items()}},
+                    kinds={"x": "act", "g": "grad", **dict.fromkeys(slots, "shared"),
+                           **{f"p.{k}": "param" if prefix + k in self.param_names else "const" for k in lp}},
+                    block=i, **common), recompute_to_end=chunks > 1)
         finally:
             if mlp is not None:
                 untile_mlp(mlp)
 
-    def _head_fn(self, weight, ids, pos, g):
-        h = torch.func.functional_call(self.core.embed_tokens, {"weight": weight}, (ids,))
-        rot = self.core.rotary_emb
-        fake_rot = {k: torch.empty(v.shape, dtype=v.dtype) for k, v in rot.named_buffers()}
-        cos, sin = torch.func.functional_call(rot, fake_rot, (h, pos))
-        (gw,) = torch.autograd.grad(h, [weight], g)
-        return h, [gw], [cos, sin]
+    def _head_fn(self, ids, g, **tensors):
+        calls: list[BlockCall] = []
+        last = len(self.layout.blocks) - 1
+
+        def record(i, block, orig, *args, **kwargs):  # every block's call, up to the last one's
+            calls.append(BlockCall(args, kwargs))
+            if i == last:
+                raise Stop(args, kwargs)
+            sample = self.layout.outputs[self.layout.block_regions[self.layout.layer_regions[i]]]
+            return with_hidden(sample, hidden_of(args, kwargs)[0])
+
+        try:
+            with intercepted(self.layout.blocks, record):
+                functional(self.model, tensors, lambda m: call_model(m, ids))
+        except Stop:
+            pass
+        else:
+            raise CaptureError(f"the forward of {type(self.model).__name__} returned without calling its last block")
+        hidden, _ = hidden_of(calls[0].args, calls[0].kwargs)
+        shared = handed(calls)
+        params = [v for k, v in tensors.items() if k in self.param_names and v.requires_grad]
+        grads = torch.autograd.grad(hidden, params, g, allow_unused=True)
+        return hidden, [gr for gr in grads if gr is not None], shared
 
     @staticmethod
-    def _block_fn(x, cos, sin, pos, g, *, layer, pnames, **params):
+    def _block_fn(x, g, *, layer, leaves, where, spec, pnames, **inputs):
+        vals = [x if w == "x" else inputs[w] if w is not None else leaf for leaf, w in zip(leaves, where, strict=True)]
+        args, kwargs = pytree.tree_unflatten(vals, spec)
+        params = {k[2:]: v for k, v in inputs.items() if k.startswith("p.")}
+
         def run(scoped):
-            out = scoped(x, position_embeddings=(cos, sin), position_ids=pos, attention_mask=None)
+            out = scoped(*args, **kwargs)
             out = out[0] if isinstance(out, tuple) else out
             dx, *grads = torch.autograd.grad(out, [x] + [params[p] for p in pnames], g)
             return out, grads, [dx]
 
-        # forward and backward inside one functional_call: a tiled MLP's checkpoint recomputes
+        # forward and backward inside one functional call: a tiled MLP's checkpoint recomputes
         # its chunks in the backward, with the fake parameters still in place
-        return torch.func.functional_call(_Scope(layer), {f"inner.{k}": v for k, v in params.items()},
-                                          (run,))
+        return functional(layer, params, run)
 
-    def _tail_fn(self, x, labels, *, held, chunks, pnames, **params):
-        norm = {k[5:]: v for k, v in params.items() if k.startswith("norm.")}
-        head = {k[8:]: v for k, v in params.items() if k.startswith("lm_head.")}
-        h = torch.func.functional_call(self.core.norm, norm, (x,))
-        if chunks == 1:
-            logits = torch.func.functional_call(self.lm_head, head, (h,))
-            held.append(logits)  # the executor's lm_loss(logits, ...) holds them until it returns
-            loss = lm_loss(logits, labels)
-        else:
-            loss = tiled_lm_loss(h, partial(torch.func.functional_call, self.lm_head, head), labels, chunks)
-        dx, *grads = torch.autograd.grad(loss, [x] + [params[p] for p in pnames])
-        return loss, grads, [dx]
+    def _tail_fn(self, x, labels, ids, *, held, chunks, **tensors):
+        blocks, last = self.layout.blocks, len(self.layout.blocks) - 1
+        first = self.layout.block_regions
 
+        def passthrough(i, block, orig, *args, **kwargs):
+            sample = self.layout.outputs[first[self.layout.layer_regions[i]]]
+            return with_hidden(sample, x if i == last else hidden_of(args, kwargs)[0])
 
-class _Scope(nn.Module):
-    """`inner` as a child, so `torch.func.functional_call(_Scope(inner), {"inner.<name>": ...},
-    (fn,))` runs `fn(inner)` with the given parameters in place for all of `fn`: a forward and
-    its backward, whose checkpoint recomputes (`modeling.tiling`) read the module's parameters."""
+        params = [v for k, v in tensors.items() if k in self.param_names and v.requires_grad]
 
-    def __init__(self, inner: nn.Module):
-        super().__init__()
-        self.inner = inner
+        def run(model):  # forward and backward inside one functional call: the tiled loss's
+            if chunks == 1:  # checkpoints recompute in the backward, with the fake parameters in place
+                logits = logits_of(call_model(model, ids))
+                held.append(logits)  # the executor's lm_loss(logits, ...) holds them until it returns
+                loss = lm_loss(logits, labels)
+            else:
+                assert head is not None
+                with head.labels(labels):
+                    loss = logits_of(call_model(model, ids))
+            dx, *grads = torch.autograd.grad(loss, [x] + params, allow_unused=True)
+            return loss, [gr for gr in grads if gr is not None], [dx]
 
-    def forward(self, fn):
-        return fn(self.inner)
+        head = TiledHead(self.model, chunks) if chunks > 1 else None
+        try:
+            with intercepted(blocks, passthrough):
+                return functional(self.model, tensors, run)
+        finally:
+            if head is not None:
+                untile_mlp(self.model.get_output_embeddings())  # type: ignore[operator]

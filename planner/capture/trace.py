@@ -21,28 +21,31 @@ B_SYM, S_SYM = sympy.symbols("b s", positive=True, integer=True)
 
 
 
+def _power(d: int, p: int) -> tuple[int, int]:
+    """(k, d / p**k) with p**k the largest power of `p` dividing `d`."""
+    k = 0
+    while d and d % p == 0:
+        d //= p
+        k += 1
+    return k, d
+
+
 def _symbolize(shape: tuple[int, ...], b0: int, s0: int, chunks: int = 1):
-    """Symbolic shape and numel of `shape` traced at micro-batch `b0`, sequence `s0`: a dimension
-    equal to b0*s0, s0 or b0 is `b*s`, `s` or `b`; with `chunks` > 1 (a sequence-tiled trace,
-    `s0` a multiple of `chunks`), one equal to b0*s0/chunks or s0/chunks is `b*s/chunks` or
-    `s/chunks` (one tile)."""
+    """Symbolic shape and numel of `shape` traced at micro-batch `b0`, sequence `s0`.
+
+    `b0` and `s0 / chunks` are primes that divide no model dimension (`planner.capture.graph`
+    picks them so), so a dimension's factors of them are exactly its dependence on the batch
+    and the sequence: d = b0**i * (s0/chunks)**j * c is `b**i * (s/chunks)**j * c`, whatever
+    the product (b*s tokens, b*heads in an eager attention's bmm, b*s*top_k routed rows, s*s
+    scores). `chunks` > 1: a sequence-tiled trace, whose tile is `s/chunks`."""
     expr = sympy.Integer(1)
     sym_shape = []
-    tile = s0 // chunks if chunks > 1 else None
+    tile = s0 // chunks
     for d in shape:
         d = int(d)
-        if d == b0 * s0:
-            e = B_SYM * S_SYM
-        elif d == s0:
-            e = S_SYM
-        elif tile is not None and d == b0 * tile:
-            e = B_SYM * S_SYM / chunks
-        elif tile is not None and d == tile:
-            e = S_SYM / chunks
-        elif d == b0:
-            e = B_SYM
-        else:
-            e = sympy.Integer(d)
+        i, rest = _power(d, b0)
+        j, c = _power(rest, tile)
+        e = B_SYM**i * (S_SYM / chunks)**j * c if d else sympy.Integer(0)
         sym_shape.append(e)
         expr = expr * e
     return tuple(sym_shape), expr
@@ -79,7 +82,8 @@ def _tensors(val):
 def trace_region(name: str, fn, inputs: dict, *, kinds: dict[str, str], b0: int, s0: int,
                  block: int | None, autocast_dtype: torch.dtype | None = None,
                  activation_bits: int = 32, held_to_output: tuple[str, ...] = (),
-                 held: list | None = None, device_type: str = "cpu", chunks: int = 1) -> Region:
+                 held: list | None = None, device_type: str = "cpu", chunks: int = 1,
+                 keep_from: tuple[str, ...] = ()) -> Region:
     """Trace `fn(**inputs)` and summarise it as a Region. `fn` returns
     (forward_output, [parameter gradients], [other outputs]).
 
@@ -95,7 +99,10 @@ def trace_region(name: str, fn, inputs: dict, *, kinds: dict[str, str], b0: int,
     `device_type`: trace attention and dropout as that device runs them
     (`planner.capture.device_kernels.target_kernels`). `chunks` > 1: `fn` tiles the sequence
     into that many chunks (`modeling.tiling`) and `s0` is a multiple of it; a chunk's dimensions
-    become `s/chunks` (`_symbolize`)."""
+    become `s/chunks` (`_symbolize`). `keep_from`: input names; when given, the region is the
+    ops that depend on them and the ops those depend on, and the rest of the trace is left out
+    (the tail's trace runs the model's whole forward and keeps what follows the last block).
+    Inputs no kept op reads are left out."""
     names = list(inputs)
     param_ids = frozenset(id(inputs[n]) for n in names if kinds[n] == "param")
     compression = []
@@ -111,16 +118,21 @@ def trace_region(name: str, fn, inputs: dict, *, kinds: dict[str, str], b0: int,
 
     gm = make_fx(run, tracing_mode="real")(
         *[inputs[n] for n in names])
-    nodes = list(gm.graph.nodes)
-    out_node = nodes[-1]
+    all_nodes = list(gm.graph.nodes)
+    out_node = all_nodes[-1]
     fwd_out, param_grads, _ = out_node.args[0]
+    order = {n: i for i, n in enumerate(all_nodes)}
+    kept = _kept(all_nodes, [p for p, nm in zip(all_nodes, names, strict=False) if nm in keep_from]) \
+        if keep_from else set(all_nodes)
+    nodes = [n for n in all_nodes if n in kept and (n.op != "placeholder" or kinds[names[order[n]]] in ("act", "grad")
+                                                   or any(u in kept for u in n.users))]
+    kept = set(nodes) | {out_node}
     grad_vals = [g.meta["val"] for g in param_grads if isinstance(g, torch.fx.Node)]
     # a weight gradient is a view (t) of an mm's output: its category goes with the storage
     grad_keys = {StorageWeakRef(v.untyped_storage()).cdata for v in grad_vals}
     copied = {StorageWeakRef(v.untyped_storage()).cdata for v in grad_vals if not v.is_contiguous()}
-    order = {n: i for i, n in enumerate(nodes)}
     boundary = order[fwd_out]
-    placeholders = [n for n in nodes if n.op == "placeholder"]
+    placeholders = [n for n in all_nodes if n.op == "placeholder"]
     ph_kind = {p: kinds[nm] for p, nm in zip(placeholders, names, strict=False)}
 
     graph = nx.DiGraph(name=name)
@@ -156,18 +168,21 @@ def trace_region(name: str, fn, inputs: dict, *, kinds: dict[str, str], b0: int,
                        out_bytes=to_poly(out_bytes), in_bytes=to_poly(in_bytes),
                        flops=to_poly(_flops(n, b0, s0, chunks)))
         for a in n.all_input_nodes:
-            if a.op == "call_function":
+            if a.op == "call_function" and a in kept:
                 graph.add_edge(a.name, n.name)
     # last use of each storage: any node reading a tensor that lives in it
-    for n in nodes:
+    reads: dict = {}
+    for n in [*nodes, out_node]:
         for a in n.all_input_nodes:
             for t in _tensors(a.meta.get("val")):
                 key = StorageWeakRef(t.untyped_storage()).cdata
                 if key in storages:
-                    storages[key]["uses"].append(order[n] if n.op != "output" else len(nodes))
-    kept = [t for n in nodes if str(n.target) in held_to_output
-            for a in n.all_input_nodes for t in _tensors(a.meta.get("val"))] + list(held or ())
-    for t in kept:
+                    storages[key]["uses"].append(order[n] if n.op != "output" else len(all_nodes))
+                    reads.setdefault(n, set()).add(key)
+    _hold_saved_to_node_end(nodes, order, boundary, storages, reads)
+    held_tensors = [t for n in nodes if str(n.target) in held_to_output
+                    for a in n.all_input_nodes for t in _tensors(a.meta.get("val"))] + list(held or ())
+    for t in held_tensors:
         rec = storages.get(StorageWeakRef(t.untyped_storage()).cdata)
         if rec is not None:
             rec["uses"].append(boundary)
@@ -187,7 +202,68 @@ def trace_region(name: str, fn, inputs: dict, *, kinds: dict[str, str], b0: int,
                       last_use=max(s["uses"]), is_fwd_output=s["fwd_out"],
                       copied_on_accumulate=s["copied"])
         for s in storages.values())
-    return Region(name=name, graph=graph, storages=records, boundary=boundary, n_nodes=len(nodes))
+    handed: list[Poly] = []
+    seen_handed: set[int] = set()
+    for other in out_node.args[0][2] if name.split("@")[0] == "head" else ():
+        val = other.meta.get("val") if isinstance(other, torch.fx.Node) else None
+        if not isinstance(val, torch.Tensor):
+            handed.append(())
+            continue
+        key = StorageWeakRef(val.untyped_storage()).cdata
+        rec = storages.get(key)
+        fresh = rec is not None and key not in seen_handed and rec["created"] > boundary
+        handed.append(to_poly(rec["bytes"]) if rec is not None and fresh else ())
+        seen_handed.add(key)
+    return Region(name=name, graph=graph, storages=records, boundary=boundary, n_nodes=len(all_nodes),
+                  handed=tuple(handed))
+
+
+def _hold_saved_to_node_end(nodes: list, order: dict, boundary: int, storages: dict, reads: dict) -> None:
+    """Keep each forward tensor an autograd node saved until that node's whole backward is done.
+
+    The engine releases a node's saved tensors after the node's backward returns
+    (`torch/csrc/autograd/saved_variable.h`, released on the node's `release_variables`), not
+    after the op of it that last reads each one: `mul(a, b)`'s backward makes `g * b` and then
+    `g * a`, and `b` is alive until the second. The trace has no node boundaries, so a node's
+    backward is taken as the run of consecutive backward ops that read its incoming gradient `g`
+    (ops that make no new storage, views, may sit between them): a forward tensor read with `g`
+    lives to the run's end."""
+    bwd = [n for n in nodes if n.op == "call_function" and order[n] > boundary]
+    made = {n: {k for k, s in storages.items() if s["created"] == order[n]} for n in bwd}
+    for i, n in enumerate(bwd):
+        saved = {k for k in reads.get(n, ()) if storages[k]["created"] <= boundary
+                 and storages[k]["category"] in ("act", "input") and storages[k]["input_kind"] != "grad"}
+        grads = {k for k in reads.get(n, ()) if k not in saved and storages[k]["category"] in ("temp", "input")}
+        if not saved or not grads:
+            continue
+        end = order[n]
+        for m in bwd[i + 1:]:
+            if reads.get(m, set()) & grads:
+                end = order[m]
+            elif made[m]:
+                break
+        for k in saved:
+            storages[k]["uses"].append(end)
+
+
+def _kept(nodes: list, roots: list) -> set:
+    """The nodes that depend on `roots` and every node those depend on."""
+    reach: set = set()
+    todo = list(roots)
+    while todo:
+        n = todo.pop()
+        if n not in reach:
+            reach.add(n)
+            todo.extend(n.users)
+    kept = set(reach)
+    todo = [a for n in reach for a in n.all_input_nodes]
+    while todo:
+        n = todo.pop()
+        if n not in kept:
+            kept.add(n)
+            todo.extend(n.all_input_nodes)
+    return kept
+
 
 
 def to_poly(expr) -> Poly:

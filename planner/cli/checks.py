@@ -179,22 +179,38 @@ def _whole(v, lo: int) -> bool:
 
 
 def check_plan_model(plan) -> None:
-    """Check, before building anything, that `plan` names a preset whose parameter count (at
-    the plan's vocabulary) is the plan's: a plan edited or made for another model is refused
-    before a wrong (perhaps huge) model is built.
+    """Check, before building anything, that `plan` names a preset, or holds the transformers
+    config (`Plan.hf_config`) of a model, whose parameter count (at the plan's vocabulary, counted
+    on the meta device) is the plan's: a plan edited or made for another model is refused before a
+    wrong (perhaps huge) model is built.
 
     Raises:
-        PlanMismatchError: the plan's model is not a preset, or has another parameter count.
+        PlanMismatchError: the plan's model is neither a preset nor a config it holds, or has
+            another parameter count, or its config cannot be built (the message says why).
     """
     from modeling.presets import known_presets, preset_n_params
 
+    if plan.hf_config is not None:
+        from modeling.configs import config_n_params
+
+        try:
+            n = config_n_params(plan.hf_config, vocab_size=plan.vocab_size)
+        except TrainplanError as e:
+            raise PlanMismatchError(f"plan's hf_config: {e}; the plan file is corrupt or edited: solve it "
+                                    "again") from None
+        if n != plan.model_n_params:
+            raise PlanMismatchError(
+                f"plan says model {plan.model} has {plan.model_n_params:,} parameters but its hf_config at "
+                f"vocab_size={plan.vocab_size} builds {n:,}: the plan was edited, or made with another "
+                "transformers version; solve it again")
+        return
     try:
         n = preset_n_params(plan.model, vocab_size=plan.vocab_size)
     except UnknownNameError:
         raise PlanMismatchError(
             f"plan was made for model {plan.model!r}, which is not a preset ({', '.join(known_presets())}); "
-            "`trainplan run` builds presets only: run it from Python with "
-            "executor.run(plan, model, data)") from None
+            "`trainplan run` builds presets, and models from the config a plan holds (`trainplan solve --model "
+            "config.json`), only: run it from Python with executor.run(plan, model, data)") from None
     if n != plan.model_n_params:
         raise PlanMismatchError(
             f"plan says model {plan.model} has {plan.model_n_params:,} parameters but preset "

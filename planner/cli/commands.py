@@ -35,7 +35,7 @@ from planner.cli.checks import (
 from planner.cli.launching import ENDED_REASONS
 from planner.cli.plan_text import print_plan
 from planner.plan import Plan
-from trainplan_errors import DeviceError, InfeasibleError, OutputPathError, TrainplanError, UnknownNameError
+from trainplan_errors import DeviceError, InfeasibleError, OutputPathError, TrainplanError
 
 logger = logging.getLogger(__name__)
 
@@ -63,18 +63,6 @@ class RunStoppedEarly(Exception):  # noqa: N818  (an outcome, not an error: exit
 def _budget(args) -> Budget:
     return Budget(devices=args.devices, device_hours=args.budget_device_hours,
                   wall_clock_s=args.budget_seconds, flops=args.budget_flops)
-
-
-def _sp_note(args) -> str:
-    """A hint when the sequence length rules out SP degrees the devices and heads allow."""
-    from modeling.presets import get_preset, sp_degree_note
-
-    try:
-        pre = get_preset(args.model)
-    except UnknownNameError:
-        return ""
-    return sp_degree_note(n_heads=pre.num_attention_heads, n_kv_heads=pre.num_key_value_heads,
-                          devices=args.devices, seq_len=args.seq_len)
 
 
 def cmd_solve(args) -> int:
@@ -108,13 +96,15 @@ def cmd_solve(args) -> int:
 def _solve_and_print(args, curve, json_path: Path | None) -> Plan:
     """`cmd_solve` after its checks: solve (and the frontier), print the plan and write its
     files. Raises what `planner.api.solve` raises, and OutputPathError for a file not written."""
-    from planner.api import solve
+    from planner.api import solve, with_model_facts
+    from planner.cli.model_arg import solve_model, sp_note
     from planner.data_choice import choose_data_method
     from planner.governor import governed_plan
     from planner.joint.frontier import frontier
 
     logger.info("solving %s on %s x %s (time limit %g s)", args.model, args.devices, args.hw, args.time_limit)
     fr = None
+    model = solve_model(args.model)  # a preset name, or a config's model built on the meta device
     try:
         opts = dict(seq_len=args.seq_len, data_tokens=args.data_tokens, time_limit_s=args.time_limit,
                     seed=args.seed, precision=args.precision,
@@ -128,17 +118,17 @@ def _solve_and_print(args, curve, json_path: Path | None) -> Plan:
             from planner.api import solve_longest
 
             opts.pop("seq_len")
-            plan = solve_longest(args.model, args.hw, _budget(args), **opts)
+            plan = solve_longest(model, args.hw, _budget(args), **opts)
             plan = choose_data_method(plan, methods=args.data_methods)
         elif args.frontier:
-            fr = frontier(args.model, args.hw, _budget(args), **opts)
+            fr = frontier(model, args.hw, _budget(args), **opts)
             plan = choose_data_method(fr.plan, methods=args.data_methods)
         else:
-            plan = solve(args.model, args.hw, _budget(args), data_methods=args.data_methods, **opts)
+            plan = solve(model, args.hw, _budget(args), data_methods=args.data_methods, **opts)
         plan = with_schedule(plan, lr=args.lr, warmup_steps=args.warmup_steps)
-        plan = governed_plan(plan, args.loss_value_device_hours_per_nat, curve)
+        plan = with_model_facts(governed_plan(plan, args.loss_value_device_hours_per_nat, curve), model)
     except InfeasibleError as e:
-        note = _sp_note(args)
+        note = sp_note(model, devices=args.devices, seq_len=args.seq_len)
         if note:
             e.args = (f"{e}; {note}",) + e.args[1:]
         raise

@@ -195,8 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = _sub(sub, "solve", "plan a training run and print it",
              "Plan a training run: every knob (parallelism, ZeRO stage, micro-batch, checkpointing, "
              "precision, bits, data subset, token budget) chosen jointly by one CP-SAT model.")
-    s.add_argument("--model", required=True, help="model preset, e.g. llama3-70b, tiny-llama "
-                                                   "(`trainplan presets` lists them)")
+    s.add_argument("--model", required=True, help="model preset, e.g. llama3-70b, tiny-llama (`trainplan presets` "
+                                                   "lists them), or a transformers config.json or a folder holding one")
     s.add_argument("--hw", required=True, help="hardware profile, e.g. mi300, h100, cpu, or a profile file "
                                                 "./my-gpu.toml (`trainplan profiles` lists them; "
                                                 "`trainplan profiles --template h100` writes a file)")

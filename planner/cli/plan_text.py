@@ -1,5 +1,6 @@
 """The plan as the `trainplan` command line prints it (`print_plan`): decisions, memory, step,
-run, governor and solver, one block of lines on stdout, by `trainplan solve` and `trainplan demo`.
+run, governor, solver and warnings, one block of lines on stdout, by `trainplan solve` and
+`trainplan demo`.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ __all__ = ["print_plan"]
 
 
 def print_plan(plan: Plan) -> None:
-    """Print `plan` as `trainplan solve` shows it: decisions, memory, step, run, governor, solver."""
+    """Print `plan` as `trainplan solve` shows it: decisions, memory, step, run, governor, solver,
+    and its warnings (`Plan.warnings`), one line each."""
     d, p = plan.decisions, plan.predictions
     ck = {e: d.checkpoint.count(e) for e in dict.fromkeys(d.checkpoint)}
     gib = 2**30
@@ -61,3 +63,5 @@ def print_plan(plan: Plan) -> None:
         status += f" (not optimal, gap {s.gap:.3%}; time limit {s.time_limit_s:g} s)"
     print(f"  solver: {status} in {s.wall_s:.2f} s (objective {s.objective:.0f}, bound {s.bound:.0f}, "
           f"seed {s.seed})")
+    for warning in plan.warnings:  # e.g. a sequence beyond the model's positions: one line each
+        print(f"  warning: {warning}")

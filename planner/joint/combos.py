@@ -192,7 +192,9 @@ def combo_memory(sm: StepModel, base: Choice) -> ComboMemory:
     if fsdp is not None:  # the root group's reduce-scatter, the head's gradients still whole
         fixed["bwd:root"] = (po + L * G + head.grad_bytes
                              + fsdp.reduce_bytes(tail.grad_bytes + head.grad_bytes))
-    return ComboMemory(base_bytes=po + head.retained, fwd_unsharded_bytes=u_fwd,
+    # what the head hands the blocks (rotary tables, masks), from the blocks' forward to block
+    # 0's backward (`costmodels.step.memory.step_phases`)
+    return ComboMemory(base_bytes=po + head.retained + sum(head.handed), fwd_unsharded_bytes=u_fwd,
                        tail_bytes=max(tail.fwd_peak.total, tail_bwd) + u_tail,
                        bwd_fixed_bytes=tail_grads + u_b0 + buckets,
                        per_later_block_bytes=G, per_earlier_block_bytes=u_b1,

@@ -33,6 +33,7 @@ from planner.budget import (
     check_time_limit,
 )
 from planner.capture.graph import ModelGraph
+from planner.capture.layout import sp_refusal
 from planner.capture.setup import (
     PRECISION_DTYPE,
     check_activation_bits_options,
@@ -96,6 +97,9 @@ class Problem:
         """The search space (`planner.joint.space.default_space`) for `devices` devices at `seq_len`
         (default: the problem's), `options` overriding the problem's.
 
+        A model whose attention Ulysses cannot run (`planner.capture.layout.sp_refusal`: a
+        sliding window, softcapping, its own attention code) is offered SP degree 1 only.
+
         Raises:
             TrainplanError: no SP degree fits (never for degree 1, kept for other spaces)."""
         seq_len = self.seq_len if seq_len is None else seq_len
@@ -103,6 +107,8 @@ class Problem:
                               n_kv_heads=self.graph.n_kv_heads, precision=self.precision,
                               devices_per_node=self.profile.devices_per_node,
                               **(self.options | options))
+        if sp_refusal(self.graph.features):
+            space = replace(space, sp_degrees=tuple(p for p in space.sp_degrees if p == 1))
         if not space.sp_degrees:
             raise TrainplanError(
                 f"no sequence-parallel degree divides devices={devices}, seq_len={seq_len} and "

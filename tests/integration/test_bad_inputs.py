@@ -31,6 +31,7 @@ from trainplan_errors import (
     DataError,
     DeviceError,
     InfeasibleError,
+    ModelConfigError,
     OutputPathError,
     PlanMismatchError,
     TrainingDivergedError,
@@ -93,6 +94,9 @@ def workdir(tmp_path_factory, cpu_profile) -> Path:
     (d / "curve_8b.json").write_text(json.dumps(HeldoutCurve(
         E=2.5, B=2.9, beta=0.17, gamma=0.03, kappa=1.3, zeta=0.5, d_ref_tokens=1e5, u_ref_tokens=4e4,
         tokens_per_step=1024.0, unique_tokens=4e4, model="llama3-8b", vocab_size=128256).to_dict()))
+    for name, cfg in {"model_no_type.json": {"hidden_size": 64}, "model_t5.json": {"model_type": "t5"},
+                      "model_unknown.json": {"model_type": "qwen", "hidden_size": 64}}.items():
+        (d / name).write_text(json.dumps(cfg))  # the model-config rows (126-131)
     (d / "small.txt").write_text("hello world\n")
     (d / "mid.txt").write_text(_words(300, 0))
     (d / "bad.txt").write_bytes(b"\xff\xfe bad bytes")
@@ -182,7 +186,7 @@ CLI_ROWS: dict[str, tuple[str, type, list[str]]] = {
     "unknown-hw": ("solve --model tiny-llama --hw h800 --budget-seconds 60", UnknownNameError,
                    ["'h800'", "a100", "h100", "h200", "mi300x", "cpu"]),
     "unknown-preset": ("solve --model llama9-1t --hw h100 --budget-seconds 60", UnknownNameError,
-                       ["'llama9-1t'", "llama3-70b", "tiny-llama"]),
+                       ["'llama9-1t'", "llama3-70b", "tiny-llama", "or give a transformers config.json"]),
     "zero-budget": (f"{TINY} --budget-seconds 0", BudgetError, ["wall_clock_s=0.0", "positive finite"]),
     "negative-budget": (f"{TINY} --budget-device-hours -1", BudgetError,
                         ["device_hours=-1.0", "positive finite"]),
@@ -404,6 +408,21 @@ CLI_ROWS: dict[str, tuple[str, type, list[str]]] = {
                                                    ".npy header says uint16"]),
     "data-without-text-column": ("run plan.json --out out --data rows.parquet", DataError,
                                  ["rows.parquet has no column 'text'", "'content', 'id'", "--text-column"]),
+    # ---- model configs: solve --model config.json
+    "model-config-missing": ("solve --model no_such_model.json --hw cpu --budget-seconds 60", ModelConfigError,
+                             ["model config 'no_such_model.json' does not exist", "config.json file or a folder"]),
+    "model-config-not-json": ("solve --model garbage.json --hw cpu --budget-seconds 60", ModelConfigError,
+                              ["model config 'garbage.json' is not a JSON file", '{"model_type": "llama"']),
+    "model-config-without-type": ("solve --model model_no_type.json --hw cpu --budget-seconds 60", ModelConfigError,
+                                  ["'model_no_type.json' has no model_type", "llama, mistral, qwen2"]),
+    "model-config-unknown-type": ("solve --model model_unknown.json --hw cpu --budget-seconds 60", ModelConfigError,
+                                  ["model_type 'qwen' is not known to transformers", "did you mean", "'qwen2'",
+                                   "llama, mistral, qwen2"]),
+    "model-config-not-causal-lm": ("solve --model model_t5.json --hw cpu --budget-seconds 60", ModelConfigError,
+                                   ["model_type 't5' (T5Config) is not a causal language model",
+                                    "llama, mistral, qwen2"]),
+    "model-config-folder-without-config": ("solve --model old_run --hw cpu --budget-seconds 60", ModelConfigError,
+                                           ["model config 'old_run' is a folder without config.json"]),
     # ---- nodes and launchers (a leading NAME=value sets the environment)
     "nodes-not-dividing-devices": ("run plan.json --out out --nnodes 2 --rdzv-endpoint node0:29500",
                                    PlanMismatchError, ["plan uses 1 device(s), which --nnodes 2 cannot split",
@@ -539,6 +558,26 @@ class ToyLM(nn.Module):
         self.config = types.SimpleNamespace(num_attention_heads=4, num_key_value_heads=4,
                                             hidden_size=d, vocab_size=vocab, head_dim=8)
 
+    def forward(self, input_ids):
+        x = self.model.embed_tokens(input_ids)
+        for block in self.model.layers:
+            x = block(x)
+        return self.lm_head(self.model.norm(x))
+
+
+class EmbedsLM(nn.Module):
+    """A model whose forward takes embeddings, not token ids (row 133)."""
+
+    def __init__(self, d: int = 32, vocab: int = 64):
+        super().__init__()
+        self.layers = nn.ModuleList(_Block(d) for _ in range(2))
+        self.lm_head = nn.Linear(d, vocab)
+
+    def forward(self, inputs_embeds):
+        for block in self.layers:
+            inputs_embeds = block(inputs_embeds)
+        return self.lm_head(inputs_embeds)
+
 
 def _apply_to_another_model(edit) -> None:
     """Rows 108-109: tiny-llama's plan, every layer checkpointed, applied to tiny-llama edited by
@@ -561,10 +600,14 @@ API_ROWS = {
         TrainplanError, ["sp_degree=3", "8 heads", "valid degrees are [1]"]),
     "model-not-a-causal-lm": (
         lambda: solve(nn.Sequential(nn.Linear(8, 8), nn.ReLU()), "h100", Budget(wall_clock_s=60)),
-        TrainplanError, ["cannot capture Sequential", "model.embed_tokens", "use a preset"]),
+        TrainplanError, ["cannot capture Sequential", "no nn.ModuleList of blocks", "called in order"]),
     "model-graph-break": (
         lambda: solve(ToyLM(branch=True), "h100", Budget(wall_clock_s=60), seq_len=64),
-        CaptureError, ["cannot capture ToyLM", "DataDependentOutputException", "no .item()"]),
+        CaptureError, ["cannot capture ToyLM", "aten._local_scalar_dense", "in model.layers.0 (_Block)",
+                       "data-dependent control flow"]),
+    "model-takes-no-token-ids": (
+        lambda: solve(EmbedsLM(), "h100", Budget(wall_clock_s=60), seq_len=64),
+        CaptureError, ["cannot capture EmbedsLM", "torch.int64 values, not hidden states", "takes no token ids"]),
     "model-not-a-module": (
         lambda: solve(42, "h100", Budget(wall_clock_s=60)),
         TrainplanError, ["nn.Module or a preset name", "got int"]),
@@ -579,8 +622,8 @@ API_ROWS = {
         BudgetError, ["global_batch_tokens=4000000.0", "whole number of tokens", "e.g. 4194304"]),
     "apply-plan-other-block": (
         lambda: _apply_to_another_model(lambda m: setattr(m.model.layers[2].mlp, "act_fn", nn.GELU())),
-        PlanMismatchError, ["model.layers.2 is not the block the plan was captured from (block0, 70 ops)",
-                            "op 59 of its forward is aten.gelu.default, the plan expects aten.silu.default",
+        PlanMismatchError, ["model.layers.2 is not the block the plan was captured from (block0, 38 ops)",
+                            "compute op 33 of its forward is aten.gelu.default, the plan expects aten.silu.default",
                             "solve the plan for this model"]),
     "loss-chunks-not-power-of-two": (
         lambda: solve("tiny-llama", "cpu", Budget(wall_clock_s=60), seq_len=128, loss_chunks=(1, 3)),

@@ -20,21 +20,24 @@ from hardware_profiles import load
 from trainplan_errors import TrainplanError
 
 RTOL = 0.01
-ATOL_BYTES = 4096  # a page: position ids and other few-hundred-byte leftovers
+ATOL_BYTES = 4096 + 512
+"""A page and the position ids: the head's few-hundred-byte leftovers (rotary tables, position
+ids, made by the model's own forward since the capture traces it, issue #20), which the replay
+keeps to the head's backward."""
 POLICIES = ("none", "full", "save_matmuls", "save_attention")
 SMALL, LARGE = (1, 32), (2, 64)  # (micro-batch, sequence): optimizer-step peak / backward peak
 
 CHECKPOINTED_BACKWARD = (
     "known gap: when the peak falls in a checkpointed block's backward (b=2, s=64), MemTracker "
-    "sees 80-100 KB more than the lifetime replay; totals are 2-4% under. Where the peak is at the tail or "
-    "the optimizer step the replay is "
-    "within 0.1%")
+    "labels the recompute's tensors temporaries (made during the backward) where the replay counts "
+    "them activations; the totals agree within 1% since saved tensors are held to the end of their "
+    "autograd node's backward (planner.capture.trace, issue #20)")
 
 
 def _known_failures(policy: str, bits: int, size: tuple[int, int]) -> tuple[list[str], list[str]]:
     """(reasons the total fails, reasons a category fails) for one grid case."""
     if size == LARGE and policy in ("full", "save_attention"):
-        return [CHECKPOINTED_BACKWARD], [CHECKPOINTED_BACKWARD]
+        return [], [CHECKPOINTED_BACKWARD]
     return [], []
 
 
