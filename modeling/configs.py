@@ -66,12 +66,17 @@ def check_config(cfg: object, *, where: str = "model config") -> str:
     Raises:
         ModelConfigError: not a dict; no `model_type` (or not a string); a model type
             transformers does not know (the message names the nearest known ones); a model type
-            whose models are not causal LMs (no `AutoModelForCausalLM` class). `where` starts
-            the message (e.g. "model config 'x/config.json'").
+            whose models are not causal LMs (no `AutoModelForCausalLM` class); an encoder (a type
+            with a masked-LM class, e.g. bert, roberta) not made a decoder (`is_decoder` true):
+            its attention would see the future. `where` starts the message (e.g. "model config
+            'x/config.json'").
     """
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
 
     causal = sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
     examples = f"{', '.join(EXAMPLE_TYPES)} ({len(causal)} causal-LM types in transformers {transformers.__version__})"
@@ -93,6 +98,10 @@ def check_config(cfg: object, *, where: str = "model config") -> str:
         raise ModelConfigError(f"{where}: model_type {model_type!r} ({CONFIG_MAPPING_NAMES[model_type]}) is not a "
                                "causal language model (transformers has no AutoModelForCausalLM class for it); "
                                f"trainplan trains decoder LMs: valid are causal-LM types such as {examples}")
+    if model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and cfg.get("is_decoder") is not True:
+        raise ModelConfigError(f"{where}: model_type {model_type!r} is an encoder (bidirectional attention: a "
+                               "causal LM built from it would see the future); set \"is_decoder\": true to train "
+                               f"it as a decoder, or give a decoder type such as {', '.join(EXAMPLE_TYPES[:5])}")
     return model_type
 
 

@@ -137,7 +137,8 @@ def with_feature_notes(plan: Plan, graph) -> Plan:
         d = plan.decisions
         where = ("sharded by ZeRO-3 across the devices, gathered per block" if d.zero_stage == 3 and d.devices > 1
                  else f"replicated on every device (ZeRO-{d.zero_stage}"
-                      + (": optimizer states sharded)" if d.zero_stage in (1, 2) and d.devices > 1 else ")"))
+                      + {1: ": optimizer states sharded)", 2: ": optimizer states and gradients sharded)"}.get(
+                          d.zero_stage if d.devices > 1 else 0, ")"))
         notes.append(f"mixture of {experts} experts: no expert parallelism; experts {where}")
     new = tuple(n for n in notes if n not in plan.warnings)
     return replace(plan, warnings=plan.warnings + new) if new else plan
@@ -216,7 +217,7 @@ def plan_for_choice(model: nn.Module | str, hw: str | HardwareProfile, *, seq_le
             raise TrainplanError(f"{what}={value!r} must be a whole number >= 1")
     profile, precision, graph, name, step_model = setup_model(model, hw, precision=precision,
                                                               vocab_size=vocab_size,
-                                                              activation_bits=(activation_bits,))
+                                                              activation_bits=(activation_bits,), seq_len=seq_len)
     valid_bits = optimizer_bits_for(precision)
     optimizer_bits = valid_bits[0] if optimizer_bits is None else optimizer_bits
     if isinstance(optimizer_bits, bool) or optimizer_bits not in valid_bits:

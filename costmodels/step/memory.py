@@ -160,8 +160,7 @@ def simulate_region(region: Region, b: int, s: int, *, checkpoint: bool = False,
     events.sort(key=lambda e: (e[0], e[1]))
     fwd_peak, retained, bwd_peak = _sweep(events, bnd, skip=ACCUMULATING)
     _, _, bwd_accumulating = _sweep(events, bnd, skip=FIRST)
-    inputs = sum(poly_at(r.bytes, b, s) for r in region.storages
-                 if r.category == "input" and r.input_kind == "act")
+    inputs = sum(poly_at(r.bytes, b, s) for r in region.storages if r.category == "input" and r.input_kind == "act")
     return RegionMemory(fwd_peak=fwd_peak, retained=retained, bwd_peak=bwd_peak,
                         grad_bytes=region.param_grad_bytes(b, s), bwd_peak_accumulating=bwd_accumulating,
                         input_bytes=inputs, handed=tuple(poly_at(p, b, s) for p in region.handed))
@@ -372,14 +371,9 @@ def _micro_step_phases(head: RegionMemory, blocks: list[RegionMemory], tail: Reg
             activations=retained, grads=grads, params=extra, phase=phase))
 
     at("fwd:head", 0.0, 0.0, head.fwd_peak, u_head)
-    # what the head hands the blocks (rotary tables, masks) is kept by every block that saves it
-    # (a rotary product's saved cos/sin, SDPA's saved mask) or is checkpointed (the checkpoint
-    # keeps the block's inputs) until that block's backward, block 0's the last: counted from the
-    # blocks' forward to block 0's backward. A constant of the step, as the joint model counts it
-    # (`planner.joint.combos.combo_memory`); an upper bound where no block keeps one (an eager
-    # attention's mask, added to the scores, with no block checkpointed), freed after the forward
-    handed = sum(head.handed)
-    acc = head.retained + handed
+    # + what the head hands the blocks (rotary tables, masks), kept by blocks that save it or are
+    # checkpointed: to block 0's backward (an upper bound where nothing keeps one, e.g. an eager mask)
+    acc = head.retained + sum(head.handed)
     prefix = [acc]
     for i, blk in enumerate(blocks):
         at(f"fwd:block{i}", acc, 0.0, blk.fwd_peak, u_fwd[i])

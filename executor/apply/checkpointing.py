@@ -48,18 +48,16 @@ from trainplan_errors import PlanMismatchError, TrainplanError
 def find_blocks(model: nn.Module, n_layers: int) -> tuple[str, nn.ModuleList]:
     """The model's transformer blocks: (qualified name, list) of its one `nn.ModuleList` of
     `n_layers` modules (a transformers causal LM's `model.layers`, or any other such list); when
-    several lists have that length, the one named `model.layers`, else the one whose modules all
-    have one class and parameters.
+    several lists have that length, the one holding the most parameters, as the capture picks it.
 
     Raises:
         PlanMismatchError: no list, or more than one candidate, of `n_layers` modules.
     """
     lists = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList)]
     found = [(name, m) for name, m in lists if len(m) == n_layers]
-    if len(found) > 1:
-        found = ([(n, m) for n, m in found if n == "model.layers"]
-                 or [(n, m) for n, m in found if len({type(b) for b in m}) == 1
-                     and all(any(True for _ in b.parameters()) for b in m)])
+    if len(found) > 1:  # the capture's rule (`planner.capture.layout.find_blocks`): the most parameters
+        most = max(sum(p.numel() for p in m.parameters()) for _, m in found)
+        found = [(n, m) for n, m in found if sum(p.numel() for p in m.parameters()) == most]
     if len(found) == 1:
         return found[0]
     have = ", ".join(f"{name or '(root)'} ({len(m)})" for name, m in lists) or "none"
@@ -177,10 +175,12 @@ def block_ops(model: nn.Module, blocks: nn.ModuleList, layers: Sequence[int], *,
 LAYOUT_OPS = frozenset(f"aten.{op}.{overload}" for op, overload in (
     ("view", "default"), ("_unsafe_view", "default"), ("reshape", "default"), ("clone", "default"),
     ("expand", "default"), ("t", "default"), ("transpose", "int"), ("permute", "default"),
-    ("unsqueeze", "default"), ("squeeze", "dim"), ("alias", "default"), ("_to_copy", "default")))
+    ("unsqueeze", "default"), ("squeeze", "dim"), ("alias", "default"), ("_to_copy", "default"),
+    ("lift_fresh", "default"), ("lift_fresh_copy", "default")))
 """Ops that move or re-view data without computing: whether a reshape is a view or a copy
 depends on the strides at the run's batch size (a size-1 batch is contiguous where a larger one
-is not), so the op check leaves them out; no checkpoint set saves them."""
+is not; a constant is lifted with a copy under tracing and without one eagerly), so the op
+check leaves them out; no checkpoint set saves them."""
 
 
 def check_block_ops(expected: Mapping[str, Mapping[str, Any]], got: Mapping[int, list[str]],

@@ -62,11 +62,10 @@ from planner.capture.layout import (
     with_hidden,
 )
 from planner.capture.regions import RegionTable
+from planner.capture.sentinels import pick_sentinels
 from planner.capture.trace import trace_region
 from trainplan_errors import CaptureError, TrainplanError
 
-_SENTINELS = [(7, 113), (11, 127), (13, 131), (5, 139), (17, 151), (19, 157), (23, 163), (29, 167)]
-"""(micro-batch, sequence) primes to trace at, in order of preference (`_pick_sentinels`)."""
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ModelGraph:
@@ -108,27 +107,6 @@ class ModelGraph:
         return out
 
 
-def _model_dims(model: nn.Module) -> set[int]:
-    """Every parameter and buffer dimension and integer config field of `model`: sizes the
-    sentinel primes must not divide."""
-    dims = {int(d) for t in [*model.parameters(), *model.buffers()] for d in t.shape}
-    cfg = getattr(model, "config", None)
-    if cfg is not None:
-        dims |= {int(v) for v in vars(cfg).values() if isinstance(v, int) and not isinstance(v, bool)}
-    return {d for d in dims if d > 1}
-
-
-def _pick_sentinels(model: nn.Module) -> tuple[int, int]:
-    """(micro-batch, sequence) to trace at: two primes that divide no model dimension, so every
-    traced size factors into its batch, sequence and model parts (`planner.capture.trace._symbolize`)."""
-    dims = _model_dims(model)
-    for b0, s0 in _SENTINELS:
-        if not any(d % b0 == 0 or d % s0 == 0 for d in dims):
-            return b0, s0
-    raise CaptureError(f"{type(model).__name__}: every capture sentinel prime ({_SENTINELS}) divides one of "
-                       "the model's dimensions")
-
-
 def _fake(tensors: dict[str, torch.Tensor], mode: FakeTensorMode, dtype: torch.dtype | None) -> dict:
     """Fake copies of parameters (requiring grad, at `dtype` if given) and buffers (own dtype)."""
     with mode:
@@ -140,7 +118,8 @@ def _fake(tensors: dict[str, torch.Tensor], mode: FakeTensorMode, dtype: torch.d
 
 def capture(model: nn.Module, *, dtype: torch.dtype | None = None, name: str | None = None,
             autocast_dtype: torch.dtype | None = None,
-            activation_bits: tuple[int, ...] = (), device_type: str = "cpu") -> ModelGraph:
+            activation_bits: tuple[int, ...] = (), device_type: str = "cpu",
+            seq_len: int | None = None) -> ModelGraph:
     """Capture `model` as a ModelGraph, on fake tensors: any causal LM whose forward takes token
     ids and returns logits (a tensor, `.logits` or `(logits, ...)`) and runs its repeated
     blocks from an `nn.ModuleList` (`planner.capture.layout`).
@@ -153,7 +132,9 @@ def capture(model: nn.Module, *, dtype: torch.dtype | None = None, name: str | N
     traced again under that compression and stored as `{region}@a{bits}` (e.g. `block0@a8`),
     which `costmodels.step.model.StepModel.region_name` picks for blocks that are not checkpointed.
     `device_type`: the target device's attention and dropout kernels
-    (`planner.capture.device_kernels`; "cuda" for CUDA and ROCm profiles).
+    (`planner.capture.device_kernels`; "cuda" for CUDA and ROCm profiles). `seq_len`: the
+    sequence the plans will train at, when known: a model with a sliding window is traced with
+    the window mask exactly when a run at that length builds one (`planner.capture.sentinels.pick_sentinels`).
 
     Sequence-tiled variants (`modeling.tiling`: a block's MLP or the tail's LM head and loss
     over `k` sequence chunks, keys `block0@m{k}`, `tail@l{k}`, `planner.capture.regions`) are
@@ -163,7 +144,8 @@ def capture(model: nn.Module, *, dtype: torch.dtype | None = None, name: str | N
         CaptureError: the module has no blocks, its forward does not return logits, or a
             region cannot be traced; the message names the op and the module where it failed.
     """
-    tracer = RegionTracer(model, dtype=dtype, autocast_dtype=autocast_dtype, device_type=device_type)
+    tracer = RegionTracer(model, dtype=dtype, autocast_dtype=autocast_dtype, device_type=device_type,
+                          seq_len=seq_len)
     variants = sorted({check_activation_bits(a) for a in activation_bits} - {32}, reverse=True)
     regions: dict[str, Region] = {}
     for bits in [32, *variants]:
@@ -200,11 +182,11 @@ class RegionTracer:
         CaptureError: no blocks, no logits, or the model's forward fails on fake tensors."""
 
     def __init__(self, model: nn.Module, *, dtype: torch.dtype | None, autocast_dtype: torch.dtype | None,
-                 device_type: str):
+                 device_type: str, seq_len: int | None = None):
         self.model = model
         self.dtype = dtype or next(model.parameters()).dtype
         self.autocast_dtype, self.device_type = autocast_dtype, device_type
-        self.b0, self.s0 = _pick_sentinels(model)
+        self.b0, self.s0 = pick_sentinels(model, seq_len)
         self.mode = FakeTensorMode()
         params = dict(model.named_parameters())
         self.param_names = frozenset(params)

@@ -165,7 +165,9 @@ def handed(calls: list[BlockCall]) -> list[torch.Tensor]:
 
 @contextlib.contextmanager
 def intercepted(blocks: nn.ModuleList, forward) -> Iterator[None]:
-    """Each block's forward replaced by `forward(i, block, orig, *args, **kwargs)`."""
+    """Each block's forward replaced by `forward(i, block, orig, *args, **kwargs)` (`orig`: the
+    forward it had, an instance attribute included, given back on exit)."""
+    had = [block.__dict__.get("forward") for block in blocks]
     try:
         for i, block in enumerate(blocks):
             orig = block.forward
@@ -176,8 +178,11 @@ def intercepted(blocks: nn.ModuleList, forward) -> Iterator[None]:
             block.__dict__["forward"] = fwd
         yield
     finally:
-        for block in blocks:
-            block.__dict__.pop("forward", None)
+        for block, before in zip(blocks, had, strict=True):
+            if before is None:
+                block.__dict__.pop("forward", None)
+            else:
+                block.__dict__["forward"] = before
 
 
 def _tensor_structure(calls: list[BlockCall]) -> list[tuple]:
@@ -261,8 +266,16 @@ def record_layout(model: nn.Module, tensors: dict[str, torch.Tensor], ids: torch
         if hook is not None:
             hook.remove()
     if len(calls) != len(blocks):
-        raise CaptureError(f"the forward of {type(model).__name__} called {len(calls)} of the {len(blocks)} "
-                           f"blocks in {name}: trainplan needs each block called once per forward")
+        what = (f"made {len(calls)} block calls for the {len(blocks)} blocks in {name} (a block run more than "
+                "once per forward, shared weights)" if len(calls) > len(blocks)
+                else f"called {len(calls)} of the {len(blocks)} blocks in {name}")
+        raise CaptureError(f"cannot capture {type(model).__name__}: its forward {what}; trainplan needs each block "
+                           "called once per forward, in order")
+    if logits.dim() != 3 or logits.shape[1] != ids.shape[1]:
+        raise CaptureError(f"cannot capture {type(model).__name__}: its forward returned logits of shape "
+                           f"{tuple(logits.shape)} for token ids {tuple(ids.shape)}: trainplan needs logits for every "
+                           "position, (b, s, V) (a nanoGPT forward returns the last position only when no targets "
+                           "are given: return self.lm_head(x) for all positions)")
     structure = [(p, t, a) for p, t, a in zip(params, _tensor_structure(calls), _attribute_structure(blocks),
                                                strict=True)]
     layer_regions: list[str] = []
@@ -324,7 +337,7 @@ def module_int(model: nn.Module, *names: str) -> int | None:
     return None
 
 
-SP_BLOCKING_FEATURES = ("sliding_window", "attn_logit_softcapping", "attention")
+SP_BLOCKING_FEATURES = ("sliding_window", "attn_logit_softcapping", "attention", "positions")
 """Features of `attention_features` that Ulysses attention (`executor.parallel.ulysses`) cannot
 run: a sliding window and softcapped scores (SDPA has neither), and attention the model computes
 itself rather than through transformers' AttentionInterface (nothing to swap for Ulysses)."""
@@ -335,8 +348,11 @@ def attention_features(model: nn.Module, layout: Layout) -> tuple[str, ...]:
     `name=value` strings: `sliding_window=N` (the narrowest window any layer uses, from the
     attention modules' `sliding_window`, else the config's when `use_sliding_window` is not
     off), `layer_types=a/b` (alternating local and global layers), `attn_logit_softcapping=c`,
-    `final_logit_softcapping=c`, `experts=E` and `experts_per_token=k` (mixture of experts), and
-    `attention=own` for a model without a transformers config (its attention is its own code)."""
+    `final_logit_softcapping=c`, `experts=E` and `experts_per_token=k` (mixture of experts),
+    `attention=own` for a model whose attention is its own code (no transformers config, or a
+    class that does not dispatch through transformers' AttentionInterface:
+    `_supports_attention_backend` unset, e.g. Falcon, MPT, Bloom) and `positions=none` for a
+    forward that takes no position ids (Bloom's ALiBi)."""
     cfg = getattr(model, "config", None)
     feats: dict[str, object] = {}
     mods = [m for b in layout.blocks for m in b.modules()]
@@ -361,8 +377,12 @@ def attention_features(model: nn.Module, layout: Layout) -> tuple[str, ...]:
     if experts:
         feats["experts"] = experts
         feats["experts_per_token"] = config_int(model, "num_experts_per_tok", "moe_topk") or 1
-    if cfg is None or not hasattr(cfg, "_attn_implementation"):
+    if cfg is None or not hasattr(cfg, "_attn_implementation") \
+            or not getattr(type(model), "_supports_attention_backend", False):
         feats["attention"] = "own"
+    params = inspect.signature(type(model).forward).parameters
+    if "position_ids" not in params:
+        feats["positions"] = "none"
     return tuple(sorted(f"{k}={v}" for k, v in feats.items()))
 
 
@@ -371,5 +391,6 @@ def sp_refusal(features: tuple[str, ...]) -> str:
     blocking = [f for f in features if f.split("=")[0] in SP_BLOCKING_FEATURES]
     if not blocking:
         return ""
-    return (f"Ulysses sequence parallelism cannot run this model's attention ({', '.join(blocking)}): "
-            "its attention runs SDPA through transformers' AttentionInterface, without windows or softcapping")
+    return (f"Ulysses sequence parallelism cannot run this model ({', '.join(blocking)}): it swaps in SDPA "
+            "through transformers' AttentionInterface (no windows, no softcapping) and gives each rank its "
+            "shard's position ids")

@@ -31,7 +31,7 @@ def default_precision(hw: HardwareProfile) -> str:
 
 def capture_model(model: nn.Module | str, precision: str, *, vocab_size: int | None = None,
                   activation_bits: tuple[int, ...] = (),
-                  device_type: str = "cpu") -> tuple[ModelGraph, str, tuple[int, ...]]:
+                  device_type: str = "cpu", seq_len: int | None = None) -> tuple[ModelGraph, str, tuple[int, ...]]:
     """Build (if a preset name) and capture `model` on the meta device, with the regions of
     each saved-activation width in `activation_bits` (`planner.capture.graph.capture`), with
     the attention and dropout kernels of `device_type` (a profile's: `cpu` or `cuda`).
@@ -56,10 +56,10 @@ def capture_model(model: nn.Module | str, precision: str, *, vocab_size: int | N
         raise TrainplanError(f"model must be an nn.Module or a preset name, got {type(model).__name__}")
     try:
         graph = capture(module, dtype=dtype, name=name, autocast_dtype=autocast,
-                        activation_bits=tuple(activation_bits), device_type=device_type)
+                        activation_bits=tuple(activation_bits), device_type=device_type, seq_len=seq_len)
         if precision == "bf16-mixed":  # FSDP2's MixedPrecisionPolicy: bf16 parameters, no autocast
             mp = capture(module, dtype=torch.bfloat16, name=name, activation_bits=tuple(activation_bits),
-                         device_type=device_type)
+                         device_type=device_type, seq_len=seq_len)
             graph = with_mixed_precision_variants(graph, mp)
     except TrainplanError:
         raise
@@ -90,13 +90,14 @@ def with_mixed_precision_variants(graph: ModelGraph, mp: ModelGraph) -> ModelGra
 
 
 def setup_model(model: nn.Module | str, hw: str | HardwareProfile, *, precision: str | None,
-                vocab_size: int | None, activation_bits: object = (32,), overlap: bool = True
-                ) -> tuple[HardwareProfile, str, ModelGraph, str, StepModel]:
+                vocab_size: int | None, activation_bits: object = (32,), overlap: bool = True,
+                seq_len: int | None = None) -> tuple[HardwareProfile, str, ModelGraph, str, StepModel]:
     """Load `hw`, settle the precision (None: `default_precision`), check the saved-activation
     widths (`check_activation_bits_options`), capture `model` (with `hw`'s attention and dropout
     kernels, `planner.capture.device_kernels`; `overlap=False`: the step model adds every
-    collective to compute, `costmodels.step.model.StepModel`) (`capture_model`) and build its step
-    model on the profile.
+    collective to compute, `costmodels.step.model.StepModel`) (`capture_model`; `seq_len`: the
+    plans' sequence when known, for a sliding window's mask) and build its step model on the
+    profile.
 
     Returns (profile, precision, graph, model name, step model).
 
@@ -109,8 +110,8 @@ def setup_model(model: nn.Module | str, hw: str | HardwareProfile, *, precision:
     if precision not in PRECISION_DTYPE:
         raise TrainplanError(f"precision={precision!r} is not known: use {', '.join(PRECISION_DTYPE)}")
     activation_bits = check_activation_bits_options(activation_bits)
-    graph, name, numels = capture_model(model, precision, vocab_size=vocab_size,
-                                        activation_bits=activation_bits, device_type=profile.device_type)
+    graph, name, numels = capture_model(model, precision, vocab_size=vocab_size, activation_bits=activation_bits,
+                                        device_type=profile.device_type, seq_len=seq_len)
     step_model = StepModel(graph.regions, graph.blocks, numels, profile, n_heads=graph.n_heads,
                            n_kv_heads=graph.n_kv_heads, head_dim=graph.head_dim, overlap=overlap)
     return profile, precision, graph, name, step_model

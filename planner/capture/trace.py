@@ -204,7 +204,9 @@ def trace_region(name: str, fn, inputs: dict, *, kinds: dict[str, str], b0: int,
         for s in storages.values())
     handed: list[Poly] = []
     seen_handed: set[int] = set()
-    for other in out_node.args[0][2] if name.split("@")[0] == "head" else ():
+    # what the head hands the blocks, kept by their saved tensors; with compressed saving the
+    # blocks keep compressed copies (counted in their regions) and the originals die with the forward
+    for other in out_node.args[0][2] if name.split("@")[0] == "head" and activation_bits == 32 else ():
         val = other.meta.get("val") if isinstance(other, torch.fx.Node) else None
         if not isinstance(val, torch.Tensor):
             handed.append(())

@@ -142,7 +142,7 @@ def prepare(model: nn.Module | str, hw: str | HardwareProfile, *, seq_len: int =
         check_optimizer_bits(optimizer_bits, precision or default_precision(load_profile(hw)))
     profile, precision, graph, name, step_model = setup_model(model, hw, precision=precision,
                                                               vocab_size=vocab_size,
-                                                              activation_bits=activation_bits)
+                                                              activation_bits=activation_bits, seq_len=seq_len)
     law = loss_law_for(law, profile, name, graph)
     unique = data_tokens if data_tokens is not None else UNLIMITED_DATA_TOKENS
     options = dict(micro_batches=tuple(micro_batches),

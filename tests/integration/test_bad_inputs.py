@@ -95,6 +95,7 @@ def workdir(tmp_path_factory, cpu_profile) -> Path:
         E=2.5, B=2.9, beta=0.17, gamma=0.03, kappa=1.3, zeta=0.5, d_ref_tokens=1e5, u_ref_tokens=4e4,
         tokens_per_step=1024.0, unique_tokens=4e4, model="llama3-8b", vocab_size=128256).to_dict()))
     for name, cfg in {"model_no_type.json": {"hidden_size": 64}, "model_t5.json": {"model_type": "t5"},
+                      "model_bert.json": {"model_type": "bert", "hidden_size": 64},
                       "model_unknown.json": {"model_type": "qwen", "hidden_size": 64}}.items():
         (d / name).write_text(json.dumps(cfg))  # the model-config rows (126-131)
     (d / "small.txt").write_text("hello world\n")
@@ -423,6 +424,8 @@ CLI_ROWS: dict[str, tuple[str, type, list[str]]] = {
                                     "llama, mistral, qwen2"]),
     "model-config-folder-without-config": ("solve --model old_run --hw cpu --budget-seconds 60", ModelConfigError,
                                            ["model config 'old_run' is a folder without config.json"]),
+    "model-config-encoder": ("solve --model model_bert.json --hw cpu --budget-seconds 60", ModelConfigError,
+                             ["model_type 'bert' is an encoder", "would see the future", '"is_decoder": true']),
     # ---- nodes and launchers (a leading NAME=value sets the environment)
     "nodes-not-dividing-devices": ("run plan.json --out out --nnodes 2 --rdzv-endpoint node0:29500",
                                    PlanMismatchError, ["plan uses 1 device(s), which --nnodes 2 cannot split",

@@ -149,7 +149,7 @@ def test_alternating_layers_are_distinct_regions_and_features_are_named():
     assert "sliding_window=32" in g.features and "attn_logit_softcapping=50.0" in g.features, g.features
     assert "final_logit_softcapping=30.0" in g.features, g.features
     assert capture(build("mistral")).features == ("sliding_window=32",)
-    assert capture(NanoGPT()).features == ("attention=own",)
+    assert capture(NanoGPT()).features == ("attention=own", "positions=none")
     assert capture(build("mixtral")).features == ("experts=4", "experts_per_token=2")
 
 

@@ -70,8 +70,8 @@ def test_different_blocks_get_their_own_region(tiny_llama):
 
 def test_sentinel_collision_is_an_error(tiny_llama):
     # every (micro-batch, sequence) sentinel pair has a prime dividing a config integer
-    from planner.capture.graph import _SENTINELS
-    model = tiny_llama(device="meta", **{f"s{b0}": 3 * b0 for b0, _ in _SENTINELS})
+    from planner.capture.sentinels import SENTINELS
+    model = tiny_llama(device="meta", **{f"s{b0}": 3 * b0 for b0, _ in SENTINELS})
     with pytest.raises(TrainplanError, match="sentinel"):
         capture(model)
 
