@@ -178,8 +178,20 @@ def with_model_facts(plan: Plan, model: nn.Module | str) -> Plan:
     carries (`Plan.hf_config`, from `modeling.configs.build_from_config`), and a warning when the
     plan's sequence is beyond the positions the model was configured for
     (`modeling.configs.position_warning`, presets included). `solve`, `solve_longest` and
-    `plan_for_choice` apply it; applied twice, it adds nothing more."""
+    `plan_for_choice` apply it; applied twice, it adds nothing more.
+
+    Raises:
+        TrainplanError: the sequence is beyond a learned position table (an `nn.Embedding` with
+            as many rows as the model's positions, GPT-2's `wpe`): a run would index past it."""
     config = getattr(model, "trainplan_config", None) if isinstance(model, nn.Module) else None
+    limit = max_positions(model)
+    if isinstance(model, nn.Module) and limit is not None and plan.decisions.seq_len > limit:
+        table = next((n for n, m in model.named_modules() if isinstance(m, nn.Embedding)
+                      and m.num_embeddings == limit and m.num_embeddings != plan.vocab_size), None)
+        if table is not None:
+            raise TrainplanError(
+                f"seq_len={plan.decisions.seq_len} is beyond {plan.model}'s {limit} learned positions ({table}, an "
+                f"nn.Embedding of {limit} rows): a run would index past the table; use seq_len <= {limit}")
     warning = position_warning(plan.model, max_positions(model), plan.decisions.seq_len)
     warnings = plan.warnings + ((warning,) if warning and warning not in plan.warnings else ())
     return replace(plan, warnings=warnings, hf_config=config if isinstance(config, dict) else plan.hf_config)

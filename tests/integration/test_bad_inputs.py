@@ -568,6 +568,15 @@ class ToyLM(nn.Module):
         return self.lm_head(self.model.norm(x))
 
 
+def _gpt2_positions(n_positions: int) -> nn.Module:
+    """A tiny GPT-2 whose learned position table has `n_positions` rows (row 134)."""
+    import transformers
+
+    cfg = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=128, n_positions=n_positions,
+                                  bos_token_id=None, eos_token_id=None)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
 class EmbedsLM(nn.Module):
     """A model whose forward takes embeddings, not token ids (row 133)."""
 
@@ -635,6 +644,10 @@ API_ROWS = {
         lambda: plan_for_choice("tiny-llama", "cpu", seq_len=128, micro_batch=1, checkpoint="save_matmuls",
                                 mlp_chunks=4),
         TrainplanError, ["mlp_chunks=4 runs with the checkpoint entries none and full only", "'save_matmuls'"]),
+    "seq-past-learned-positions": (
+        lambda: plan_for_choice(_gpt2_positions(64), "cpu", seq_len=128, micro_batch=1),
+        TrainplanError, ["seq_len=128 is beyond GPT2LMHeadModel's 64 learned positions",
+                         "transformer.wpe, an nn.Embedding of 64 rows", "use seq_len <= 64"]),
     "apply-plan-other-layer-count": (
         lambda: _apply_to_another_model(lambda m: setattr(m.model, "layers", m.model.layers[:2])),
         PlanMismatchError, ["the plan has 4 layers but LlamaForCausalLM has no nn.ModuleList of 4 blocks",

@@ -166,3 +166,13 @@ def test_sp_is_not_offered_where_ulysses_cannot_run_and_the_plan_says_why():
                for w in moe.warnings), moe.warnings
     with pytest.raises(TrainplanError, match="sp_degree=2 cannot run.*sliding_window"):
         plan_for_choice(build("mistral"), "cpu", seq_len=128, micro_batch=1, sp_degree=2, devices=2)
+
+
+def test_a_sequence_past_a_learned_position_table_is_refused():
+    from trainplan_errors import TrainplanError
+
+    with pytest.raises(TrainplanError, match=r"seq_len=512 is beyond GPT2LMHeadModel's 256 learned positions "
+                                             r"\(transformer\.wpe, an nn.Embedding of 256 rows\)"):
+        plan_for_choice(build("gpt2"), "cpu", seq_len=512, micro_batch=1)
+    rotary = plan_for_choice(build("llama"), "cpu", seq_len=8192, micro_batch=1)  # RoPE: a warning only
+    assert any("max_position_embeddings" in w for w in rotary.warnings), rotary.warnings
