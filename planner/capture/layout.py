@@ -16,7 +16,6 @@ The record's forward runs the model as a training step runs it (`modeling.fake_r
 from __future__ import annotations
 
 import contextlib
-import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +25,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from modeling.fake_run import as_run
+from modeling.model_call import accepts_position_ids, forward_call
 from trainplan_errors import CaptureError
 
 _SCALARS = (bool, int, float, str, type(None))
@@ -57,19 +57,12 @@ def find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
     return max(lists, key=lambda t: (sum(p.numel() for p in t[1].parameters()), -t[0].count(".")))
 
 
-def call_model(model: nn.Module, ids: torch.Tensor, **extra: Any) -> Any:
-    """`model`'s forward on token ids (b, s) as its signature takes them: `input_ids=` when it
-    has that parameter (or takes `**kwargs`), else positionally; `use_cache=False` where
-    accepted. `extra` keywords pass where accepted."""
-    sig = inspect.signature(type(model).forward)
-    names = set(sig.parameters)
-    var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values())
-    kwargs = {k: v for k, v in {"use_cache": False, **extra}.items() if k in names or (var_kw and k != "use_cache")}
-    if "use_cache" in names:
-        kwargs["use_cache"] = False
-    if "input_ids" in names:
-        return model(input_ids=ids, **kwargs)
-    return model(ids, **kwargs)
+def call_model(model: nn.Module, ids: torch.Tensor) -> Any:
+    """`model`'s forward on token ids (b, s), called as the executor calls it
+    (`modeling.model_call.forward_call`: `input_ids=` or positionally, `use_cache=False` where
+    the forward names it)."""
+    args, kwargs = forward_call(model, ids)
+    return model(*args, **kwargs)
 
 
 def logits_of(out: Any, who: str = "the model") -> torch.Tensor:
@@ -124,7 +117,6 @@ class BlockCall:
 
     args: tuple
     kwargs: dict
-    hidden_at: str | int = 0
 
 
 @dataclass
@@ -241,14 +233,14 @@ def record_layout(model: nn.Module, tensors: dict[str, torch.Tensor], ids: torch
     seen_out: dict[tuple, Any] = {}
 
     def forward(i, block, orig, *args, **kwargs):
-        hidden, where = hidden_of(args, kwargs)
+        hidden, _ = hidden_of(args, kwargs)
         if not hidden.is_floating_point():
             raise CaptureError(
                 f"cannot capture {type(model).__name__}: its forward handed its first block {name}.{i} "
                 f"{hidden.dtype} values, not hidden states: its forward takes no token ids (it expects "
                 "embeddings?); trainplan calls the forward with token ids (b, s) int64, "
                 "as input_ids= or its first argument: give a model whose forward takes token ids and returns logits")
-        calls.append(BlockCall(args, kwargs, where))
+        calls.append(BlockCall(args, kwargs))
         key = (params[i], _tensor_structure([calls[-1]])[0])
         if key not in seen_out:
             seen_out[key] = orig(*args, **kwargs)
@@ -380,8 +372,7 @@ def attention_features(model: nn.Module, layout: Layout) -> tuple[str, ...]:
     if cfg is None or not hasattr(cfg, "_attn_implementation") \
             or not getattr(type(model), "_supports_attention_backend", False):
         feats["attention"] = "own"
-    params = inspect.signature(type(model).forward).parameters
-    if "position_ids" not in params:
+    if not accepts_position_ids(model):
         feats["positions"] = "none"
     return tuple(sorted(f"{k}={v}" for k, v in feats.items()))
 
