@@ -53,7 +53,26 @@ from planner.plan import Plan
 from trainplan_errors import TrainingDivergedError, TrainplanError
 
 EVAL_BATCHES = 4
-"""Held-out micro-batches of each evaluation (`executor.data.batches.heldout_batches`)."""
+"""Fewest held-out micro-batches of each evaluation (`executor.data.batches.heldout_batches`)."""
+EVAL_TOKENS = 16384
+"""Fewest held-out tokens of each evaluation: at a small micro-batch, more batches, so that plans
+of different micro-batches are measured on the same held-out text with the same noise (issue
+#23's batch comparison; 4 batches of 1 x 256 tokens scattered by about 0.05 nats)."""
+
+
+def eval_batches(micro_batch: int, seq_len: int, eval_tokens: int | None = None,
+                 heldout_len: int | None = None) -> int:
+    """Held-out micro-batches per evaluation: enough for `eval_tokens` (default `EVAL_TOKENS`,
+    and at least `EVAL_BATCHES` batches); given `eval_tokens`, exactly enough for them. Given
+    `heldout_len` (held-out tokens), the default takes at most half of its windows beyond
+    `EVAL_BATCHES` batches: the rest is the DSIR/influence target (`executor.data.dynamic_selection`)."""
+    per = micro_batch * seq_len
+    if eval_tokens is not None:
+        return max(1, -(-int(eval_tokens) // per))
+    want = max(EVAL_BATCHES, -(-EVAL_TOKENS // per))
+    if heldout_len is not None:
+        want = min(want, max(EVAL_BATCHES, (heldout_len - 1) // seq_len // (2 * micro_batch)))
+    return want
 
 
 def _catch_signals(stop: dict) -> dict:
@@ -76,7 +95,8 @@ def run(plan: Plan, model: nn.Module | None = None, data: TokenCorpus | None = N
         eval_every: int | None = None, checkpoint_every: int | None = None,
         resume: bool = False, stop_after_steps: int | None = None,
         governor: Governor | None = None, check_fits: bool = True,
-        trackers: TrackerSpec | None = None, threads: int | None = None) -> RunRecord:
+        trackers: TrackerSpec | None = None, threads: int | None = None,
+        eval_tokens: int | None = None, eval_from: int = 0) -> RunRecord:
     """Run `plan` for real on one process; returns and writes `out/record.json`.
 
     The record is rewritten at every evaluation and when the run ends, however it ends; its
@@ -100,6 +120,10 @@ def run(plan: Plan, model: nn.Module | None = None, data: TokenCorpus | None = N
     threads: torch's intra-op threads in the steps (restored after); None: OMP_NUM_THREADS if set,
         else the usable cores // ranks (`hardware_profiles.threads`, as the cpu profile is measured).
     trackers: TensorBoard, wandb, trackio: rank 0 reports to them (`executor.reporting.trackers`).
+    eval_tokens: held-out tokens of each evaluation (`eval_batches`); None: at least
+        `EVAL_TOKENS` and `EVAL_BATCHES` micro-batches.
+    eval_from: no periodic evaluation before this many steps (pilots: their early transient is
+        not fitted, `costmodels.loss.pilots`); the last step is always evaluated.
 
     Raises:
         PlanMismatchError: model or corpus do not match the plan; on resume, a plan or corpus
@@ -136,7 +160,8 @@ def run(plan: Plan, model: nn.Module | None = None, data: TokenCorpus | None = N
     applied = apply_plan(plan, model, device=dev, lr_scheduler=False)  # checkpoint sets, SP, ZeRO, optimizer
     model, opt, dp_rank = applied.model, applied.optimizer, applied.dp_rank
     held = heldout_batches(data.heldout_tokens, seq_len=d.seq_len, micro_batch=d.micro_batch,
-                           max_batches=EVAL_BATCHES)
+                           max_batches=eval_batches(d.micro_batch, d.seq_len, eval_tokens,
+                                                    len(data.heldout_tokens)))
     forward_loss = applied.forward_loss
     eval_every = eval_every or GovernedLoop.default_eval_every(plan, governor)
     corpus = {"name": data.name, "sha256": data.sha256, "tokenizer": data.tokenizer_path}
@@ -196,7 +221,8 @@ def run(plan: Plan, model: nn.Module | None = None, data: TokenCorpus | None = N
             if not math.isfinite(loss):
                 stop["reason"] = "nan"
                 break
-            if rec.steps % eval_every == 0 or rec.steps == d.max_steps or gov.eval_due(rec.steps):
+            if ((rec.steps % eval_every == 0 and rec.steps >= eval_from) or rec.steps == d.max_steps
+                    or gov.eval_due(rec.steps)):
                 rec.heldout_loss.append((rec.steps, rec.tokens, heldout_loss(model, held, forward_loss)))
                 rec.wall_s = wall_before + time.perf_counter() - t_start
                 if rank == 0:

@@ -13,6 +13,7 @@ from costmodels.checkpoint_sets import check_policy, sets_from_mapping
 from costmodels.data.quality import QualityFit
 from costmodels.loss.bits import bits_loss_penalty
 from costmodels.loss.law import LossLaw
+from costmodels.loss.planned import run_loss
 from costmodels.step import comm
 from costmodels.step.model import Choice
 from costmodels.step.precision import optimizer_bits_for
@@ -35,6 +36,7 @@ from planner.joint.problem import (
     solve_problem,
 )
 from planner.joint.space import DEFAULT_POLICIES, check_chunk_options
+from planner.pilots import calibrated, with_calibration
 from planner.plan import Plan, SolverFacts
 from trainplan_errors import InfeasibleError, TrainplanError
 
@@ -50,7 +52,9 @@ def solve(model: nn.Module | str, hw: str | HardwareProfile, budget: Budget, *, 
           data_methods: object = DEFAULT_DATA_METHODS,
           data_quality: dict[str, QualityFit] | None = None,
           global_batch_tokens: int | None = None, loss_chunks: tuple[int, ...] | None = None,
-          mlp_chunks: tuple[int, ...] | None = None, offload: tuple[bool, ...] | None = None) -> Plan:
+          mlp_chunks: tuple[int, ...] | None = None, offload: tuple[bool, ...] | None = None,
+          data=None, calibrate: bool = True, bytes_per_token: float | None = None,
+          cache_dir: str | None = None) -> Plan:
     """Plan a training run: every knob chosen jointly by one CP-SAT model.
 
     Args:
@@ -85,10 +89,20 @@ def solve(model: nn.Module | str, hw: str | HardwareProfile, budget: Budget, *, 
             `modeling.tiling`) and activation offload to host memory (`modeling.offload`). None:
             `planner.joint.space.default_tiling` (each off, or on at one size), which the solver
             takes only where it buys a plan that fits or runs faster.
+        data: the corpus the plan will train on (an `executor.data.batches.TokenCorpus`, as
+            `load_corpus` returns it). On the local `cpu` profile, with `calibrate` and no `law`,
+            pilot runs on it fit the plan's loss law when they cost at most 10% of the budget,
+            which they are charged to (`planner.pilots`; cached per model, corpus and tokenizer);
+            the plan's `Predictions.loss_calibration` records it. None: no pilots.
+        bytes_per_token: UTF-8 bytes per token of the corpus (`executor.data.text_bytes`): the
+            published law is carried to it per byte (`costmodels.loss.transfer`). None: the
+            published law's own units.
+        cache_dir: the cache root for the pilot fits (default: `hardware_profiles.cache.cache_root`).
 
     Raises:
         UnknownNameError: unknown hardware or preset.
-        TrainplanError: bad sequence length, SP degree, option or data method.
+        TrainplanError: bad sequence length, SP degree, option or data method; a pilot that
+            stopped early.
         BudgetError: a time limit or seed out of range; more devices than the corpus can feed; a
             global batch that is not a whole number of tokens in range, or that no SP degree and
             micro-batch divides (the message names the nearest valid global batches).
@@ -109,7 +123,10 @@ def solve(model: nn.Module | str, hw: str | HardwareProfile, budget: Budget, *, 
                  precision=precision, law=law, micro_batches=micro_batches,
                  optimizer_bits=optimizer_bits, policies=policies, data_fractions=data_fractions,
                  activation_bits=activation_bits, global_batch_tokens=global_batch_tokens,
-                 loss_chunks=loss_chunks, mlp_chunks=mlp_chunks, offload=offload)
+                 loss_chunks=loss_chunks, mlp_chunks=mlp_chunks, offload=offload,
+                 bytes_per_token=bytes_per_token)
+    pr, budget, calibration = calibrated(pr, model, budget, data, enabled=calibrate and law is None, lr=lr,
+                                         seed=seed, bytes_per_token=bytes_per_token, cache_dir=cache_dir)
     try:
         plan = solve_problem(pr, budget, memory_limit_bytes=memory_limit_bytes,
                              time_limit_s=time_limit_s, seed=seed, lr=lr, export_path=export_path,
@@ -120,7 +137,7 @@ def solve(model: nn.Module | str, hw: str | HardwareProfile, budget: Budget, *, 
         raise explain_infeasible(pr, budget, e, memory_limit_bytes=memory_limit_bytes) from e
     plan = choose_data_method(plan, pr.law, methods=data_methods, fractions=data_fractions,
                               fits=data_quality)
-    return with_model_facts(with_feature_notes(plan, pr.graph), model)
+    return with_calibration(with_model_facts(with_feature_notes(plan, pr.graph), model), calibration)
 
 
 def with_feature_notes(plan: Plan, graph) -> Plan:
@@ -260,7 +277,8 @@ def plan_for_choice(model: nn.Module | str, hw: str | HardwareProfile, *, seq_le
     law = loss_law_for(law, profile, name, graph)
     unique = data_tokens if data_tokens is not None else UNLIMITED_DATA_TOKENS
     tokens = max_steps * micro_batch * seq_len * (devices // sp_degree) * grad_accum
-    loss = law.predict(graph.n_params, tokens, unique_tokens=max(1.0, data_fraction * unique))
+    loss = run_loss(law, graph.n_params, steps=max_steps, tokens_per_step=tokens // max_steps,
+                    unique_tokens=max(1.0, data_fraction * unique))
     loss += bits_loss_penalty(optimizer_bits, activation_bits, precision=precision, penalty=law.bits)
     facts = SolverFacts(status="FIXED", objective=0.0, bound=0.0, wall_s=0.0, seed=seed, time_limit_s=0.0)
     plan = make_plan(step_model, profile, graph, name, choice, budget={"devices": devices, "fixed_steps": max_steps},

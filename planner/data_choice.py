@@ -55,8 +55,9 @@ from costmodels.data.quality import DEFAULT_QUALITY, METHODS, QualityFit
 from costmodels.data.quality_cache import load_quality_fits
 from costmodels.data.scoring import reference_scoring_flops
 from costmodels.loss.bits import bits_loss_penalty
-from costmodels.loss.cache import load_local_law
+from costmodels.loss.cache import law_from_fields, load_local_law
 from costmodels.loss.law import LossLaw
+from costmodels.loss.planned import run_loss, warmup_steps_for
 from planner.budget import UNLIMITED_DATA_TOKENS
 from planner.plan import Plan
 from trainplan_errors import TrainplanError
@@ -110,8 +111,11 @@ def known_quality(model: str, vocab_size: int, n_params: float, methods: Sequenc
 
 
 def plan_law(plan: Plan) -> LossLaw:
-    """The law `planner.api.solve` predicts `plan` with: the locally fitted law of (model,
+    """The law `planner.api.solve` predicted `plan` with: the one the plan records
+    (`Predictions.loss_law`); for plans written before it, the locally fitted law of (model,
     vocabulary) on the cpu profile when one is cached, else Besiroglu et al. 2024's."""
+    if plan.predictions.loss_law:  # the law the plan was predicted with (plans since the field)
+        return law_from_fields(plan.predictions.loss_law)
     if plan.hw == "cpu":
         law = load_local_law(plan.model, plan.vocab_size)
         if law is not None:
@@ -196,8 +200,8 @@ def data_options(plan: Plan, law: LossLaw | None = None, *,
             if f == 1.0 and m != "random":
                 continue
             q = fit.q(f)
-            loss = law.predict(plan.model_n_params, steps * tps,
-                               unique_tokens=max(1.0, f * plan.data_tokens), quality=q) + pen
+            loss = run_loss(law, plan.model_n_params, steps=steps, tokens_per_step=tps,
+                            unique_tokens=max(1.0, f * plan.data_tokens), quality=q) + pen
             out.append(DataOption(method=m, fraction=f, quality=q, quality_source=fit.source,
                                   scoring_flops=flops, scoring_steps=charge, steps=steps,
                                   predicted_loss=loss))
@@ -210,7 +214,7 @@ def _apply(plan: Plan, o: DataOption, note: str) -> Plan:
     tps = p.tokens_per_step
     decisions = dataclasses.replace(d, data_method=o.method, data_fraction=o.fraction,
                                     max_steps=o.steps, max_tokens=o.steps * tps,
-                                    warmup_steps=max(1, min(20, o.steps // 10)))
+                                    warmup_steps=warmup_steps_for(o.steps))
     predictions = dataclasses.replace(
         p, total_tokens=o.steps * tps, device_hours=p.step_time_s * o.steps * d.devices / 3600.0,
         final_loss=o.predicted_loss, scoring_flops=o.scoring_flops)
@@ -276,8 +280,9 @@ def with_data_method(plan: Plan, method: str, *, selection_every_steps: int = 0,
     fit = known_quality(plan.model, plan.vocab_size, plan.model_n_params, [method], fits=fits,
                         cache_dir=cache_dir).get(method, DEFAULT_QUALITY["random"])
     q = fit.q(d.data_fraction) if every == 0 else 1.0
-    loss = law.predict(plan.model_n_params, d.max_steps * p.tokens_per_step,
-                       unique_tokens=max(1.0, d.data_fraction * plan.data_tokens), quality=q)
+    loss = run_loss(law, plan.model_n_params, steps=d.max_steps, tokens_per_step=p.tokens_per_step,
+                    unique_tokens=max(1.0, d.data_fraction * plan.data_tokens), quality=q,
+                    warmup_steps=d.warmup_steps)
     flops = predicted_scoring_flops(plan, method, every) if d.data_fraction < 1.0 else 0.0
     decisions = dataclasses.replace(d, data_method=method, selection_every_steps=every)
     pen = bits_loss_penalty(d.optimizer_bits, d.activation_bits, precision=d.precision, penalty=law.bits)

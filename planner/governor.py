@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from costmodels.loss.bits import bits_loss_penalty
-from costmodels.loss.cache import load_local_law
+from costmodels.loss.cache import law_from_fields, load_local_law
 from costmodels.loss.law import LossLaw, learning_curve
 from costmodels.stopping.heldout_curve import HeldoutCurve
 from costmodels.stopping.prediction import predict_stop_from_law, threshold_from_value
@@ -64,14 +64,17 @@ unused), and the simulated series scatter less than real runs do; 25% covers bot
 
 
 def plan_law(plan: Plan, cache_dir=None) -> LossLaw:
-    """The loss law the planner used for `plan`, from the source its notes name: the local law
-    of (model, vocabulary) when its source matches (cpu plans), else the published law of that
+    """The loss law the planner used for `plan`: the one it records (`Predictions.loss_law`);
+    in plans written before that field, from the source its notes name: the local law of
+    (model, vocabulary) when its source matches (cpu plans), else the published law of that
     source.
 
     Raises:
         TrainplanError: the plan names a law that is neither (a law passed to `solve` by the
             caller): pass it to `with_governor(law=...)`.
     """
+    if plan.predictions.loss_law:  # plans since the field carry their law
+        return law_from_fields(plan.predictions.loss_law)
     source = next((n[len(LAW_NOTE):] for n in plan.notes if n.startswith(LAW_NOTE)), None)
     candidates = [LossLaw.besiroglu2024(), LossLaw.hoffmann2022()]
     try:
@@ -160,15 +163,17 @@ def with_governor(plan: Plan, *, value_device_hours_per_nat: float | None = None
             curve = run_curve(plan, curve)
             noise = curve.sim_noise_nats if noise_nats is None else noise_nats
             what, gain = f"the pilots' held-out curve ({curve.source})", curve.cooldown_gain_nats
+            ceiling = math.inf
 
             def loss_at(s: int) -> float:
                 return float(curve.loss_with_early(s))
         else:
             law = law or plan_law(plan, cache_dir)
             noise, what, gain = noise_nats, f"the law's curve (law: {law.source})", 0.0
+            ceiling = law.ceiling
 
-            def loss_at(s: int) -> float:
-                return float(learning_curve([max(s, 1) * p.tokens_per_step], law=law,
+            def loss_at(s: int) -> float:  # the law's shape (`learning_curve`'s `bounded`)
+                return float(learning_curve([max(s, 1) * p.tokens_per_step], law=law, bounded=False,
                                             n_params=plan.model_n_params, unique_tokens=unique)[0])
         if noise is None:
             assert law is not None  # no noise only without a curve, where the law is set
@@ -192,12 +197,12 @@ def with_governor(plan: Plan, *, value_device_hours_per_nat: float | None = None
                     how += (f"; budget {budget} steps of the {d.max_steps} allowed, picked from the "
                             f"curve ({1 + BUDGET_MARGIN:g} x the end of the {BUDGET_QUANTILE:.0%} "
                             "simulated stop)")
-                    d, p = _with_budget(d, p, budget, loss_at(budget) - gain + offset)
+                    d, p = _with_budget(d, p, budget, min(loss_at(budget), ceiling) - gain + offset)
                     stop, sims, final = simulate(budget)
             if stop >= d.max_steps:
                 final = d.max_steps
             at_once = final == stop < d.max_steps  # no cooldown: none of the pilots' cooldown gain
-            loss = loss_at(final) - (0.0 if at_once else gain) + offset
+            loss = min(loss_at(final), ceiling) - (0.0 if at_once else gain) + offset
             rule = (f"the governor simulated over {what} with {noise:.3g} nats of evaluation "
                     f"noise ({len(sims)} runs: steps {sims[0]} to {sims[-1]})")
         if pick_budget and noise is None:

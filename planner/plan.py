@@ -16,6 +16,10 @@ from trainplan_errors.validation import one_line
 PLAN_FORMAT = 1
 
 
+DEFAULT_LR = 3e-3
+"""Peak learning rate of a plan's AdamW schedule unless the caller sets one (`--lr`)."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Decisions:
     """The knobs a plan fixes (DESIGN.md, "The knobs a Plan fixes")."""
@@ -73,7 +77,7 @@ class Decisions:
     """Stop when the predicted held-out loss drop per step falls below this (nats/token per
     step); 0 disables the compute governor (`executor.governor`). Set by
     `planner.governor.with_governor`: cost of one step / value of one nat."""
-    lr: float = 3e-3
+    lr: float = DEFAULT_LR
     """Peak learning rate (AdamW)."""
     checkpoint_sets: dict[str, list[str]] = field(default_factory=dict)
     """Solved checkpoint entries (`remat:k`) -> the node keys whose outputs they keep
@@ -148,6 +152,17 @@ class Predictions:
     host_memory_limit_bytes: float = 0.0
     """Host memory one device may fill (`costmodels.step.offload.host_limit_bytes`); 0 on a
     unified-memory device, where offload frees nothing, and in plans written before the field."""
+    loss_regime: str = ""
+    """Which regime `final_loss` is in (`costmodels.loss.law.LossLaw.regime`): "fitted locally",
+    "published, inside its range" or "extrapolated"; "" in plans written before the field."""
+    loss_band_nats: float = 0.0
+    """Half-width of `final_loss`'s band, nats/token (`LossLaw.band`); 0 in older plans."""
+    loss_law: dict[str, Any] = field(default_factory=dict)
+    """The loss law's constants the predictions used (`LossLaw` fields, `costmodels.loss.cache.law_fields`),
+    so the data-method choice and the governor predict with the same law; {} in older plans."""
+    loss_calibration: dict[str, Any] = field(default_factory=dict)
+    """How the law was obtained when `solve` calibrated it on pilot runs (`planner.pilots`): ran
+    or reused from the cache, the pilots and their FLOPs and seconds, the fit; {} when it did not."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

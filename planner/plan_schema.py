@@ -130,6 +130,10 @@ class PredictionsSchema(BaseModel):
     scoring_flops: NonNegative = 0.0
     host_memory_bytes: NonNegative = 0.0
     host_memory_limit_bytes: NonNegative = 0.0
+    loss_regime: str = ""
+    loss_band_nats: NonNegative = 0.0
+    loss_law: dict[str, Any] = {}
+    loss_calibration: dict[str, Any] = {}
 
     @field_validator("memory_bytes")
     @classmethod

@@ -81,19 +81,19 @@ def tensorboard_scalars(folder) -> dict[str, list[tuple[int, float]]]:
 def transformers_heldout_loss(folder, plan: Plan, corpus) -> float:
     """Held-out loss (nats/token) of the model folder `folder` (`trainplan export-weights`) loaded by
     `transformers.AutoModelForCausalLM`, on the held-out batches a run of `plan` on `corpus` (a
-    `TokenCorpus`) evaluates (`executor.train.EVAL_BATCHES` of them), by the run's loss
+    `TokenCorpus`) evaluates (`executor.train.eval_batches` of them), by the run's loss
     (`modeling.loss.lm_loss`, `executor.measure.heldout_loss`): a run's final held-out loss when
     `folder` holds its weights."""
     from transformers import AutoModelForCausalLM
 
     from executor.data.batches import heldout_batches
     from executor.measure import heldout_loss
-    from executor.train import EVAL_BATCHES
+    from executor.train import eval_batches
     from modeling.loss import lm_loss
 
     d = plan.decisions
     model = AutoModelForCausalLM.from_pretrained(folder)
     held = heldout_batches(corpus.heldout_tokens, seq_len=d.seq_len, micro_batch=d.micro_batch,
-                           max_batches=EVAL_BATCHES)
+                           max_batches=eval_batches(d.micro_batch, d.seq_len, heldout_len=len(corpus.heldout_tokens)))
     with torch.no_grad():
         return heldout_loss(model, held, lambda x, y: lm_loss(model(input_ids=x).logits, y))

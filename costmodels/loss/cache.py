@@ -34,7 +34,28 @@ from trainplan_errors import TrainplanError
 LAW_CACHE_FORMAT = 1
 """Version of the law file layout; a file of another version is ignored."""
 
-_LAW_FIELDS = ("E", "A", "B", "alpha", "beta", "r_d_star", "r_n_star", "units", "source")
+_LAW_FIELDS = ("E", "A", "B", "alpha", "beta", "r_d_star", "r_n_star", "units", "source", "bytes_per_token",
+               "vocab_size", "b_crit_tokens", "params_range", "tokens_range", "local", "band_nats")
+
+
+def law_fields(law: LossLaw) -> dict[str, Any]:
+    """`law` as JSON-ready fields (ranges as lists, bits as a dict when fitted): what a law file
+    and a plan (`planner.plan.Predictions.loss_law`) hold."""
+    out = {k: (list(v) if isinstance(v := getattr(law, k), tuple) else v) for k in _LAW_FIELDS}
+    return out | ({"bits": dataclasses.asdict(law.bits)} if law.bits is not None else {})
+
+
+def law_from_fields(raw: dict[str, Any]) -> LossLaw:
+    """The LossLaw of `law_fields`' output (fields it lacks at their defaults: files written
+    before a field existed read back as before).
+
+    Raises: TrainplanError on an invalid constant; KeyError/TypeError on a malformed record."""
+    kw = {k: raw[k] for k in _LAW_FIELDS if k in raw}
+    for k in ("params_range", "tokens_range"):
+        if kw.get(k) is not None:
+            kw[k] = tuple(float(x) for x in kw[k])
+    bits = BitsPenalty(**raw["bits"]) if isinstance(raw.get("bits"), dict) else None
+    return LossLaw(**kw, bits=bits)
 
 
 def law_path(model: str, vocab_size: int, cache_dir: str | Path | None = None) -> Path:
@@ -64,8 +85,7 @@ def save_local_law(law: LossLaw, *, model: str, vocab_size: int, fit: dict[str, 
     `fit` (inputs, residuals, method) and `runs` are stored alongside for the record."""
     path = law_path(model, vocab_size, cache_dir)
     record = {"format": LAW_CACHE_FORMAT, "model": model, "vocab_size": int(vocab_size),
-              "created": created, "law": {k: getattr(law, k) for k in _LAW_FIELDS}
-              | ({"bits": dataclasses.asdict(law.bits)} if law.bits is not None else {}),
+              "created": created, "law": law_fields(law),
               "fit": fit or {}, "runs": list(runs or [])}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -103,9 +123,10 @@ def load_local_law(model: str, vocab_size: int, cache_dir: str | Path | None = N
         if record.get("model") != model or record.get("vocab_size") != vocab_size:
             raise TrainplanError(f"{str(path)!r} was written for {record.get('model')!r} "
                                  f"v{record.get('vocab_size')}, not {model!r} v{vocab_size}")
-        raw = record["law"]
-        bits = BitsPenalty(**raw["bits"]) if isinstance(raw.get("bits"), dict) else None
-        return LossLaw(**{k: raw[k] for k in _LAW_FIELDS if k in raw}, bits=bits)
+        law = law_from_fields(record["law"])
+        if "local" not in record["law"]:  # written before the field: every law file is a local fit
+            law = dataclasses.replace(law, local=True, params_range=None, tokens_range=None)
+        return law
     except (TrainplanError, KeyError, TypeError) as e:
         warnings.warn(f"ignoring local loss law {path}: {e}", RuntimeWarning, stacklevel=2)
         return None

@@ -20,6 +20,8 @@ Sources:
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import warnings
 from dataclasses import dataclass
 from typing import ClassVar
@@ -28,8 +30,10 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from costmodels.checks import check_finite, check_non_negative, check_positive
+from costmodels.loss.batch import batch_efficiency, critical_batch_tokens
 from costmodels.loss.bits import BitsPenalty
 from costmodels.loss.fit import HUBER_DELTA, check_fit_arrays, huber_fit
+from costmodels.loss.transfer import MASSIVETEXT_BYTES_PER_TOKEN, carry_law
 from trainplan_errors import TrainplanError
 
 #: Muennighoff et al. 2023, Sec. 3 (fit reported as R_D* = 15.387756): repetitions of the data
@@ -40,6 +44,16 @@ R_D_STAR = 15.4
 R_N_STAR = 5.3
 
 _FIT_NAMES = ("E", "A", "B", "alpha", "beta")
+
+#: Hoffmann et al. 2022, Sec. 3 / Fig. 1: "over 400 language models ranging from 70 million to
+#: over 16 billion parameters on 5 to 500 billion tokens": the range the published constants
+#: (and Besiroglu et al.'s refit of the same runs) were fitted on.
+CHINCHILLA_PARAMS_RANGE = (7e7, 1.6e10)
+CHINCHILLA_TOKENS_RANGE = (5e9, 5e11)
+
+Regime = str
+LOCAL, PUBLISHED, EXTRAPOLATED = "fitted locally", "published, inside its range", "extrapolated"
+"""The three regimes a prediction is in (`LossLaw.regime`)."""
 
 
 def effective_array(tokens_seen: np.ndarray, unique_tokens: float | np.ndarray, r_star: float) -> np.ndarray:
@@ -127,6 +141,24 @@ class LossLaw:
     bits: BitsPenalty | None = None
     """Loss penalties of lower-precision settings fitted with this law (`trainplan calibrate`,
     `costmodels.loss.bits`); None: the published defaults (`costmodels.loss.bits.DEFAULT_BITS_PENALTY`)."""
+    bytes_per_token: float = MASSIVETEXT_BYTES_PER_TOKEN
+    """UTF-8 bytes per token of the data the constants are in (`costmodels.loss.transfer`):
+    MassiveText's for the published laws, the local corpus's once carried or fitted."""
+    vocab_size: int | None = None
+    """The model's vocabulary: no prediction is above ln(vocab_size), the loss of a uniform
+    guess (a model that learned nothing). None: no bound."""
+    b_crit_tokens: float | None = None
+    """Critical batch in tokens (`costmodels.loss.batch`), fitted locally; None: Kaplan et
+    al. 2020's B_crit(L) at the predicted loss, carried per byte."""
+    params_range: tuple[float, float] | None = CHINCHILLA_PARAMS_RANGE
+    """Parameters the constants were fitted over (None: not recorded)."""
+    tokens_range: tuple[float, float] | None = CHINCHILLA_TOKENS_RANGE
+    """Tokens (of this law's tokenizer) the constants were fitted over (None: not recorded)."""
+    local: bool = False
+    """Fitted on runs of this model, tokenizer and corpus (pilots or `trainplan calibrate`)."""
+    band_nats: float = 0.0
+    """Half-width of the law's band around a prediction, nats/token, for a local fit (its
+    residuals); a published law's band is `published_band` at each point."""
 
     FIT_NAMES: ClassVar[tuple[str, ...]] = _FIT_NAMES
 
@@ -138,6 +170,13 @@ class LossLaw:
         check_non_negative("LossLaw.beta", self.beta)
         check_positive("LossLaw.r_d_star", self.r_d_star)
         check_positive("LossLaw.r_n_star", self.r_n_star)
+        check_positive("LossLaw.bytes_per_token", self.bytes_per_token)
+        check_non_negative("LossLaw.band_nats", self.band_nats)
+        if self.b_crit_tokens is not None:
+            check_positive("LossLaw.b_crit_tokens", self.b_crit_tokens)
+        if self.vocab_size is not None and (isinstance(self.vocab_size, bool) or not isinstance(self.vocab_size, int)
+                                            or self.vocab_size < 2):
+            raise TrainplanError(f"LossLaw.vocab_size must be a whole number >= 2 or None, got {self.vocab_size!r}")
 
     @classmethod
     def besiroglu2024(cls) -> LossLaw:
@@ -165,26 +204,79 @@ class LossLaw:
         tokens_seen: float,
         unique_tokens: float | None = None,
         quality: float = 1.0,
+        *,
+        batch_tokens: float | None = None,
+        warmup_tokens: float = 0.0,
     ) -> float:
-        """Predicted final loss in nats per token.
+        """Predicted final loss in nats per token, never above ln(vocab_size).
 
-        L = E + A / N**alpha + B / (quality * D')**beta (Hoffmann et al. 2022, eq. 2), where D' is
-        `effective_tokens(tokens_seen, unique_tokens, r_d_star)` (Muennighoff et al. 2023, eq. 5)
-        when `unique_tokens` is given, else `tokens_seen`. `quality` multiplies the effective
-        data: > 1 for a selected subset whose tokens are worth more than average ones. It is a
-        modelling assumption (not from a paper) and is fitted from pilot runs by calibration.
+        L = E + A / N**alpha + B / X**beta (Hoffmann et al. 2022, eq. 2) with X the tokens that
+        count:
+        - repeated data: D' = `effective_tokens(tokens_seen, unique_tokens, r_d_star)`
+          (Muennighoff et al. 2023, eq. 5) when `unique_tokens` is given, else `tokens_seen`;
+        - warmup: a linear warmup over `warmup_tokens` moves the weights half as far as at the
+          peak rate, so half of it is taken off (the learning rate's area, Tissue et al. 2024,
+          "Scaling Law with Learning Rate Annealing", arXiv:2408.11029, whose loss falls with the
+          summed learning rate);
+        - batch: times E_min / E = 1 / (1 + B / B_crit) at `batch_tokens` per optimizer step
+          (Kaplan et al. 2020 eq. 5.5, `costmodels.loss.batch`): B_crit is `b_crit_tokens`, or
+          Kaplan's B_crit(L) at the predicted loss (a fixed point, found in a few iterations:
+          B_crit grows as L falls);
+        - `quality` multiplies X: > 1 for a selected subset whose tokens are worth more than
+          average ones (a modelling assumption, fitted from pilot runs by calibration).
+        Then min(L, ln(vocab_size)).
 
         Args: n_params (parameters, > 0), tokens_seen (tokens, > 0), unique_tokens (tokens, > 0,
-        or None for unlimited data), quality (dimensionless, > 0).
+        or None for unlimited data), quality (> 0), batch_tokens (tokens per optimizer step,
+        > 0, or None: no batch term), warmup_tokens (tokens, >= 0).
         Returns: loss, nats per token.
         Raises: TrainplanError on a non-positive or non-finite input.
         """
         n = check_positive("n_params", n_params)
         d = check_positive("tokens_seen", tokens_seen)
         q = check_positive("quality", quality)
+        w = check_non_negative("warmup_tokens", warmup_tokens)
+        x = d
         if unique_tokens is not None:
-            d = effective_tokens(d, check_positive("unique_tokens", unique_tokens), self.r_d_star)
-        return float(self.E + self.A / n**self.alpha + self.B / (q * d) ** self.beta)
+            x = effective_tokens(d, check_positive("unique_tokens", unique_tokens), self.r_d_star)
+        x *= max(d - 0.5 * min(w, d), 1.0) / d
+        base = self.E + self.A / n**self.alpha
+        loss = base + self.B / (q * x) ** self.beta
+        if batch_tokens is not None:
+            g = check_positive("batch_tokens", batch_tokens)
+            for _ in range(1 if self.b_crit_tokens is not None else 4):
+                b_crit = self.b_crit_tokens or critical_batch_tokens(
+                    min(loss, self.ceiling), bytes_per_token=self.bytes_per_token)
+                loss = base + self.B / (q * x * batch_efficiency(g, b_crit)) ** self.beta
+        return float(min(loss, self.ceiling))
+
+    @property
+    def ceiling(self) -> float:
+        """ln(vocab_size), nats per token: the uniform guess's loss; inf without a vocabulary."""
+        return math.log(self.vocab_size) if self.vocab_size else math.inf
+
+    def regime(self, n_params: float, tokens_seen: float) -> Regime:
+        """Which regime a prediction at (n_params, tokens_seen) is in: `LOCAL` (fitted on this
+        model, tokenizer and corpus), `PUBLISHED` (a published law inside the parameters and
+        tokens it was fitted over) or `EXTRAPOLATED` (outside them, or no range recorded)."""
+        if self.local:
+            return LOCAL
+        inside = all(rng is not None and rng[0] <= v <= rng[1]
+                     for rng, v in ((self.params_range, n_params), (self.tokens_range, tokens_seen)))
+        return PUBLISHED if inside else EXTRAPOLATED
+
+    def band(self, n_params: float, tokens_seen: float, unique_tokens: float | None = None, **kw) -> float:
+        """Half-width of the prediction's band, nats/token: `band_nats` for a local law; for a
+        published one the spread between the two published fits of Hoffmann et al.'s runs at
+        this point (Hoffmann et al. 2022's constants against Besiroglu et al. 2024's refit, each
+        carried to this law's bytes per token and vocabulary), at least 1% of the prediction.
+        `kw`: `predict`'s keywords (batch, warmup, quality)."""
+        if self.local:
+            return self.band_nats
+        mine = self.predict(n_params, tokens_seen, unique_tokens, **kw)
+        other = carry_law(dataclasses.replace(LossLaw.hoffmann2022(), vocab_size=self.vocab_size,
+                                              b_crit_tokens=self.b_crit_tokens), self.bytes_per_token)
+        return max(abs(other.predict(n_params, tokens_seen, unique_tokens, **kw) - mine), 0.01 * mine)
 
     @classmethod
     def fit(
@@ -263,8 +355,13 @@ def learning_curve(
     n_params: float,
     unique_tokens: float | None = None,
     quality: float = 1.0,
+    bounded: bool = True,
 ) -> np.ndarray:
     """Predicted loss (nats/token) after each entry of `tokens` (tokens seen so far, > 0).
+
+    `bounded`: at most ln(vocab_size), as `LossLaw.predict`; False: the law's own curve, for its
+    shape (the compute governor's stop is where its drop per step crosses a threshold: a curve
+    clipped flat at ln(V) would stop every run at once).
 
     Same formula as `LossLaw.predict` (Hoffmann et al. 2022, eq. 2 with Muennighoff et al. 2023
     eq. 5 effective data), applied along a run. Treats each point as the end of a run of that
@@ -282,5 +379,6 @@ def learning_curve(
     d = t
     if unique_tokens is not None:
         d = effective_array(t, check_positive("unique_tokens", unique_tokens), law.r_d_star)
-    return law.E + law.A / n**law.alpha + law.B / (q * d) ** law.beta
+    curve = law.E + law.A / n**law.alpha + law.B / (q * d) ** law.beta
+    return np.minimum(curve, law.ceiling) if bounded else curve
 

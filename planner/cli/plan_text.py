@@ -41,8 +41,14 @@ def print_plan(plan: Plan) -> None:
                    for k, v in p.step_time_breakdown_s.items())
     print(f"  step: {p.step_time_s:.4g} s ({br}), {p.flops_per_step:.3e} FLOPs/device, "
           f"{p.tokens_per_step:,} tokens, MFU {p.mfu:.1%}")
+    band = f" +- {p.loss_band_nats:.2g}" if p.loss_band_nats else ""
+    regime = f" ({p.loss_regime})" if p.loss_regime else ""
     print(f"  run: {p.total_tokens:,} tokens, {p.device_hours:.4g} device-hours, predicted final loss "
-          f"{p.final_loss:.3f} nats")
+          f"{p.final_loss:.3f}{band} nats{regime}")
+    cal = p.loss_calibration
+    if cal:
+        print(f"  loss law: {cal.get('why', '')}" + (f"; pilots {cal['pilot_flops']:.3g} FLOPs, {cal['pilot_s']:.0f} s"
+                                                    if cal.get("ran") else ""))
     if d.governor_threshold > 0 and p.predicted_stop_step is not None:
         if p.predicted_stop_step >= d.max_steps:
             when = f"the budget binds first ({d.max_steps:,} steps)"

@@ -17,6 +17,7 @@ and the run report) and draws `frontier.png` (`planner.cli.frontier_files.write_
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from planner.joint.problem import Problem, prepare, solve_problem
 from planner.joint.remat_menu import BlockMenus, Targets
 from planner.joint.remat_solver import Menu
 from planner.joint.space import shapes
+from planner.pilots import calibrated, with_calibration
 from planner.plan import Plan
 from trainplan_errors import InfeasibleError, TrainplanError
 
@@ -172,10 +174,13 @@ def frontier(model: nn.Module | str, hw: str | HardwareProfile, budget: Budget, 
              law: LossLaw | None = None, memory_limit_bytes: float | None = None,
              budget_fractions: tuple[float, ...] = BUDGET_FRACTIONS, memory_steps: int = MEMORY_STEPS,
              time_limit_s: float = 10.0, ladder_time_limit_s: float = LADDER_TIME_S, seed: int = 0,
-             lr: float = 3e-3, **space_options: Any) -> Frontier:
+             lr: float = 3e-3, data=None, calibrate: bool = True, bytes_per_token: float | None = None,
+             cache_dir=None, progress: bool = False, **space_options: Any) -> Frontier:
     """The Pareto frontier over (peak memory per device, device-hours, predicted loss) of the
     plans for `model` on `hw` at up to `budget` (arguments as `planner.solve`'s; `space_options`:
     micro_batches, optimizer_bits, activation_bits, policies, data_fractions, global_batch_tokens).
+    With `data` on the cpu profile the law is calibrated on pilots first, as `planner.solve`
+    does (`planner.pilots.calibrated`): the budget the frontier spans is what they leave.
 
     Raises:
         UnknownNameError: unknown hardware or preset.
@@ -183,12 +188,16 @@ def frontier(model: nn.Module | str, hw: str | HardwareProfile, budget: Budget, 
         InfeasibleError: no plan fits the full budget (explained as by `planner.solve`).
     """
     pr = prepare(model, hw, seq_len=seq_len, data_tokens=data_tokens, vocab_size=vocab_size,
-                 precision=precision, law=law, **space_options)
+                 precision=precision, law=law, bytes_per_token=bytes_per_token, **space_options)
+    pr, budget, calibration = calibrated(pr, model, budget, data, enabled=calibrate and law is None, lr=lr,
+                                         seed=seed, bytes_per_token=bytes_per_token, cache_dir=cache_dir,
+                                         progress=progress)
     try:
-        return frontier_for(pr, budget, memory_limit_bytes=memory_limit_bytes,
-                            budget_fractions=budget_fractions, memory_steps=memory_steps,
-                            time_limit_s=time_limit_s, ladder_time_limit_s=ladder_time_limit_s,
-                            seed=seed, lr=lr)
+        fr = frontier_for(pr, budget, memory_limit_bytes=memory_limit_bytes,
+                          budget_fractions=budget_fractions, memory_steps=memory_steps,
+                          time_limit_s=time_limit_s, ladder_time_limit_s=ladder_time_limit_s,
+                          seed=seed, lr=lr)
+        return dataclasses.replace(fr, plan=with_calibration(fr.plan, calibration))
     except InfeasibleError as e:
         raise explain_infeasible(pr, budget, e, memory_limit_bytes=memory_limit_bytes) from e
 

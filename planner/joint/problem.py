@@ -17,7 +17,9 @@ from typing import Any
 from torch import nn
 
 from costmodels.checkpoint_sets import node_keys, resolve
+from costmodels.loss.cache import law_fields
 from costmodels.loss.law import LossLaw
+from costmodels.loss.planned import warmup_steps_for
 from costmodels.step.model import Choice, StepCost, StepModel
 from costmodels.step.offload import host_limit_bytes
 from costmodels.step.precision import check_optimizer_bits
@@ -123,7 +125,8 @@ def prepare(model: nn.Module | str, hw: str | HardwareProfile, *, seq_len: int =
             data_fractions: tuple[float, ...] = (0.25, 0.5, 0.75, 1.0),
             activation_bits: object = DEFAULT_ACTIVATION_BITS,
             global_batch_tokens: int | None = None, loss_chunks: tuple[int, ...] | None = None,
-            mlp_chunks: tuple[int, ...] | None = None, offload: tuple[bool, ...] | None = None) -> Problem:
+            mlp_chunks: tuple[int, ...] | None = None, offload: tuple[bool, ...] | None = None,
+            bytes_per_token: float | None = None) -> Problem:
     """Capture `model` on `hw` once (arguments as `planner.api.solve`'s) for `solve_problem`.
 
     Raises:
@@ -143,7 +146,7 @@ def prepare(model: nn.Module | str, hw: str | HardwareProfile, *, seq_len: int =
     profile, precision, graph, name, step_model = setup_model(model, hw, precision=precision,
                                                               vocab_size=vocab_size,
                                                               activation_bits=activation_bits, seq_len=seq_len)
-    law = loss_law_for(law, profile, name, graph)
+    law = loss_law_for(law, profile, name, graph, bytes_per_token)
     unique = data_tokens if data_tokens is not None else UNLIMITED_DATA_TOKENS
     options = dict(micro_batches=tuple(micro_batches),
                    optimizer_bits=None if optimizer_bits is None else tuple(optimizer_bits),
@@ -235,6 +238,16 @@ def checkpoint_block_ops(step_model: StepModel, blocks: tuple[str, ...], c: Choi
     return out
 
 
+def loss_facts(law: LossLaw, n_params: float, tokens: float, unique_tokens: float, *, batch_tokens: float,
+               warmup_steps: int) -> dict[str, Any]:
+    """The plan's record of its loss prediction (`Predictions.loss_regime`, `loss_band_nats`,
+    `loss_law`): the regime and band of `law` at this run (`LossLaw.regime`, `LossLaw.band`)
+    and the law's constants."""
+    kw = dict(batch_tokens=batch_tokens, warmup_tokens=min(warmup_steps * batch_tokens, tokens))
+    return dict(loss_regime=law.regime(n_params, tokens),
+                loss_band_nats=law.band(n_params, tokens, unique_tokens, **kw), loss_law=law_fields(law))
+
+
 def make_plan(step_model: StepModel, profile: HardwareProfile, graph: ModelGraph, name: str, c: Choice, *,
               budget: dict[str, Any], data_fraction: float, max_steps: int, predicted_loss: float, unique: int,
               law: LossLaw, lr: float, seed: int, facts: SolverFacts, memory_limit_bytes: float | None) -> Plan:
@@ -257,7 +270,7 @@ def make_plan(step_model: StepModel, profile: HardwareProfile, graph: ModelGraph
         precision=c.precision, optimizer_bits=c.optimizer_bits, activation_bits=c.activation_bits,
         loss_chunks=c.loss_chunks, mlp_chunks=c.mlp_chunks, offload=c.offload, data_fraction=data_fraction,
         data_method="random", max_tokens=max_steps * tokens_per_step, max_steps=max_steps,
-        governor_threshold=0.0, lr=lr, warmup_steps=max(1, min(20, max_steps // 10)), seed=seed)
+        governor_threshold=0.0, lr=lr, warmup_steps=warmup_steps_for(max_steps), seed=seed)
     limit = float(profile.usable_bytes if memory_limit_bytes is None
                   else min(memory_limit_bytes, profile.usable_bytes))
     predictions = Predictions(
@@ -269,7 +282,9 @@ def make_plan(step_model: StepModel, profile: HardwareProfile, graph: ModelGraph
         device_hours=cost.time_s * max_steps * c.devices / 3600.0, final_loss=predicted_loss,
         mfu=cost.model_flops / (cost.time_s * peak_flops) if cost.time_s > 0 else 0.0,
         made_for=layout_fields(decisions), host_memory_bytes=cost.host_bytes,
-        host_memory_limit_bytes=0.0 if profile.unified_memory else host_limit_bytes(profile))
+        host_memory_limit_bytes=0.0 if profile.unified_memory else host_limit_bytes(profile),
+        **loss_facts(law, graph.n_params, max_steps * tokens_per_step, max(1.0, data_fraction * unique),
+                     batch_tokens=tokens_per_step, warmup_steps=decisions.warmup_steps))
     if not all(math.isfinite(v) for v in (cost.flops, cost.time_s, cost.memory.total)):
         raise TrainplanError("predictions are not finite; the captured graph is broken")
     overlap = (f"communication overlapped with compute as the executor issues it: "

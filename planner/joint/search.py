@@ -11,6 +11,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 
 from costmodels.loss.law import LossLaw
+from costmodels.loss.planned import run_loss
 from costmodels.step.model import Choice, StepModel
 from hardware_profiles import HardwareProfile
 from planner.budget import Budget
@@ -107,8 +108,8 @@ def spent(c: Combo, counts: Mapping[str, int], L: int, wall: float | None, budge
     levels are a grid; loss falls with tokens), at least the level's steps."""
     cap = budget_cap(budget, wall)
     steps = max(math.ceil(level / c.tokens_per_step), int(cap // step_cost(c, counts, L, wall, devices)), 1)
-    return (law.predict(n_params, steps * c.tokens_per_step, unique_tokens=max(1.0, f * data_tokens))
-            + bits_pen[c.bits], steps)
+    return (run_loss(law, n_params, steps=steps, tokens_per_step=c.tokens_per_step,
+                     unique_tokens=max(1.0, f * data_tokens)) + bits_pen[c.bits], steps)
 
 
 def budget_terms(c: Combo, entries: Sequence[str], L: int, wall: float | None, budget: Budget,
@@ -125,7 +126,7 @@ def budget_terms(c: Combo, entries: Sequence[str], L: int, wall: float | None, b
 def uniform_start(combos: Sequence[Combo], entries: Sequence[str], L: int, mem_cap: int, levels: Sequence[int],
                   fractions: Sequence[float],
                   terms: Callable[[Combo], tuple[dict[str, float], float, float, float]],
-                  loss: Callable[[int, float, tuple[int, int]], float]) -> tuple[int, str, int, float] | None:
+                  loss: Callable[[int, float, Combo], float]) -> tuple[int, str, int, float] | None:
     """A feasible start for the solver: the (combo index, entry, level, fraction) of the lowest
     predicted loss with every block on one entry that fits memory (`fits_uniform` in the
     solver's units: `mem_cap`) and the budget at that level, or None."""
@@ -144,7 +145,7 @@ def uniform_start(combos: Sequence[Combo], entries: Sequence[str], L: int, mem_c
             if not fits:
                 continue
             for fr in fractions:
-                key = (loss(fits[-1], fr, c.bits), -fr)
+                key = (loss(fits[-1], fr, c), -fr)
                 if best is None or key < best[0]:
                     best = (key, (i, e, fits[-1], fr))
     return None if best is None else best[1]

@@ -22,6 +22,7 @@ from ortools.sat.python import cp_model
 from costmodels.checkpoint_sets import BUILTIN, MENU, resolve
 from costmodels.loss.bits import bits_loss_penalty
 from costmodels.loss.law import LossLaw
+from costmodels.loss.planned import run_loss
 from costmodels.step.model import Choice, StepModel
 from hardware_profiles import HardwareProfile
 from planner.budget import Budget
@@ -170,12 +171,17 @@ def solve_joint(step_model: StepModel, hw: HardwareProfile, budget: Budget, *, s
             "raise the budget or shorten the sequence")
     levels = sorted({int(min_tokens * (max_tokens / min_tokens) ** (k / (TOKEN_LEVELS - 1)))
                      for k in range(TOKEN_LEVELS)})
-    loss = {(k, f): law.predict(n_params, levels[k], unique_tokens=max(1.0, f * data_tokens))
-            for k in range(len(levels)) for f in space.data_fractions}
+    # loss at each (token level, data fraction, global batch): the batch term (critical batch,
+    # `costmodels.loss.batch`) and the warmup make the loss depend on the tokens per step
+    batches = sorted({c.tokens_per_step for c in combos})
+    loss = {(k, f, g): run_loss(law, n_params, steps=max(1.0, levels[k] / g), tokens_per_step=g,
+                                unique_tokens=max(1.0, f * data_tokens))
+            for k in range(len(levels)) for f in space.data_fractions for g in batches}
     # a fraction no better than the whole corpus at every level never wins (ties go to more data)
-    fractions = [f for f in space.data_fractions if f == max(space.data_fractions) or any(
-        loss[(k, f)] < loss[(k, max(space.data_fractions))] for k in range(len(levels)))]
-    loss = {kf: v for kf, v in loss.items() if kf[1] in fractions}
+    full = max(space.data_fractions)
+    fractions = [f for f in space.data_fractions if f == full or any(
+        loss[(k, f, g)] < loss[(k, full, g)] for k in range(len(levels)) for g in batches)]
+    loss = {kfg: v for kfg, v in loss.items() if kfg[1] in fractions}
 
     # ---- variables --------------------------------------------------------------------
     m = cp_model.CpModel()
@@ -185,17 +191,22 @@ def solve_joint(step_model: StepModel, hw: HardwareProfile, budget: Budget, *, s
     n = {e: m.new_int_var(0, L, f"blocks_{e}") for e in entries}  # blocks per checkpoint entry
     y = [m.new_bool_var(f"tokens_{t}") for t in levels]  # stopping budget level
     x = {f: m.new_bool_var(f"fraction_{f}") for f in fractions}  # data fraction
-    w = {kf: m.new_bool_var(f"loss_{kf[0]}_{kf[1]}") for kf in loss}  # y_k AND x_f
+    w = {kfg: m.new_bool_var(f"loss_{kfg[0]}_{kfg[1]}_{kfg[2]}") for kfg in loss}  # y_k AND x_f AND batch g
+    gb = {g: m.new_bool_var(f"batch_{g}") for g in batches}  # the global batch, tokens per step
 
     # ---- constraints ------------------------------------------------------------------
     m.add_exactly_one(z)
     m.add_exactly_one(y)
     m.add_exactly_one(x.values())
     m.add(sum(n.values()) == L)  # [Constraint] every block has one checkpoint entry
-    for (k, f), v in w.items():
-        m.add_implication(v, y[k])
-        m.add_implication(v, x[f])
-    m.add_exactly_one(w.values())
+    for g, v in gb.items():  # the chosen combo's global batch (one-hot, as z is)
+        m.add(v == sum(zc for zc, c in zip(z, combos, strict=False) if c.tokens_per_step == g))
+    for k, yk in enumerate(y):  # w = y_k AND x_f AND batch g: one of level k's cells iff level k
+        m.add(sum(v for (k2, _, _), v in w.items() if k2 == k) == yk)
+    for f, xf in x.items():
+        m.add(sum(v for (_, f2, _), v in w.items() if f2 == f) == xf)
+    for g, v_g in gb.items():
+        m.add(sum(v for (_, _, g2), v in w.items() if g2 == g) == v_g)
     u = {e: m.new_bool_var(f"uses_{e}") for e in entries}  # some block takes entry e
     for e in entries:
         m.add(n[e] >= u[e])
@@ -238,7 +249,7 @@ def solve_joint(step_model: StepModel, hw: HardwareProfile, budget: Budget, *, s
     # the plain plan (no checkpointing)
     start = uniform_start(combos, entries, L, mem_cap, levels, fractions,
                           lambda c: budget_terms(c, entries, L, wall, budget, devices),
-                          loss=lambda k, f, b: loss[(k, f)] + bits_pen[b])
+                          loss=lambda k, f, c: loss[(k, f, c.tokens_per_step)] + bits_pen[c.bits])
     if start is None:
         m.add_hint(n[entries[0]], L)
     else:
@@ -252,8 +263,10 @@ def solve_joint(step_model: StepModel, hw: HardwareProfile, budget: Budget, *, s
             m.add_hint(v, k2 == hk)
         for f2, v in x.items():
             m.add_hint(v, f2 == hf)
-        for kf, v in w.items():
-            m.add_hint(v, kf == (hk, hf))
+        for kfg, v in w.items():
+            m.add_hint(v, kfg == (hk, hf, combos[hi].tokens_per_step))
+        for g, v in gb.items():
+            m.add_hint(v, g == combos[hi].tokens_per_step)
 
     # ---- solve ------------------------------------------------------------------------
     solver = cp_model.CpSolver()
@@ -261,6 +274,13 @@ def solve_joint(step_model: StepModel, hw: HardwareProfile, budget: Budget, *, s
     if export_path:
         m.export_to_file(export_path)
     status = solver.solve(m)
+    if status == cp_model.INFEASIBLE and start is not None:
+        # the start is a complete hint CP-SAT itself checks as feasible ("The solution hint is
+        # complete and is feasible"); OR-Tools 9.15's presolve can still end INFEASIBLE on
+        # this model with the loss table's global-batch axis (tiny-llama on an H100 at 512
+        # tokens, 0.415 device-hours: 'linear: never in domain' after presolve): search without it
+        solver.parameters.cp_model_presolve = False
+        status = solver.solve(m)
     n_variables, n_constraints = len(m.proto.variables), len(m.proto.constraints)
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         # ---- read the solution --------------------------------------------------------
@@ -315,7 +335,8 @@ def solve_joint(step_model: StepModel, hw: HardwareProfile, budget: Budget, *, s
     # widths of equal penalty are polished together (the cheapest tokens among them); a group
     # whose penalty alone, over the loss at the most tokens the budget could buy, is no better
     # than the incumbent cannot win: not solved
-    floor = law.predict(n_params, max_tokens, unique_tokens=max(1.0, f * data_tokens))
+    floor = min(run_loss(law, n_params, steps=max(1.0, max_tokens / g), tokens_per_step=g,
+                         unique_tokens=max(1.0, f * data_tokens)) for g in batches)
     groups: dict[float, list] = {}
     for b in sorted(bits_pen, key=lambda b: (bits_pen[b] != bits_pen[c.bits], bits_pen[b])):
         groups.setdefault(bits_pen[b], []).append(b)
@@ -323,7 +344,10 @@ def solve_joint(step_model: StepModel, hw: HardwareProfile, budget: Budget, *, s
         mine = c.bits in group
         if not mine and floor + pen >= best[0][0]:
             continue
-        polished = cheapest_tokens(combos, [i for i, c2 in enumerate(combos) if c2.bits in group], entries, L,
+        same_batch = [i for i, c2 in enumerate(combos) if c2.bits in group and c2.tokens_per_step == c.tokens_per_step]
+        if not same_batch:
+            continue
+        polished = cheapest_tokens(combos, same_batch, entries, L,
                                    mem_cap, levels[k],
                                    lambda c2: budget_terms(c2, entries, L, wall, budget, devices),
                                    cost_units, tie_units, configure)
@@ -341,8 +365,8 @@ def solve_joint(step_model: StepModel, hw: HardwareProfile, budget: Budget, *, s
                                  sets=tuple(c.menu[e].entry for e in entries if counts[e] and e not in BUILTIN))
     return Solution(choice=choice, data_fraction=f, total_tokens=steps * c.tokens_per_step,
                     max_steps=steps, tokens_per_step=c.tokens_per_step,
-                    predicted_loss=law.predict(n_params, steps * c.tokens_per_step,
-                                               unique_tokens=max(1.0, f * data_tokens)) + bits_pen[c.bits],
+                    predicted_loss=run_loss(law, n_params, steps=steps, tokens_per_step=c.tokens_per_step,
+                                            unique_tokens=max(1.0, f * data_tokens)) + bits_pen[c.bits],
                     status=status_name, objective=objective,
                     bound=bound, wall_s=time.perf_counter() - t0,
                     n_variables=n_variables, n_constraints=n_constraints,

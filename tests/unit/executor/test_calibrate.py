@@ -11,6 +11,7 @@ import pytest
 import hardware_profiles
 from costmodels.loss.cache import law_path, load_local_law, read_local_law_file, save_local_law
 from costmodels.loss.law import LossLaw
+from costmodels.loss.planned import run_loss
 from costmodels.step.model import Choice, StepModel
 from executor.calibrate.calibration import calibrate
 from executor.calibrate.law import SKIP_FRACTION
@@ -260,8 +261,9 @@ def test_solve_uses_cached_law_on_cpu(cache):
     save_local_law(law, model=MODEL, vocab_size=VOCAB)
     plan = solve(MODEL, "cpu", Budget(wall_clock_s=5), seq_len=64, time_limit_s=5.0)
     assert f"loss law: {law.source}" in plan.notes
-    expected = law.predict(plan.model_n_params, plan.predictions.total_tokens,
-                           unique_tokens=plan.decisions.data_fraction * plan.data_tokens)
+    expected = run_loss(law, plan.model_n_params, steps=plan.decisions.max_steps,
+                        tokens_per_step=plan.predictions.tokens_per_step, warmup_steps=plan.decisions.warmup_steps,
+                        unique_tokens=plan.decisions.data_fraction * plan.data_tokens)
     assert plan.predictions.final_loss == pytest.approx(expected, rel=0.01)  # solver's token grid
     published = LossLaw.besiroglu2024().predict(plan.model_n_params, plan.predictions.total_tokens)
     assert abs(plan.predictions.final_loss - published) > 1.0

