@@ -1,6 +1,6 @@
 """Predicted final held-out loss against measured, on this machine's CPU, pilots counted (issue #23).
 
-    python benchmarks/loss.py [--quick] [--out DIR] [--jobs N]
+    python benchmarks/loss.py [--quick] [--out DIR] [--jobs N] [--from-runs]
 
 Protocol (fixed before the first run of this benchmark):
 
@@ -27,6 +27,8 @@ measured| / measured over all runs), `pilot_flops_frac` (the pilots' FLOPs over 
 were charged to, the largest over models), `pilot_flops_frac_of_grid` (over every budget of the
 grid that used the fit), `batch_choice_vs_best_measured_loss_delta`, targets 3%, 6%, 10% and
 0.02 nats. Writes DIR/loss.csv, DIR/loss.json; runs in DIR/runs/, the pilot cache in DIR/cache/.
+`--from-runs` trains nothing: it re-plans from the cached fit and summarizes the runs that
+finished (an interrupted benchmark keeps what it measured; `runs` says how many of the grid).
 """
 
 from __future__ import annotations
@@ -90,8 +92,9 @@ def run_cell(plan_json: str, name: str, out: str) -> dict:
             "wall_s": rec.wall_s, "cpu_s": float(sum(rec.step_cpu_times_s))}
 
 
-def plans_for(name: str, budgets: tuple[float, ...], out: Path) -> tuple[list[dict], dict]:
-    """Calibrate (the largest budget first) and make every cell's plan: (cells, calibration)."""
+def plans_for(name: str, budgets: tuple[float, ...], out: Path, fresh: bool = True) -> tuple[list[dict], dict]:
+    """Calibrate (the largest budget first) and make every cell's plan: (cells, calibration).
+    `fresh`: empty the pilot cache first (the protocol); False reuses it (`--from-runs`)."""
     from executor.data.batches import load_corpus
     from executor.data.text_bytes import corpus_bytes_per_token
     from planner import Budget, solve
@@ -101,7 +104,8 @@ def plans_for(name: str, budgets: tuple[float, ...], out: Path) -> tuple[list[di
     corpus = load_corpus(vocab_size=VOCAB)
     bpt = corpus_bytes_per_token(corpus)
     cache = out / "cache" / name
-    shutil.rmtree(cache, ignore_errors=True)
+    if fresh:
+        shutil.rmtree(cache, ignore_errors=True)
     cells, calibration = [], None
     for b in sorted(budgets, reverse=True):
         for f in FRACTIONS:
@@ -111,8 +115,10 @@ def plans_for(name: str, budgets: tuple[float, ...], out: Path) -> tuple[list[di
                            data_fractions=(f,), data=corpus, bytes_per_token=bpt,
                            cache_dir=str(cache), data_methods=("random",), seed=SEED)
             cal = solved.predictions.loss_calibration
-            calibration = calibration or (cal if cal.get("ran") else None)
+            calibration = calibration or (cal if cal.get("ran") or not fresh else None)
             charged = cal.get("charged", 0.0)
+            if not fresh and cal.get("budget") == b and f == FRACTIONS[0]:
+                charged = cal.get("pilot_flops", 0.0)  # the cell whose solve ran the pilots paid for them
             law = plan_law(solved)
             for mb in MICRO_BATCHES:
                 probe = plan_for_choice(model_for(name, "meta"), "cpu", seq_len=SEQ, micro_batch=mb, max_steps=10,
@@ -128,11 +134,36 @@ def plans_for(name: str, budgets: tuple[float, ...], out: Path) -> tuple[list[di
     return cells, calibration or {}
 
 
+def run_dir(c: dict, out: Path) -> Path:
+    return out / "runs" / f"loss-{c['model']}-b{c['budget_flops']:.2g}-f{c['data_fraction']:g}-mb{c['micro_batch']}"
+
+
+def finished(c: dict, out: Path) -> bool:
+    """`c` updated with its run's measured loss when that run (of the same decisions) ended on its
+    budget; False otherwise (`--from-runs`)."""
+    from executor.record import RunRecord
+    from planner.plan import Plan
+
+    d = run_dir(c, out)
+    try:
+        plan, rec = Plan.from_json(d / "plan.json"), RunRecord.from_json(d / "record.json")
+    except Exception:  # noqa: BLE001 - a run not started or not readable is not finished
+        return False
+    if rec.stop_reason != "budget" or plan.decisions != Plan.from_json(c["plan"]).decisions:
+        return False
+    c.update(measured=rec.final_heldout_loss, steps_run=rec.steps, stop_reason=rec.stop_reason,
+             wall_s=rec.wall_s, cpu_s=float(sum(rec.step_cpu_times_s)))
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny-llama at one budget (a smoke run)")
     ap.add_argument("--out", default="benchmarks/results", help="results folder")
     ap.add_argument("--jobs", type=int, default=2, help="runs at a time (one torch thread each)")
+    ap.add_argument("--from-runs", action="store_true",
+                    help="train nothing: summarize the finished runs in DIR/runs (an interrupted benchmark's), "
+                         "re-planning from the cached pilot fit")
     a = ap.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -140,19 +171,25 @@ def main(argv: list[str] | None = None) -> int:
     grids = QUICK if a.quick else BUDGETS
     cells, cals = [], {}
     for name, budgets in grids.items():
-        c, cal = plans_for(name, budgets, out)
+        c, cal = plans_for(name, budgets, out, fresh=not a.from_runs)
         cells += c
         cals[name] = cal
         print(f"{name}: calibrated ({cal.get('why', 'no pilots')}); {len(c)} plans", flush=True)
-    with ProcessPoolExecutor(a.jobs, mp_context=get_context("spawn")) as pool:
-        futures = [pool.submit(run_cell, c["plan"], c["model"],
-                               str(out / "runs" / f"loss-{c['model']}-b{c['budget_flops']:.2g}-f{c['data_fraction']:g}"
-                                   f"-mb{c['micro_batch']}")) for c in cells]
-        for c, fu in zip(cells, futures, strict=True):
-            c.update(fu.result())
-            c["rel_err"] = (c["predicted"] - c["measured"]) / c["measured"]
-            print(f"  {c['model']} b={c['budget_flops']:.2g} f={c['data_fraction']:g} mb={c['micro_batch']}: "
-                  f"predicted {c['predicted']:.3f} measured {c['measured']:.3f} ({c['rel_err']:+.1%})", flush=True)
+    planned = len(cells)
+    if a.from_runs:
+        cells = [c for c in cells if finished(c, out)]
+    else:
+        with ProcessPoolExecutor(a.jobs, mp_context=get_context("spawn")) as pool:
+            futures = [pool.submit(run_cell, c["plan"], c["model"], str(run_dir(c, out))) for c in cells]
+            for c, fu in zip(cells, futures, strict=True):
+                c.update(fu.result())
+    for c in cells:
+        c["rel_err"] = (c["predicted"] - c["measured"]) / c["measured"]
+        print(f"  {c['model']} b={c['budget_flops']:.2g} f={c['data_fraction']:g} mb={c['micro_batch']}: "
+              f"predicted {c['predicted']:.3f} measured {c['measured']:.3f} ({c['rel_err']:+.1%})", flush=True)
+    if not cells:
+        print("no finished runs to summarize")
+        return 1
     df = pd.DataFrame([{k: v for k, v in c.items() if k != "plan"} for c in cells])
     df.to_csv(out / "loss.csv", index=False)
     deltas = []
@@ -168,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         "pilot_flops_frac_of_grid": max(grid_fracs.values()) if grid_fracs else float("nan"),
         "batch_choice_vs_best_measured_loss_delta": float(np.nanmax(deltas)) if deltas else float("nan"),
         "final_loss_mean_signed_rel_err": float(df["rel_err"].mean()),
-        "runs": len(df),
+        "runs": f"{len(df)} of {planned}",
         "within_band": f"{int(((df['predicted'] - df['measured']).abs() <= df['band']).sum())} of {len(df)}",
         "calibration": {n: {k: c.get(k) for k in ("why", "pilot_flops", "pilot_s", "budget")} | {
             "fit": {k: v for k, v in c.get("fit", {}).items() if k != "points"}} for n, c in cals.items()},
