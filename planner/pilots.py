@@ -31,7 +31,14 @@ from torch import nn
 
 from costmodels.loss.cache import law_fields, law_from_fields
 from costmodels.loss.law import LossLaw
-from costmodels.loss.pilots import MIN_PILOT_STEPS, PilotResult, PilotSpec, design_pilots, fit_pilot_law
+from costmodels.loss.pilots import (
+    MIN_PILOT_STEPS,
+    PILOT_BUDGET_FRAC,
+    PilotResult,
+    PilotSpec,
+    design_pilots,
+    fit_pilot_law,
+)
 from costmodels.step.model import Choice
 from costmodels.step.precision import optimizer_bits_for
 from hardware_profiles.cache import cache_root
@@ -171,6 +178,10 @@ def calibrate(pr: Problem, model: nn.Module | str, budget: Budget, corpus, *, lr
     spent_flops = sum(s.flops(_step_cost(pr, _choice(pr, s.micro_batch), "flops")) for s in specs)
     spent_s = sum(r.wall_s for r in results)
     spent = {"flops": spent_flops, "wall_clock_s": spent_s, "device_hours": spent_s / 3600.0}[kind]
+    if spent >= value:  # a time budget on a machine far slower than its cpu profile says
+        raise TrainplanError(f"the pilots took {spent:.3g} of the {value:.3g} {kind} budget (designed for "
+                             f"{PILOT_BUDGET_FRAC:.0%} of it: the cpu profile's step times are off; "
+                             "`trainplan calibrate` refits them); give a FLOP budget or pass calibrate=False")
     record = {"format": 1, "key": key, "design": PILOT_DESIGN, "budget_kind": kind, "budget": value,
               "pilot_flops": spent_flops, "pilot_s": spent_s, "pilot_budget_frac": spent / value,
               "pilots": [dataclasses.asdict(r.spec) | {"steps_done": list(r.steps), "losses": list(r.losses),
