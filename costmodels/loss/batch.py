@@ -1,11 +1,11 @@
 """Batch size in the loss law: the critical batch size and the tokens a batch wastes.
 
 McCandlish et al. 2018, "An Empirical Model of Large-Batch Training" (arXiv:1812.06162),
-Sec. 2.2 eq. 2.11: to reach a given loss, the optimizer steps S and the training examples E of
+Sec. 2.2: to reach a given loss, the optimizer steps S and the training examples E of
 runs at different batch sizes trade as (S / S_min - 1)(E / E_min - 1) = 1, with S_min the fewest
 steps (infinite batch) and E_min the fewest examples (batch -> 0); B_crit = E_min / S_min.
-Kaplan et al. 2020, "Scaling Laws for Neural Language Models" (arXiv:2001.08361), Sec. 5.1
-eqs. 5.4-5.5: a run at batch B (tokens) for S steps and E = B S tokens is worth
+Kaplan et al. 2020, "Scaling Laws for Neural Language Models" (arXiv:2001.08361), Sec. 5.1: a
+run at batch B (tokens) for S steps and E = B S tokens is worth
 
     S_min = S / (1 + B_crit / B)          E_min = E / (1 + B / B_crit),
 
@@ -16,7 +16,7 @@ so the law sees E_min ("effective tokens") where it saw tokens. The limits:
 - B >> B_crit: E_min -> S B_crit. Only steps count; the tokens beyond B_crit in each step are
   wasted: what a large batch pays for its steps is tokens.
 
-The critical batch grows as the loss falls (Kaplan et al. 2020, eq. 5.3 and Table 4):
+The critical batch grows as the loss falls (Kaplan et al. 2020, Sec. 5.1 and Table 4):
 B_crit(L) = B_* / L^(1 / alpha_B), B_* ~ 2.1e8 tokens, alpha_B ~ 0.21, L in nats per token of
 their tokenizer (GPT-2's byte-level BPE on WebText2). Carried to another tokenizer per byte
 (`costmodels.loss.transfer`): the loss per byte and the batch in bytes are what compare.
@@ -44,7 +44,7 @@ def critical_batch_tokens(loss_nats_per_token: float, *, bytes_per_token: float 
     """The critical batch, in tokens of the tokenizer with `bytes_per_token`, at a loss of
     `loss_nats_per_token` in that tokenizer's nats.
 
-    Kaplan et al. 2020 eq. 5.3, B_crit = B_* / L^(1/alpha_B), evaluated in Kaplan's units: the
+    Kaplan et al. 2020 Sec. 5.1, B_crit = B_* / L^(1/alpha_B), evaluated in Kaplan's units: the
     loss per byte times KAPLAN_BYTES_PER_TOKEN is their L; their B_crit in tokens times
     KAPLAN_BYTES_PER_TOKEN / bytes_per_token is ours (the same bytes per step). With the default
     `bytes_per_token` it is their formula as printed.
@@ -63,8 +63,8 @@ def critical_batch_tokens(loss_nats_per_token: float, *, bytes_per_token: float 
 
 
 def batch_efficiency(batch_tokens: float | np.ndarray, b_crit_tokens: float | np.ndarray) -> float | np.ndarray:
-    """E_min / E = 1 / (1 + B / B_crit) (Kaplan et al. 2020 eq. 5.5; McCandlish et al. 2018
-    eq. 2.11): the share of a run's tokens that counts at batch B. In (0, 1]; -> 1 as B -> 0,
+    """E_min / E = 1 / (1 + B / B_crit) (Kaplan et al. 2020 Sec. 5.1; McCandlish et al. 2018
+    Sec. 2.2): the share of a run's tokens that counts at batch B. In (0, 1]; -> 1 as B -> 0,
     -> B_crit / B as B -> inf.
 
     Args: batch_tokens (tokens per optimizer step, > 0), b_crit_tokens (tokens, > 0); arrays
@@ -79,7 +79,7 @@ def batch_efficiency(batch_tokens: float | np.ndarray, b_crit_tokens: float | np
 
 
 def min_steps(steps: float, batch_tokens: float, b_crit_tokens: float) -> float:
-    """S_min = S / (1 + B_crit / B) (Kaplan et al. 2020 eq. 5.4): the steps an infinitely large
+    """S_min = S / (1 + B_crit / B) (Kaplan et al. 2020 Sec. 5.1): the steps an infinitely large
     batch would need for the loss `steps` steps at `batch_tokens` reach.
 
     Raises: TrainplanError on a non-positive input."""

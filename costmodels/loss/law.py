@@ -219,7 +219,7 @@ class LossLaw:
           "Scaling Law with Learning Rate Annealing", arXiv:2408.11029, whose loss falls with the
           summed learning rate);
         - batch: times E_min / E = 1 / (1 + B / B_crit) at `batch_tokens` per optimizer step
-          (Kaplan et al. 2020 eq. 5.5, `costmodels.loss.batch`): B_crit is `b_crit_tokens`, or
+          (Kaplan et al. 2020 Sec. 5.1, `costmodels.loss.batch`): B_crit is `b_crit_tokens`, or
           Kaplan's B_crit(L) at the predicted loss (a fixed point, found in a few iterations:
           B_crit grows as L falls);
         - `quality` multiplies X: > 1 for a selected subset whose tokens are worth more than

@@ -31,7 +31,7 @@ constant folded into E. Held-out points of a pilot at steps done s, batch g toke
     X = (s - w / 2) g / (1 + g / B_crit)
 
 X is `LossLaw.predict`'s counted tokens: the warmup's lost half (the learning-rate area,
-Tissue et al. 2024, arXiv:2408.11029) and the batch's efficiency (Kaplan et al. 2020 eq. 5.5,
+Tissue et al. 2024, arXiv:2408.11029) and the batch's efficiency (Kaplan et al. 2020 Sec. 5.1,
 B_crit fitted here). gamma is the share of the remaining excess loss the cooldown removes
 (an assumption of this module: the cooldown's gain is proportional to the excess; Hägele et al.
 2024, arXiv:2405.18392, measure that a cooldown of 20% of the steps matches a cosine run's final
