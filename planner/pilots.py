@@ -143,8 +143,7 @@ def calibrate(pr: Problem, model: nn.Module | str, budget: Budget, corpus, *, lr
               bytes_per_token: float | None = None, cache_dir: str | Path | None = None,
               progress: bool = False) -> Calibration | None:
     """The local law for `pr` from pilot runs on `corpus`, or None when the rule does not allow
-    them (then the caller keeps the published law and the plan says why: `record["why"]` is in
-    the returned None's place as a log line).
+    them (the caller, `calibrated`, then keeps the published law and records why).
 
     Reuses a cached fit whose budget covers this one (nothing charged); else designs the pilots
     for `budget` (`costmodels.loss.pilots.design_pilots`), runs them, fits, caches and returns

@@ -43,7 +43,6 @@ weighted `FINAL_WEIGHT` times. Its band is the RMS residual of the final points,
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -245,8 +244,3 @@ def fit_pilot_law(results: Sequence[PilotResult], *, floor_nats: float | None = 
               "points": [{"x_steps": float(a), "batch_tokens": float(b), "loss": float(c), "final": bool(d),
                           "residual": float(r)} for a, b, c, d, r in zip(s, g, y, fin, res, strict=True)]}
     return law, record
-
-
-def pilot_record(specs: Sequence[PilotSpec]) -> list[dict]:
-    """The pilots as plain dicts (for a plan's `loss_calibration`)."""
-    return [dataclasses.asdict(p) for p in specs]
