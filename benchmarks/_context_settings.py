@@ -2,19 +2,19 @@
 the predicted-maximum-context table, the published figures beside it with their sources, and the
 text on what differs from ALST's setting (Bekman et al. 2025, arXiv:2506.13996).
 
-Each setting is a dict of `costmodels.step.model.Choice` knobs less the shape and the ZeRO stage
+Each setting is a dict of `trainplan.costmodels.step.model.Choice` knobs less the shape and the ZeRO stage
 (the table searches those): `sp_degree`, `checkpoint` (one menu entry for every block) and the
 long-context knobs `tiled_loss`, `tiled_mlp`, `offload` (booleans: the chunk counts are
-`planner.joint.space.default_tiling`'s for the model, `chunk_counts`).
+`trainplan.planner.joint.space.default_tiling`'s for the model, `chunk_counts`).
 """
 
 from __future__ import annotations
 
-from planner.joint.space import default_tiling
+from trainplan.planner.joint.space import default_tiling
 
 DEVICES = 8
 MODELS = {"8b": "llama3.1-8b", "70b": "llama3-70b"}
-"""Short name (in summary keys) -> `modeling.presets` name."""
+"""Short name (in summary keys) -> `trainplan.modeling.presets` name."""
 HARDWARE = ("a100", "h100", "h200", "mi300x")
 LEGACY_HW_KEYS = {"mi300x": "mi300"}
 """Profile -> the name the 8b summary keys used before h200 was added (`mi300` is `mi300x`'s
@@ -46,11 +46,11 @@ COLUMNS_TEXT = (
     "outputs, recompute the rest; AutoSP's rule); `full` is the least-memory entry of trainplan's "
     "menu, so this column trades context for step time (predicted step at its maximum beside full "
     "checkpointing at the same length). *Tiled loss*: SP 8, full AC, the LM head and loss over "
-    "`loss_chunks` sequence chunks (`modeling.tiling`, the traced `tail@l{k}`). *+ tiled MLP*: and "
+    "`loss_chunks` sequence chunks (`trainplan.modeling.tiling`, the traced `tail@l{k}`). *+ tiled MLP*: and "
     "every block's MLP over `mlp_chunks` chunks (`block@m{k}`). *+ offload*: and every block's "
-    "checkpointed input held in host memory (`costmodels.step.offload`); a length fits only if the "
+    "checkpointed input held in host memory (`trainplan.costmodels.step.offload`); a length fits only if the "
     "host bytes fit the device's share of the node's host memory too (`host_limit_bytes`: "
-    "`host_memory_bytes` / `devices_per_node`). Chunk counts: `planner.joint.space.default_tiling`'s "
+    "`host_memory_bytes` / `devices_per_node`). Chunk counts: `trainplan.planner.joint.space.default_tiling`'s "
     "rule, one count per knob. In each cell: the best ZeRO stage, the step phase of the predicted "
     "peak at the maximum and, with offload, host GiB used of the limit. Fit: predicted per-device "
     "peak tensor bytes <= the profile's usable bytes (HBM minus its reserve); not measured on these "
@@ -101,7 +101,7 @@ def norm_fp32_bytes(region, b: int, s: int, hidden: int) -> float:
     h) kept for its backward: the RMSNorms' fp32 upcasts of HF's eager LlamaRMSNorm as the capture
     traces them (a checkpointed block remakes them in its recompute and holds them to their
     backward use)."""
-    from costmodels.step.memory import poly_at
+    from trainplan.costmodels.step.memory import poly_at
 
     size = 4 * b * s * hidden
     return sum(size for r in region.storages

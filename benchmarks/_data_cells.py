@@ -74,7 +74,7 @@ def build_data(grid: Grid) -> Data:
     """The default corpus with a random pool of windows, `grid.junk` of them overwritten with
     uniformly random tokens (all but the window's first token, so no clean window changes); the
     first 64 held-out windows to evaluate; the next 64 (after a one-window gap) as target set."""
-    from executor.data.batches import heldout_batches, load_corpus
+    from trainplan.executor.data.batches import heldout_batches, load_corpus
 
     corpus = load_corpus(vocab_size=VOCAB)
     rng = np.random.default_rng(SEED)
@@ -94,13 +94,13 @@ def build_data(grid: Grid) -> Data:
 
 
 def step_flops(data: Data) -> float:
-    """FLOPs of one tiny-llama training step (FlopCounterMode, as executor.train counts)."""
+    """FLOPs of one tiny-llama training step (FlopCounterMode, as trainplan.executor.train counts)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from executor.data.batches import TokenBatches
-    from modeling.flop_counting import CPU_ATTENTION_FLOP_FORMULAS
-    from modeling.loss import lm_loss
-    from modeling.presets import build_model
+    from trainplan.executor.data.batches import TokenBatches
+    from trainplan.modeling.flop_counting import CPU_ATTENTION_FLOP_FORMULAS
+    from trainplan.modeling.loss import lm_loss
+    from trainplan.modeling.presets import build_model
 
     model = build_model(MODEL, device="cpu", vocab_size=data.vocab_size, seed=SEED)
     x, y = TokenBatches(data.tokens, seq_len=SEQ_LEN, micro_batch=MICRO_BATCH).batch(0)
@@ -113,11 +113,11 @@ def step_flops(data: Data) -> float:
 def train(plan, data: Data, keep: np.ndarray, eval_at: set[int]) -> tuple[float, list]:
     """Train a fresh tiny-llama on the kept windows for plan.decisions.max_steps; returns (final
     held-out loss, [(steps, loss)] at `eval_at` and at the end)."""
-    from executor.apply.applied import lr_at
-    from executor.data.batches import TokenBatches
-    from executor.optimizers import build_optimizer
-    from modeling.loss import lm_loss
-    from modeling.presets import build_model
+    from trainplan.executor.apply.applied import lr_at
+    from trainplan.executor.data.batches import TokenBatches
+    from trainplan.executor.optimizers import build_optimizer
+    from trainplan.modeling.loss import lm_loss
+    from trainplan.modeling.presets import build_model
 
     d = plan.decisions
     model = build_model(MODEL, device="cpu", vocab_size=data.vocab_size, seed=d.seed)
@@ -166,13 +166,13 @@ _WORKER: dict = {}
 
 def _init_worker(grid: Grid) -> None:
     torch.set_num_threads(1)
-    os.environ["OMP_NUM_THREADS"] = "1"  # the cpu profile is measured at it (hardware_profiles.threads)
+    os.environ["OMP_NUM_THREADS"] = "1"  # the cpu profile is measured at it (trainplan.hardware_profiles.threads)
     _WORKER["data"] = build_data(grid)
 
 
 def _run_cell(cell: dict) -> dict:
     """Train one (method, fraction) cell; returns its CSV row (in a worker process or not)."""
-    from planner.api import plan_for_choice
+    from trainplan.planner.api import plan_for_choice
 
     data: Data = _WORKER["data"]
     keep = np.asarray(cell["keep"])
@@ -195,7 +195,7 @@ def _run_cell(cell: dict) -> dict:
 
 def score_all(grid: Grid, data: Data, fps: float, log) -> dict:
     """Score the pool once per method (cached on disk); {method: (WindowScores, steps charged)}."""
-    from executor.data.selection import score_windows
+    from trainplan.executor.data.selection import score_windows
 
     scored = {}
     for method in grid.methods:
@@ -209,7 +209,7 @@ def score_all(grid: Grid, data: Data, fps: float, log) -> dict:
 
 
 def train_all(grid: Grid, data: Data, scored: dict, fps: float, jobs: int, log) -> list[dict]:
-    from executor.data.selection import select
+    from trainplan.executor.data.selection import select
 
     cells = []
     for method, f in [("random", f) for f in grid.fractions] + [

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from executor.record import RunRecord
+from trainplan.executor.record import RunRecord
 
 
 def figure(base_plan, base: RunRecord, runs: list[tuple], curve, rows: list[dict], path: Path,

@@ -2,7 +2,7 @@
 trained for real on a CPU, and the published full-size config, planned on the meta device.
 
 Every config is a transformers config dict: `model_type` plus the fields of that model's
-`config.json` (`build_model` turns it into a model: `modeling.configs.build_from_config`, i.e.
+`config.json` (`build_model` turns it into a model: `trainplan.modeling.configs.build_from_config`, i.e.
 `transformers.AutoConfig.for_model` and `AutoModelForCausalLM.from_config`). The full-size ones
 copy the architecture fields of the model's published config.json on the Hugging Face Hub
 (`Arch.source`; token ids, dtype and generation fields left out); the tiny ones keep each
@@ -309,7 +309,7 @@ def build_model(config: dict[str, Any], device: str | torch.device = "cpu", seed
     """The model of a config dict (`model_type` + fields) on `device` ("meta" for planning,
     "cpu" to train), its weights drawn after `torch.manual_seed(seed)`, in `dtype`, in train mode.
 
-    transformers models: `modeling.configs.build_from_config` where the tree has it (the module
+    transformers models: `trainplan.modeling.configs.build_from_config` where the tree has it (the module
     then carries its config and `name` for a plan), else `AutoConfig.for_model` +
     `AutoModelForCausalLM.from_config` here; either way `attn_implementation` "sdpa" where the
     class supports it, else "eager", and no KV cache. "nanogpt": `NanoGPT`."""
@@ -317,7 +317,7 @@ def build_model(config: dict[str, Any], device: str | torch.device = "cpu", seed
     model_type = fields.pop("model_type")
     if model_type != "nanogpt":
         try:
-            from modeling.configs import build_from_config
+            from trainplan.modeling.configs import build_from_config
         except ImportError:
             pass
         else:

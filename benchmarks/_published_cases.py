@@ -163,7 +163,7 @@ def load_cases(path: Path = CASES_FILE) -> list[Case]:
 
 def profile_for(case: Case):
     """The case's hardware profile, with the inter-node bandwidth the publication states."""
-    from hardware_profiles import load
+    from trainplan.hardware_profiles import load
 
     hw = load(PROFILE_OF_GPU[case.gpu])
     if case.node_network_gbps:

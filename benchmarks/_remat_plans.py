@@ -2,8 +2,8 @@
 (sequence, micro-batch), its predicted peak and step time, and the fixed Plan a run executes.
 
 Every prediction uses one `cpu` profile and one capture of the model (`Planner`); the solver's
-plans come from one prepared problem per micro-batch (`planner.joint.problem.prepare`, then
-`solve_problem` per sequence and cap: `planner.api.solve` without its capture per call).
+plans come from one prepared problem per micro-batch (`trainplan.planner.joint.problem.prepare`, then
+`solve_problem` per sequence and cap: `trainplan.planner.api.solve` without its capture per call).
 """
 
 from __future__ import annotations
@@ -16,21 +16,21 @@ NAMED = {"no_ac": "none", "full_ac": "full", "autosp": "save_attention", "full_a
 """Strategies with one named checkpoint entry for every block."""
 LOSS_CHUNKS, MLP_CHUNKS = (1, 2, 4, 8, 16, 32), (1, 2, 4, 8)
 """Chunk counts of the tiled loss and the tiled MLP the `trainplan` strategy searches (powers
-of two, 1 = not tiled; `planner.joint.combos.long_context_combos`): searched wherever they may
+of two, 1 = not tiled; `trainplan.planner.joint.combos.long_context_combos`): searched wherever they may
 pay, not only where nothing fits without them."""
 SOLVER_BUDGET_S = 10**7
 """Wall-clock budget of every solve, s: a time budget, so that of the plans that reach the
 solver's token level its polish takes the one with the fewest seconds per token
-(`planner.joint.solver.solve_joint`): the fastest plan that fits the cap by the cost model."""
+(`trainplan.planner.joint.solver.solve_joint`): the fastest plan that fits the cap by the cost model."""
 
 
 class Planner:
     """Predicted peak and step time of each strategy's plan at one (sequence, micro-batch)."""
 
     def __init__(self):
-        from hardware_profiles import load
-        from planner.capture.setup import setup_model
-        from planner.joint.space import default_tiling
+        from trainplan.hardware_profiles import load
+        from trainplan.planner.capture.setup import setup_model
+        from trainplan.planner.joint.space import default_tiling
 
         self.hw = load("cpu")  # once: every prediction of the run uses the same profile
         _, self.precision, graph, _, self.sm = setup_model(MODEL, self.hw, precision=None, vocab_size=VOCAB)
@@ -43,7 +43,7 @@ class Planner:
         self._problems: dict[int, object] = {}
 
     def _choice(self, seq, mb, policies, sets=(), chunks=(1, 1)):
-        from costmodels.step.model import Choice
+        from trainplan.costmodels.step.model import Choice
 
         return Choice(sp_degree=1, zero_stage=0, micro_batch=mb, seq_len=seq, policies=policies,
                       precision=self.precision, optimizer_bits=32, devices=1, sets=tuple(sets),
@@ -56,8 +56,8 @@ class Planner:
             chunks = self.tiling if strategy == "full_ac_tiled" else (1, 1)
             return self._fits(self._choice(seq, mb, (NAMED[strategy],) * self.L, chunks=chunks), cap)
         if strategy == "torch_knapsack":
-            from planner.joint.remat_menu import block_case
-            from planner.joint.remat_strategies import BUDGETS, knapsack_set
+            from trainplan.planner.joint.remat_menu import block_case
+            from trainplan.planner.joint.remat_strategies import BUDGETS, knapsack_set
 
             case = block_case(self.sm, self._choice(seq, mb, ("none",) * self.L))
             options = [self._fits(self._choice(seq, mb, ("none",) * self.L), cap)]
@@ -76,7 +76,7 @@ class Planner:
                     step_s=cost.time_s, phase=cost.memory.phase)
 
     def _problem(self, mb: int):
-        from planner.joint.problem import prepare
+        from trainplan.planner.joint.problem import prepare
 
         if mb not in self._problems:
             self._problems[mb] = prepare(MODEL, self.hw, seq_len=LADDER[0], vocab_size=VOCAB, micro_batches=(mb,),
@@ -85,10 +85,10 @@ class Planner:
         return self._problems[mb]
 
     def _solve(self, seq, mb, cap):
-        from costmodels.step.model import Choice
-        from planner.budget import Budget
-        from planner.joint.problem import solve_problem
-        from trainplan_errors import InfeasibleError
+        from trainplan.costmodels.step.model import Choice
+        from trainplan.errors import InfeasibleError
+        from trainplan.planner.budget import Budget
+        from trainplan.planner.joint.problem import solve_problem
 
         try:
             p = solve_problem(self._problem(mb), Budget(wall_clock_s=SOLVER_BUDGET_S), seq_len=seq,
@@ -114,8 +114,8 @@ class Planner:
 
 
 def plan_for(planner: Planner, choice: dict, seq: int, mb: int):
-    """The fixed Plan (`planner.api.plan_for_choice`, STEPS steps) of a `Planner.plan` choice."""
-    from planner.api import plan_for_choice
+    """The fixed Plan (`trainplan.planner.api.plan_for_choice`, STEPS steps) of a `Planner.plan` choice."""
+    from trainplan.planner.api import plan_for_choice
 
     return plan_for_choice(MODEL, planner.hw, seq_len=seq, micro_batch=mb, checkpoint=tuple(choice["policies"]),
                            checkpoint_sets=choice["sets"], vocab_size=VOCAB, max_steps=STEPS,

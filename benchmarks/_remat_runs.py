@@ -1,6 +1,6 @@
-"""The measurements of benchmarks/remat.py: a plan's real run (`executor.train.run`: MemTracker's
+"""The measurements of benchmarks/remat.py: a plan's real run (`trainplan.executor.train.run`: MemTracker's
 peak and the FLOPs) and the interleaved step timing of plans at one sequence, each applied by
-`executor.apply.apply_plan` (checkpoint sets, tiled loss, tiled MLP) as the executor runs it.
+`trainplan.executor.apply.apply_plan` (checkpoint sets, tiled loss, tiled MLP) as the executor runs it.
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ def run_key(plan) -> tuple:
 
 
 def real_run(plan, data, out: Path) -> tuple[float, float]:
-    """(measured peak bytes, FLOPs per step) of one real run (`executor.train.run`, STEPS steps:
+    """(measured peak bytes, FLOPs per step) of one real run (`trainplan.executor.train.run`, STEPS steps:
     MemTracker's peak, FlopCounterMode's FLOPs), once per distinct plan (`run_key`: strategies
     often land on the same plan)."""
-    import executor.train as train
+    import trainplan.executor.train as train
 
     key = run_key(plan)
     if key not in _RUNS:
@@ -49,14 +49,14 @@ def real_run(plan, data, out: Path) -> tuple[float, float]:
 
 def interleaved_times(plans: list, data, rounds: int = ROUNDS) -> list[float]:
     """Step seconds of each of `plans` (same sequence and micro-batch, one device), each applied
-    to its own model by `executor.apply.apply_plan` (checkpoint sets, tiled MLP, deferred head
-    and tiled loss, optimizer) and stepped as `executor.train.run` steps it (`AppliedPlan.loss`,
+    to its own model by `trainplan.executor.apply.apply_plan` (checkpoint sets, tiled MLP, deferred head
+    and tiled loss, optimizer) and stepped as `trainplan.executor.train.run` steps it (`AppliedPlan.loss`,
     backward, optimizer step), one step of each in turn so that other load on the machine hits
     them alike, on TIMING_THREADS torch threads: each plan's fastest step after one warm-up
     round."""
-    from executor.apply.applied import apply_plan
-    from executor.data.batches import TokenBatches
-    from modeling.presets import build_model
+    from trainplan.executor.apply.applied import apply_plan
+    from trainplan.executor.data.batches import TokenBatches
+    from trainplan.modeling.presets import build_model
 
     d = plans[0].decisions
     batches = TokenBatches(data.train_tokens, seq_len=d.seq_len, micro_batch=d.micro_batch,

@@ -1,7 +1,7 @@
 """Accuracy of trainplan's predictions against real runs on this machine's CPU.
 
 For each configuration of a grid (sequence length, micro-batch, checkpoint set, SP degree, ZeRO
-stage, optimizer bits) it makes a plan with those knobs fixed (`planner.api.plan_for_choice`),
+stage, optimizer bits) it makes a plan with those knobs fixed (`trainplan.planner.api.plan_for_choice`),
 runs it with the real executor for a few steps, and compares predicted and measured peak
 memory (MemTracker), FLOPs (FlopCounterMode) and step time (median after warm-up).
 
@@ -34,10 +34,10 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from executor.data.batches import load_corpus
-from executor.reporting.compare import compare
-from planner.api import plan_for_choice, solve
-from planner.budget import Budget
+from trainplan.executor.data.batches import load_corpus
+from trainplan.executor.reporting.compare import compare
+from trainplan.planner.api import plan_for_choice, solve
+from trainplan.planner.budget import Budget
 
 STEPS = 9  # 2 warm-up, 1 MemTracker, 1 FlopCounterMode, 5 timed
 
@@ -78,8 +78,8 @@ def planned_plan(case: dict, vocab: int):
 
 
 def run_case(case: dict, data, out: Path) -> dict:
-    from executor.train import run
-    from executor.worker import launch
+    from trainplan.executor.train import run
+    from trainplan.executor.worker import launch
 
     vocab = data.vocab_size
     ck = case["checkpoint"]
@@ -95,7 +95,7 @@ def run_case(case: dict, data, out: Path) -> dict:
         run_dir.mkdir(parents=True)
         plan.to_json(run_dir / "plan.json")
         launch(run_dir / "plan.json", run_dir, None, None)
-        from executor.reporting.report import load_run
+        from trainplan.executor.reporting.report import load_run
 
         plan, record = load_run(run_dir)
     else:
@@ -131,9 +131,9 @@ def calibrated_step_times(df: pd.DataFrame, out: Path) -> pd.DataFrame:
     import os
     import tempfile
 
-    from executor.calibrate.calibration import calibrate
-    from hardware_profiles.cpu import cache_path
-    from planner.capture.setup import capture_model
+    from trainplan.executor.calibrate.calibration import calibrate
+    from trainplan.hardware_profiles.cpu import cache_path
+    from trainplan.planner.capture.setup import capture_model
 
     scratch = Path(tempfile.mkdtemp(prefix="trainplan-acc-"))
     src = cache_path()
@@ -177,7 +177,8 @@ def main(argv=None) -> int:
     if a.threads < 1:
         ap.error(f"--threads must be at least 1, got {a.threads}")
     torch.set_num_threads(a.threads)
-    os.environ["OMP_NUM_THREADS"] = str(a.threads)  # runs and the cpu profile use it (hardware_profiles.threads)
+    # runs and the cpu profile use it (trainplan.hardware_profiles.threads)
+    os.environ["OMP_NUM_THREADS"] = str(a.threads)
     global HW, DEVICE, PRECISION
     HW, DEVICE, PRECISION = a.hw, a.device, a.precision
     out = Path(a.out)

@@ -9,8 +9,8 @@ run (`--jobs` runs at a time, each in its own process). Settings: fp32 parameter
 optimizer states at 32 (torch AdamW), 8 (bitsandbytes) and 4 bits (torchao) times saved
 activations as computed (32), bf16 (16) and int8 with a per-channel scale (8); pure bf16
 parameters with 16/8/4-bit states (activations as computed) and 16-bit states with 8-bit
-activations. Each setting is one plan with the knobs fixed (`planner.api.plan_for_choice`), run
-by the executor (`executor.train.run`: MemTracker's peak by category at step 2, held-out loss at
+activations. Each setting is one plan with the knobs fixed (`trainplan.planner.api.plan_for_choice`), run
+by the executor (`trainplan.executor.train.run`: MemTracker's peak by category at step 2, held-out loss at
 the end), every setting with the seeds `SEEDS`. The baseline is fp32 / 32 / 32.
 
 Memory, per setting and category (params, grads, optimizer, activations, temporaries, total): the
@@ -19,7 +19,7 @@ measured and predicted delta against the baseline (seed 0; memory does not depen
 Loss (protocol fixed before the seeds 8-15 ran; `FIT_SEEDS`): one seed's delta against the
 baseline of the same seed moves with a standard deviation of up to 0.064 nats between seeds at
 100 steps, more than the 0.05 target, so a setting's delta is the mean over seeds. The penalties `trainplan
-calibrate` fits (`executor.calibrate.bits`, non-negative least squares) from the runs of
+calibrate` fits (`trainplan.executor.calibrate.bits`, non-negative least squares) from the runs of
 `FIT_SEEDS` are checked against the mean delta over `CHECK_SEEDS` (held out); the published
 defaults are checked against the mean over all seeds.
 
@@ -79,12 +79,12 @@ def _run(setting, steps: int, out: str, seed: int = 0, reuse: bool = False) -> d
     """One setting and seed run for real (in a worker process), or reused: its CSV row."""
     from _runs import reusable_record
 
-    from executor.data.batches import load_corpus
-    from executor.train import run
-    from planner.api import plan_for_choice
+    from trainplan.executor.data.batches import load_corpus
+    from trainplan.executor.train import run
+    from trainplan.planner.api import plan_for_choice
 
     torch.set_num_threads(1)
-    os.environ["OMP_NUM_THREADS"] = "1"  # runs and the cpu profile use it (hardware_profiles.threads)
+    os.environ["OMP_NUM_THREADS"] = "1"  # runs and the cpu profile use it (trainplan.hardware_profiles.threads)
     if VOCAB not in _DATA:
         _DATA[VOCAB] = load_corpus(vocab_size=VOCAB)
     data = _DATA[VOCAB]
@@ -120,10 +120,10 @@ def _matching_phase(plan, measured: dict):
     nearest the measured peak's: where two phases nearly tie (8-bit saved activations bring the
     tail's forward and backward peaks within bytes of each other) MemTracker's peak falls in
     either, and its split by category is that phase's."""
-    from costmodels.step.memory import step_phases
-    from costmodels.step.model import Choice, StepModel
-    from hardware_profiles import load
-    from planner.capture.setup import capture_model
+    from trainplan.costmodels.step.memory import step_phases
+    from trainplan.costmodels.step.model import Choice, StepModel
+    from trainplan.hardware_profiles import load
+    from trainplan.planner.capture.setup import capture_model
 
     d = plan.decisions
     graph, _, numels = capture_model(plan.model, d.precision, vocab_size=plan.vocab_size,
@@ -152,9 +152,9 @@ def main(argv=None) -> int:
     ap.add_argument("--reuse", action="store_true",
                     help="reuse the finished runs in DIR/runs/ whose plans are the same")
     args = ap.parse_args(argv)
-    from costmodels.loss.bits import DEFAULT_BITS_PENALTY, bits_loss_penalty
-    from executor.calibrate.bits import fit_bits_penalty
-    from executor.reporting.report import load_run
+    from trainplan.costmodels.loss.bits import DEFAULT_BITS_PENALTY, bits_loss_penalty
+    from trainplan.executor.calibrate.bits import fit_bits_penalty
+    from trainplan.executor.reporting.report import load_run
 
     if args.jobs < 1:
         ap.error(f"--jobs {args.jobs}: give at least 1")

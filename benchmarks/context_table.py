@@ -5,7 +5,7 @@ For each model (llama3.1-8b, llama3-70b), hardware profile (a100, h100, h200, mi
 below, the longest sequence (a multiple of 1024 tokens) whose predicted per-device peak tensor
 memory fits the profile's usable memory (`hbm_bytes - memory_reserve_bytes`) and, with offload,
 whose host bytes fit the device's share of the node's host memory
-(`costmodels.step.offload.host_limit_bytes`), found by doubling then bisection over
+(`trainplan.costmodels.step.offload.host_limit_bytes`), found by doubling then bisection over
 `StepModel.evaluate` (no solver: every knob fixed; the cost models `solve` uses). Memory grows
 with the sequence (every term is a polynomial in it with non-negative coefficients), so the
 bisection is exact. Common to all: 8 devices, micro-batch 1, bf16 mixed precision, 32-bit AdamW,
@@ -19,7 +19,7 @@ Settings (`benchmarks/_context_settings.py`):
   the least-memory entry, so this buys step time, not context (step times at its maximum).
 - `sp_tiled_loss`: `sp` with the LM head and loss over `loss_chunks` chunks;
   `sp_tiled_loss_mlp`: and the MLPs over `mlp_chunks` chunks; `sp_all_knobs`: and activation
-  offload to host memory. Chunk counts from `planner.joint.space.default_tiling` (llama3.1-8b:
+  offload to host memory. Chunk counts from `trainplan.planner.joint.space.default_tiling` (llama3.1-8b:
   64 and 4; llama3-70b: 32 and 4).
 
 The model is captured once per (model, precision, device type) on the meta device; the step
@@ -92,9 +92,9 @@ def log(msg: str) -> None:
 def step_model(model: str, hw: str):
     """(profile, precision, graph, StepModel) of `model` on `hw`: one capture per (model,
     precision, device type), shared by the profiles' step models (a profile only prices regions)."""
-    from costmodels.step.model import StepModel
-    from hardware_profiles import load
-    from planner.capture.setup import capture_model, default_precision
+    from trainplan.costmodels.step.model import StepModel
+    from trainplan.hardware_profiles import load
+    from trainplan.planner.capture.setup import capture_model, default_precision
 
     if (model, hw) not in _STEP_MODELS:
         profile = load(hw)
@@ -135,9 +135,9 @@ class Point(NamedTuple):
 def plan_at(hw: str, seq_len: int, *, sp_degree: int, checkpoint: str, zero_stage: int, model: str = MODEL,
             tiled_loss: bool = False, tiled_mlp: bool = False, offload: bool = False) -> Point:
     """The step model's predictions for one length with every knob fixed (nothing runs)."""
-    from costmodels.step.model import Choice
-    from costmodels.step.offload import host_limit_bytes
-    from planner.capture.setup import PRECISION_DTYPE
+    from trainplan.costmodels.step.model import Choice
+    from trainplan.costmodels.step.offload import host_limit_bytes
+    from trainplan.planner.capture.setup import PRECISION_DTYPE
 
     profile, precision, graph, sm = step_model(model, hw)
     kl, km = chunk_counts(graph, 2 if precision != "fp32" else 4, profile.unified_memory)

@@ -14,26 +14,26 @@ influence/DSIR: the next 64 held-out windows (after a one-window gap: no shared 
 
 Equal compute: every cell gets S * flops_per_step FLOPs (one tiny-llama step counted with
 FlopCounterMode). A method's scoring FLOPs (reference training + scoring pass, counted by
-`executor.data.selection`) are converted to steps and taken off: steps_m = S - ceil(scoring_m /
+`trainplan.executor.data.selection`) are converted to steps and taken off: steps_m = S - ceil(scoring_m /
 flops_per_step) (Yin and Rush 2025). Fraction 1.0 is run for random only: keeping everything
 after scoring it is the same data with fewer steps.
 
-Training: the benchmark's own minimal loop (plan from `planner.api.plan_for_choice`, model
-`modeling.presets.build_model`, `executor.optimizers.build_optimizer` and `lr_at`, loss
-`planner.capture.graph.lm_loss`, batches `TokenBatches(keep_indices=...)`), because every cell selects
-from the same junk-laced candidate pool, not from a whole corpus as `executor.train.run`'s
+Training: the benchmark's own minimal loop (plan from `trainplan.planner.api.plan_for_choice`, model
+`trainplan.modeling.presets.build_model`, `trainplan.executor.optimizers.build_optimizer` and `lr_at`, loss
+`trainplan.planner.capture.graph.lm_loss`, batches `TokenBatches(keep_indices=...)`), because every cell selects
+from the same junk-laced candidate pool, not from a whole corpus as `trainplan.executor.train.run`'s
 `PlannedBatches` does. Cells run in `--jobs` processes of one
 torch thread each (small GEMMs under contention run much slower with two threads a process).
 Scores (and the reference model) are cached in $TRAINPLAN_CACHE_DIR, so a rerun skips scoring
 but charges the same FLOPs.
 
-Prediction (`costmodels.data.value`): E, B, beta and R_D* of the law are fitted on the random
+Prediction (`trainplan.costmodels.data.value`): E, B, beta and R_D* of the law are fitted on the random
 runs' held-out curves in the constant-learning-rate phase (`fit_local_law(fit_r_d_star=True)`),
 plus one offset for the final cooldown (mean final-minus-law of the random runs). Each selection
 method's quality q(f) = 1 + a (1 - f) (b pinned to 1) is fitted on its pilot fractions; the other
 fractions are predicted out of sample. Both errors are reported. `--save-fits` caches the fitted
-multipliers for tiny-llama (`costmodels.data.quality_cache.save_quality_fits`), where the planner's method
-choice (`planner.data_choice`) finds them: they describe this junk-laced pool, so save them only
+multipliers for tiny-llama (`trainplan.costmodels.data.quality_cache.save_quality_fits`), where the planner's method
+choice (`trainplan.planner.data_choice`) finds them: they describe this junk-laced pool, so save them only
 to plan for data like it.
 
 Writes DIR/data.csv (one row per cell) and DIR/data.json (summary); prints the summary last.
@@ -71,9 +71,9 @@ from _data_cells import train as train
 
 def predict(grid: Grid, rows: list[dict], n_params: int) -> tuple[dict, dict]:
     """Fill each row's predicted loss; returns (law summary, quality fits)."""
-    from costmodels.data.fit import fit_local_law, fit_quality
-    from costmodels.data.quality import DEFAULT_QUALITY
-    from costmodels.data.value import subset_loss
+    from trainplan.costmodels.data.fit import fit_local_law, fit_quality
+    from trainplan.costmodels.data.quality import DEFAULT_QUALITY
+    from trainplan.costmodels.data.value import subset_loss
 
     pool_tokens = grid.pool * SEQ_LEN
     rand = [r for r in rows if r["method"] == "random"]
@@ -108,7 +108,7 @@ def predict(grid: Grid, rows: list[dict], n_params: int) -> tuple[dict, dict]:
 
 
 def run_grid(grid: Grid, jobs: int, log, save_fits: bool = False) -> tuple[list[dict], dict]:
-    from planner.api import plan_for_choice
+    from trainplan.planner.api import plan_for_choice
 
     t0 = time.perf_counter()
     data = build_data(grid)
@@ -126,7 +126,7 @@ def run_grid(grid: Grid, jobs: int, log, save_fits: bool = False) -> tuple[list[
         if len(good) < len(fits):
             log(f"not saving the fits of {', '.join(sorted(set(fits) - set(good)))}: a at its bound")
         if good:
-            from costmodels.data.quality_cache import save_quality_fits
+            from trainplan.costmodels.data.quality_cache import save_quality_fits
 
             path = save_quality_fits(good, model=MODEL, vocab_size=data.vocab_size,
                                      corpus=f"{data.name} pool of {grid.pool} windows, "
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
                        "pool": args.pool or grid.pool, "methods": methods,
                        "junk": grid.junk if args.junk is None else args.junk})
     torch.set_num_threads(1)
-    os.environ["OMP_NUM_THREADS"] = "1"  # the cpu profile is measured at it (hardware_profiles.threads)
+    os.environ["OMP_NUM_THREADS"] = "1"  # the cpu profile is measured at it (trainplan.hardware_profiles.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows, summary = run_grid(grid, max(1, args.jobs),

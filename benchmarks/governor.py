@@ -3,9 +3,9 @@
     python benchmarks/governor.py [--quick] [--out DIR] [--jobs N] [--reuse] [--threads N] [--seeds 8,9,10]
 
 Setting: tiny-llama (seq_len 128, micro-batch 8, vocab 8192, peak learning rate `LR`) on a
-`data_fraction` subset of the default corpus with a fixed step budget (`planner.api.
+`data_fraction` subset of the default corpus with a fixed step budget (`trainplan.planner.api.
 plan_for_choice`): data-constrained, the subset repeated for many epochs, the case where a fixed
-budget is wasteful. Every run is a real `executor.train.run` (warmup-stable-decay learning rate).
+budget is wasteful. Every run is a real `trainplan.executor.train.run` (warmup-stable-decay learning rate).
 One replicate per data seed (`SEEDS`, `--seeds`): the seed sets the subset, the batch order and
 the initialisation of all of that replicate's runs.
 
@@ -16,9 +16,9 @@ seeds 8-10; the same as the second but for the stop prediction's curve and noise
    1/2 and 3/4 of the subset for as many epochs as the plan (`pilot_configs`). Their held-out
    curves at a constant learning rate (first 20% of points skipped, as `trainplan calibrate`)
    calibrate the planner's curve, a fresh-data law plus a penalty for repeated data
-   (`costmodels.stopping.heldout_fit.fit_heldout_curve`).
+   (`trainplan.costmodels.stopping.heldout_fit.fit_heldout_curve`).
 2. Plans: for each threshold of `THRESHOLDS` (a half-decade grid; prices of 333 to 10,000 steps
-   per nat), `planner.governor.with_governor(plan, curve=...)` writes the threshold and the
+   per nat), `trainplan.planner.governor.with_governor(plan, curve=...)` writes the threshold and the
    predicted stop into the plan before the run: the governor's own rule simulated over the
    calibrated curve (`HeldoutCurve.loss_with_early`: eq. 1 plus the pilots' measured start
    before their fitted range) with the noise of the pilots about it (`sim_noise_nats`: the
@@ -87,13 +87,13 @@ import torch
 from _governor_figure import figure
 from _runs import reusable_record
 
-from costmodels.stopping.heldout_fit import fit_heldout_curve
-from costmodels.stopping.rule import Governor
-from executor.data.batches import load_corpus
-from executor.governor import pilot_curve
-from executor.record import RunRecord
-from planner.api import plan_for_choice
-from planner.governor import picked_budget, simulated_decisions, with_governor
+from trainplan.costmodels.stopping.heldout_fit import fit_heldout_curve
+from trainplan.costmodels.stopping.rule import Governor
+from trainplan.executor.data.batches import load_corpus
+from trainplan.executor.governor import pilot_curve
+from trainplan.executor.record import RunRecord
+from trainplan.planner.api import plan_for_choice
+from trainplan.planner.governor import picked_budget, simulated_decisions, with_governor
 
 SHAPE = dict(seq_len=128, micro_batch=8, vocab_size=8192)
 LR = 1e-3
@@ -133,11 +133,12 @@ def make_plan(cfg: dict, data_tokens: int, seed: int):
 
 def run_job(plan_json: str, out: str, eval_every: int, governed: bool, threads: int) -> str:
     """One real run (in a worker process): the record as JSON text."""
-    from executor.train import run
-    from planner.plan import Plan
+    from trainplan.executor.train import run
+    from trainplan.planner.plan import Plan
 
     torch.set_num_threads(threads)
-    os.environ["OMP_NUM_THREADS"] = str(threads)  # runs and the cpu profile use it (hardware_profiles.threads)
+    # runs and the cpu profile use it (trainplan.hardware_profiles.threads)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
     plan = Plan.from_json(plan_json)
     shutil.rmtree(out, ignore_errors=True)
     gov = Governor.for_plan(plan, **GOVERNOR) if governed else None

@@ -52,10 +52,10 @@ timeout 360 "$PY" benchmarks/accuracy.py --quick --hw h200 --device "$device" --
   || failed+=("1-accuracy")
 
 # 2. a plan for the h200 profile, solved, re-planned at a bounded length, run for real
-"$PY" -m planner solve --model tiny-llama --hw h200 --seq-len "$seq" --budget-seconds 45 --json "$out/plan-h200.json" \
+"$PY" -m trainplan solve --model tiny-llama --hw h200 --seq-len "$seq" --budget-seconds 45 --json "$out/plan-h200.json" \
   | tee "$out/solve.log"
 "$PY" benchmarks/gpu_step.py --bounded-plan "$out/plan-h200.json" "${plan_args[@]}"
-timeout 300 "$PY" -m planner run "$out/plan-h200.json" --out "$out/run-h200" --device "$device" --overwrite \
+timeout 300 "$PY" -m trainplan run "$out/plan-h200.json" --out "$out/run-h200" --device "$device" --overwrite \
   --checkpoint-every 0 | tee "$out/run.log" || failed+=("2-run")
 
 # 3. the overlapped FSDP2 step of a 2-block tiny-llama, predicted for h200 beside measured
@@ -64,16 +64,16 @@ timeout 300 "$PY" benchmarks/gpu_step.py --hw h200 --device "$device" --out "$ou
 
 # 4. the GPU refit of h200 from the run of step 2 (on a CPU: nothing to refit, it says so); in a
 #    cache of its own, so that a loss law fitted from these short runs stays out of the user's
-TRAINPLAN_CACHE_DIR="$out/cache" "$PY" -m planner calibrate "$out/run-h200" --hw h200 --profile-out "$out/h200-calibrated-run.toml" \
+TRAINPLAN_CACHE_DIR="$out/cache" "$PY" -m trainplan calibrate "$out/run-h200" --hw h200 --profile-out "$out/h200-calibrated-run.toml" \
   | tee "$out/calibrate.log" || failed+=("4-calibrate")
 
 # 5. a profile file as --hw: the one refit in step 3, else a template of h200
 profile="$out/h200-calibrated.toml"
 if [ ! -f "$profile" ]; then
   profile="$out/h200-template.toml"
-  "$PY" -m planner profiles --template h200 > "$profile"
+  "$PY" -m trainplan profiles --template h200 > "$profile"
 fi
-"$PY" -m planner solve --model tiny-llama --hw "$profile" --seq-len "$seq" --budget-seconds 45 \
+"$PY" -m trainplan solve --model tiny-llama --hw "$profile" --seq-len "$seq" --budget-seconds 45 \
   | tee "$out/solve-profile-file.log" || failed+=("5-solve-hw-file")
 
 # 6. the long-context knobs on the device: tiled loss, tiled MLP and activation offload (pinned host

@@ -1,6 +1,6 @@
 """The overlapped step time and memory of a 2-block tiny-llama under FSDP2 (ZeRO-3) on this
 machine's accelerator, predicted for a hardware profile (default h200) beside measured, and the
-profile refit from the run (`trainplan calibrate`'s GPU method, `executor.calibrate.gpu`).
+profile refit from the run (`trainplan calibrate`'s GPU method, `trainplan.executor.calibrate.gpu`).
 
     python benchmarks/gpu_step.py [--hw h200] [--device cuda] [--seq-len 1024] [--micro-batch 8]
                                   [--steps 12] [--out DIR]
@@ -9,9 +9,9 @@ One process: FSDP2's `fully_shard` on each block and the root over a one-rank de
 on CUDA/ROCm, gloo on a CPU), so the all-gathers, reduce-scatters and their streams run as in a
 sharded run, each moving one rank's bytes (a single GPU cannot hold two NCCL ranks). The model
 is tiny-llama's architecture cut to 2 blocks; the data are random token ids (no corpus). Steps
-as `executor.train.run` measures them (`executor.measure.measured_step`): on an accelerator the
+as `trainplan.executor.train.run` measures them (`trainplan.executor.measure.measured_step`): on an accelerator the
 allocator's peaks per timed step (`torch.accelerator.max_memory_allocated`/`max_memory_reserved`)
-and the kernel time split over steps 4 and 5 (`executor.kernels`); on a CPU MemTracker and wall
+and the kernel time split over steps 4 and 5 (`trainplan.executor.kernels`); on a CPU MemTracker and wall
 time only (the dry run of `benchmarks/gpu_check.sh`).
 
 Writes DIR/gpu_step.csv (term, unit, predicted, measured, rel_err, and `after`: predicted with
@@ -48,7 +48,7 @@ def _model(device):
     """tiny-llama's architecture with BLOCKS blocks, on `device` (meta: for the capture)."""
     import transformers
 
-    from modeling.presets import get_preset, hf_config
+    from trainplan.modeling.presets import get_preset, hf_config
 
     cfg = hf_config(get_preset("tiny-llama"), vocab_size=VOCAB)
     cfg.num_hidden_layers = BLOCKS
@@ -69,7 +69,7 @@ def _init_one_rank(dev: torch.device) -> None:
 
 def _shard(model, dev: torch.device):
     """FSDP2 (ZeRO-3: resharded after forward) on each block and the root, as
-    `executor.parallel.zero.apply_zero` does above one rank."""
+    `trainplan.executor.parallel.zero.apply_zero` does above one rank."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -80,18 +80,18 @@ def _shard(model, dev: torch.device):
 
 
 def run(args) -> dict:
-    from costmodels.step.model import Choice
-    from executor.calibrate.gpu import GpuObservation, fit_gpu_profile
-    from executor.calibrate.gpu_parts import PartsPredictor
-    from executor.measure import device_name, measured_step, record_device_memory
-    from executor.optimizers import build_optimizer
-    from executor.record import RunRecord, same_hardware
-    from executor.reporting.compare import compare
-    from hardware_profiles import load
-    from hardware_profiles.profile_file import write_profile_file
-    from modeling.loss import lm_loss
-    from planner.api import plan_for_choice
-    from planner.capture.setup import capture_model
+    from trainplan.costmodels.step.model import Choice
+    from trainplan.executor.calibrate.gpu import GpuObservation, fit_gpu_profile
+    from trainplan.executor.calibrate.gpu_parts import PartsPredictor
+    from trainplan.executor.measure import device_name, measured_step, record_device_memory
+    from trainplan.executor.optimizers import build_optimizer
+    from trainplan.executor.record import RunRecord, same_hardware
+    from trainplan.executor.reporting.compare import compare
+    from trainplan.hardware_profiles import load
+    from trainplan.hardware_profiles.profile_file import write_profile_file
+    from trainplan.modeling.loss import lm_loss
+    from trainplan.planner.api import plan_for_choice
+    from trainplan.planner.capture.setup import capture_model
 
     dev = _device(args.device)
     hw = load(args.hw)
@@ -182,10 +182,10 @@ def run(args) -> dict:
 def bounded_plan(path: str, steps: int, largest_micro_batch: int) -> None:
     """Re-plan the plan in `path` (from `trainplan solve --json`) with the same knobs, at most
     `steps` steps and a micro-batch of at most `largest_micro_batch` (0: as solved), every
-    prediction made again (`planner.api.plan_for_choice`); written back to `path`. For
+    prediction made again (`trainplan.planner.api.plan_for_choice`); written back to `path`. For
     benchmarks/gpu_check.sh: a solved plan, run for a bounded time."""
-    from planner.api import plan_for_choice
-    from planner.plan import Plan
+    from trainplan.planner.api import plan_for_choice
+    from trainplan.planner.plan import Plan
 
     plan = Plan.from_json(path)
     d = plan.decisions

@@ -7,7 +7,7 @@ of plan, all predicted by the same cost models (`StepModel.evaluate`: peak bytes
 step cost; the loss law with the optimizer-width penalty, at the tokens the budget buys when
 the plan runs it out):
 
-- joint: `planner.joint.problem.solve_problem`, every knob in one CP-SAT model;
+- joint: `trainplan.planner.joint.problem.solve_problem`, every knob in one CP-SAT model;
 - defaults: what a user starts from: full activation checkpointing, the default precision
   (bf16 mixed on accelerators, fp32 on CPU), 32-bit AdamW, all the data, SP degree 1, ZeRO-3
   (FSDP) on more than one device, the largest micro-batch that fits under full checkpointing,
@@ -25,8 +25,8 @@ a smaller micro-batch at the same time, a move no single knob makes.
 
 Measured (not with --no-measure): tiny-llama on this CPU at a small FLOP budget (each run about
 two minutes; `--quick`: a few steps): the joint plan and the best per-knob plan run for real
-(`executor.train.run`, same seed and data), and their final held-out loss is measured on the
-same 128 held-out windows (`executor.data.batches.heldout_batches`, micro-batch 16) after training. The
+(`trainplan.executor.train.run`, same seed and data), and their final held-out loss is measured on the
+same 128 held-out windows (`trainplan.executor.data.batches.heldout_batches`, micro-batch 16) after training. The
 memory cap is a what-if on the CPU (it is not enforced there); FLOPs are the budget, so the
 runs are at equal compute.
 
@@ -53,8 +53,8 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from costmodels.loss.law import LossLaw
-from costmodels.loss.planned import run_loss
+from trainplan.costmodels.loss.law import LossLaw
+from trainplan.costmodels.loss.planned import run_loss
 
 KNOBS = ("sp_degree", "zero_stage", "micro_batch", "checkpoint", "optimizer_bits", "data_fraction")
 CHECKPOINTS = ("none", "save_matmuls", "save_attention", "full")
@@ -65,7 +65,7 @@ TINY = dict(name="tiny-llama cpu, 512 MiB cap", model="tiny-llama", hw="cpu", de
             budget=dict(default_steps=30), memory_limit_bytes=512 * 2**20, vocab_size=8192,
             micro_batches=(4, 8, 16), law=dict(E=2.9, A=0.0, B=15.0, beta=0.12, b_crit_tokens=4e4))
 """`law`: the published law is clipped at ln(8192) for a 7M model (every plan would tie), so the
-tiny case plans with a law of the local form (`costmodels.loss.pilots`; constants of the order
+tiny case plans with a law of the local form (`trainplan.costmodels.loss.pilots`; constants of the order
 this repo's pilots fit, not fitted to this case)."""
 """The measured case: 512 MiB per device lets micro-batch 16 fit only with (almost) full
 checkpointing, while no checkpointing fits at micro-batch 8 (predicted peaks). The budget is
@@ -103,7 +103,7 @@ class Knobs:
         self._steps: dict[tuple, tuple[float, float]] = {}
 
     def choice(self, k: dict):
-        from costmodels.step.model import Choice
+        from trainplan.costmodels.step.model import Choice
 
         L = len(self.pr.step_model.blocks)
         return Choice(sp_degree=k["sp_degree"], zero_stage=k["zero_stage"], micro_batch=k["micro_batch"],
@@ -126,7 +126,7 @@ class Knobs:
 
     def loss(self, k: dict) -> float:
         """Predicted final loss (nats/token) when the budget is run out; inf if it does not fit."""
-        from costmodels.loss.bits import bits_loss_penalty
+        from trainplan.costmodels.loss.bits import bits_loss_penalty
 
         mem, steps = self.step(k)
         if mem > self.limit or steps < 1:
@@ -179,9 +179,9 @@ def per_knob_plans(kn: Knobs) -> dict[str, tuple[dict, float, str]]:
 
 def case_rows(case: dict) -> tuple[list[dict], dict]:
     """Predicted rows of one case and the plans to run (`joint`, `greedy_best` as Plans)."""
-    from planner.api import plan_for_choice
-    from planner.budget import Budget
-    from planner.joint.problem import prepare, solve_problem
+    from trainplan.planner.api import plan_for_choice
+    from trainplan.planner.budget import Budget
+    from trainplan.planner.joint.problem import prepare, solve_problem
 
     data_tokens = case.get("data_tokens")
     pr = prepare(case["model"], case["hw"], seq_len=case["seq_len"], data_tokens=data_tokens,
@@ -243,10 +243,10 @@ def measure(plans: dict, out: Path, reuse: bool = False) -> dict[str, dict]:
     """Run each plan for real on this CPU; {method: final held-out loss on the same windows,
     steps, tokens, wall seconds, stop reason}. Each run folder keeps them in `heldout.json`;
     `reuse` takes them from there when the folder's plan has the same decisions."""
-    from executor.data.batches import heldout_batches, load_corpus
-    from executor.train import run
-    from modeling.loss import lm_loss
-    from modeling.presets import build_model
+    from trainplan.executor.data.batches import heldout_batches, load_corpus
+    from trainplan.executor.train import run
+    from trainplan.modeling.loss import lm_loss
+    from trainplan.modeling.presets import build_model
 
     data = load_corpus(vocab_size=TINY["vocab_size"])
     held = heldout_batches(data.heldout_tokens, seq_len=TINY["seq_len"], micro_batch=16, max_batches=8)
@@ -287,7 +287,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(2)
     t_start = time.perf_counter()
-    from executor.data.batches import count_corpus_tokens
+    from trainplan.executor.data.batches import count_corpus_tokens
 
     TINY["data_tokens"] = count_corpus_tokens(vocab_size=TINY["vocab_size"])
     if a.quick:

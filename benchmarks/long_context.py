@@ -5,14 +5,14 @@ MemTracker and FlopCounterMode, and the losses beside the same plan without the 
 
 Model: `tiny-llama` (4 layers, hidden 256, fp32, 32-bit AdamW) with the default corpus's
 8192-token BPE, so the loss head (8192 logits per token, 32 x the width) weighs as it does at
-scale. Micro-batch 2, 256 tokens, 4 steps per plan (`executor.train.run`: MemTracker on a step
-after two warm-up steps, FlopCounterMode), one torch thread. Plans (`planner.api.plan_for_choice`):
+scale. Micro-batch 2, 256 tokens, 4 steps per plan (`trainplan.executor.train.run`: MemTracker on a step
+after two warm-up steps, FlopCounterMode), one torch thread. Plans (`trainplan.planner.api.plan_for_choice`):
 
 - `none`, `full`: every block unchecked / fully checkpointed, nothing tiled (the references);
-- `none+loss8`: the LM head and loss over 8 sequence chunks (`modeling.tiling.tiled_lm_loss`);
-- `none+mlp4`: every block's MLP over 4 chunks (`modeling.tiling.tile_mlp`);
+- `none+loss8`: the LM head and loss over 8 sequence chunks (`trainplan.modeling.tiling.tiled_lm_loss`);
+- `none+mlp4`: every block's MLP over 4 chunks (`trainplan.modeling.tiling.tile_mlp`);
 - `full+loss8+mlp4`: both, blocks fully checkpointed;
-- `full+offload`: checkpointed blocks' inputs to host memory (`modeling.offload`); on a CPU the
+- `full+offload`: checkpointed blocks' inputs to host memory (`trainplan.modeling.offload`); on a CPU the
   device is the host, so this measures the mechanism's cost, not a saving.
 
 With `--hw h200 --device cuda` (`benchmarks/gpu_check.sh`, step 6) the plans are made for that
@@ -54,8 +54,8 @@ QUICK = ("none", "none+loss8", "full+loss8+mlp4")
 
 def run_plan(name: str, data, out: Path, hw: str = "cpu", device: str = "cpu") -> dict:
     """Plan `name` (`PLANS`) trained for `STEPS` steps: its predictions beside its measurements."""
-    from executor.train import run
-    from planner.api import plan_for_choice
+    from trainplan.executor.train import run
+    from trainplan.planner.api import plan_for_choice
 
     plan = plan_for_choice(MODEL, hw, seq_len=SEQ, micro_batch=MB, max_steps=STEPS, vocab_size=data.vocab_size,
                            data_tokens=data.n_train_tokens, optimizer_bits=32, precision="fp32", **PLANS[name])
@@ -104,7 +104,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    from executor.data.batches import load_corpus
+    from trainplan.executor.data.batches import load_corpus
 
     t0 = time.perf_counter()
     data = load_corpus(vocab_size=VOCAB)

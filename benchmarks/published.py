@@ -4,7 +4,7 @@
 
 For every in-scope case of `benchmarks/published_cases.toml` (`benchmarks/_published_cases.py`:
 schema, sources, how each architecture is built), the step model
-(`costmodels.step.model.StepModel`) predicts the step time and peak memory per device for the
+(`trainplan.costmodels.step.model.StepModel`) predicts the step time and peak memory per device for the
 published knobs: devices, ZeRO stage, micro-batch and gradient accumulation (the published global
 batch), sequence, full or no activation checkpointing, precision (bf16-mixed: FSDP2's
 mixed-precision policy at ZeRO 2/3), on the published GPU's profile as shipped, with the
@@ -52,8 +52,8 @@ def predict(case, captures: dict, *, overlap: bool) -> dict:
     """One case's prediction beside its published figures."""
     from _published_cases import arch_key, build_meta_model, profile_for
 
-    from costmodels.step.model import Choice, StepModel
-    from planner.capture.setup import capture_model
+    from trainplan.costmodels.step.model import Choice, StepModel
+    from trainplan.planner.capture.setup import capture_model
 
     hw = profile_for(case)
     key = (*arch_key(case), hw.device_type)

@@ -14,9 +14,9 @@ Strategies, each at its best setting for the cap:
 - `torch_knapsack`: PyTorch's `activation_memory_budget` knapsack (dp) on each block, the
   budget tuned over 0, 0.05, ..., 1 to the least predicted step time that fits;
 - `full_ac_tiled`: every block `full`, the loss tiled and the MLP tiled at the chunk counts
-  `planner.joint.space.default_tiling` gives (8 and 4 here): what the long-context knobs do alone;
-- `trainplan`: the solver (`planner.joint.problem.solve_problem`, one prepared problem per
-  micro-batch: `planner.api.solve` without its capture per call) under the memory cap and a
+  `trainplan.planner.joint.space.default_tiling` gives (8 and 4 here): what the long-context knobs do alone;
+- `trainplan`: the solver (`trainplan.planner.joint.problem.solve_problem`, one prepared problem per
+  micro-batch: `trainplan.planner.api.solve` without its capture per call) under the memory cap and a
   wall-clock budget (of the plans that fit, the fewest predicted seconds per token), its menu
   every block's Pareto checkpoint sets, the named entries, the tiled loss over 1-32 chunks and
   the tiled MLP over 1-8 (`_remat_plans.LOSS_CHUNKS`, `MLP_CHUNKS`), searched at every sequence;
@@ -26,13 +26,13 @@ Strategies, each at its best setting for the cap:
   real run (an overshooting run re-solves that rung under the cap less the overshoot).
 
 For each (cap, micro-batch) case and strategy: the longest sequence of a x1.1 ladder from 128 to
-8480 whose *predicted* peak fits the cap (bisection), then a real run (`executor.train.run`, 4
+8480 whose *predicted* peak fits the cap (bisection), then a real run (`trainplan.executor.train.run`, 4
 steps: 2 warm-up, MemTracker, FlopCounterMode; it applies the plan's checkpoint sets, tiled loss
 and tiled MLP) at that sequence. It counts only when the *measured* peak fits; when a run
 overshoots its prediction, the search is repeated under the cap less the overshoot, the
 overshoots of successive runs added up (at most 3 runs). The overhead is against no
 checkpointing at the same sequence (memory cap ignored): the plans at one sequence are each
-applied to a fresh model by `executor.apply.apply_plan` and stepped (`AppliedPlan.loss`,
+applied to a fresh model by `trainplan.executor.apply.apply_plan` and stepped (`AppliedPlan.loss`,
 backward, AdamW) one step of each in turn, so that other load on the machine hits them alike, on
 one torch thread, and each plan's fastest of 4 steps after a warm-up counts (--quick times only
 the trainplan rows; `_remat_runs`). The 10% walk logs each rung's measured and predicted
@@ -231,7 +231,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    from executor.data.batches import load_corpus
+    from trainplan.executor.data.batches import load_corpus
 
     load_start = os.getloadavg()
     data = load_corpus(vocab_size=VOCAB)

@@ -9,12 +9,12 @@ past about 150 decisions the 1 s time limit can end a solve before optimality is
 the row's `gap` says how far). For each: the captured
 forward+backward graph's size, the CP-SAT model's size, the seconds of one solve at a cap
 halfway between full and no checkpointing (`block_solve_s`) and of the block's whole Pareto
-menu (`menu_s`). Joint: `planner.solve` for llama3-70b (80 layers) at 131,072 tokens on
+menu (`menu_s`). Joint: `trainplan.planner.solve` for llama3-70b (80 layers) at 131,072 tokens on
 8 x mi300, end to end (capture, menus, joint CP-SAT model), in a process where torch and the
 transformers Llama module are already imported (`solve_s_llama3_70b`); the same solve's
 capture and solver parts are reported beside it. Scale: the same for llama3.1-405b (126 layers)
 at 8,192 tokens on 1024 x mi300, 128 nodes of 8 (SP inside a node, data parallelism across
-nodes; `solve_s_405b_1024`, target 10 s). Frontier: `planner.joint.frontier` for llama3-8b on 8 x h100
+nodes; `solve_s_405b_1024`, target 10 s). Frontier: `trainplan.planner.joint.frontier` for llama3-8b on 8 x h100
 at 8,192 tokens (`frontier_s_llama3_8b`; not with --quick). torch and CP-SAT use 2 threads.
 
 Writes DIR/solve_speed.csv (one row per graph) and DIR/solve_speed.json (summary), prints the
@@ -55,7 +55,7 @@ class LayerStack(nn.Module):
 def stacked_tiny(k: int) -> nn.Module:
     """tiny-llama with its 4 layers grouped into one block of k layers (repeated 4 // k times,
     at least once)."""
-    from modeling.presets import build_model
+    from trainplan.modeling.presets import build_model
 
     model = build_model("tiny-llama", device="meta", vocab_size=2048)
     layers = list(model.model.layers)
@@ -67,10 +67,10 @@ def stacked_tiny(k: int) -> nn.Module:
 
 
 def block_row(name: str, region, hw: str, b: int, s: int, sp: int, stack: int) -> dict:
-    from costmodels.checkpoint_sets import BUILTIN
-    from costmodels.step.remat_cost import BlockCase, evaluate
-    from hardware_profiles import load
-    from planner.joint.remat_solver import BlockModel, pareto_menu
+    from trainplan.costmodels.checkpoint_sets import BUILTIN
+    from trainplan.costmodels.step.remat_cost import BlockCase, evaluate
+    from trainplan.hardware_profiles import load
+    from trainplan.planner.joint.remat_solver import BlockModel, pareto_menu
 
     case = BlockCase(region=region, b=b, s=s, sp=sp, hw=load(hw), dtype="bf16", stack=stack)
     t0 = time.perf_counter()
@@ -101,9 +101,9 @@ def joint_405b_1024() -> dict:
 
 
 def joint(model: str, devices: int, seq_len: int, device_hours: float) -> dict:
-    """`planner.solve` end to end for `model` on `devices` x mi300 at `seq_len` tokens."""
-    from planner.api import solve
-    from planner.budget import Budget
+    """`trainplan.planner.solve` end to end for `model` on `devices` x mi300 at `seq_len` tokens."""
+    from trainplan.planner.api import solve
+    from trainplan.planner.budget import Budget
 
     t0 = time.perf_counter()
     plan = solve(model, "mi300", Budget(devices=devices, device_hours=device_hours), seq_len=seq_len)
@@ -119,11 +119,11 @@ def joint(model: str, devices: int, seq_len: int, device_hours: float) -> dict:
 
 
 def frontier_8b() -> float:
-    """Seconds of `planner.joint.frontier` for llama3-8b on 8 x h100 at 8,192 tokens (1000
+    """Seconds of `trainplan.planner.joint.frontier` for llama3-8b on 8 x h100 at 8,192 tokens (1000
     device-hours): the joint solve at every rung of its budget and memory-cap ladder (about 30 s
     on 2 idle cores; tests/unit/planner/test_frontier.py checks the frontier itself)."""
-    from planner.budget import Budget
-    from planner.joint.frontier import frontier
+    from trainplan.planner.budget import Budget
+    from trainplan.planner.joint.frontier import frontier
 
     t0 = time.perf_counter()
     frontier("llama3-8b", "h100", Budget(devices=8, device_hours=1000), seq_len=8192)
@@ -138,8 +138,8 @@ def main(argv=None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(THREADS)
-    from planner.capture.graph import capture
-    from planner.capture.setup import capture_model
+    from trainplan.planner.capture.graph import capture
+    from trainplan.planner.capture.setup import capture_model
 
     capture_model("tiny-llama", "bf16-mixed")  # warm: imports and tracing machinery
     capture_s = {}

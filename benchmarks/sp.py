@@ -2,10 +2,10 @@
 against the predictions, for SP degree 1, 2 and 4.
 
 For each case (sequence length, SP degree P, ZeRO stage) it makes a plan with those knobs fixed
-(`planner.api.plan_for_choice`, `tiny-llama`: 8 heads, 4 kv heads; P devices, all of them in one
+(`trainplan.planner.api.plan_for_choice`, `tiny-llama`: 8 heads, 4 kv heads; P devices, all of them in one
 SP group, so dp = 1 and every case trains on the same batches from the same initial weights),
 runs it with the real executor (P = 1 in this process; P > 1 under torchrun through
-`executor.worker.launch`, gloo; one torch thread per rank everywhere, and the step-time
+`trainplan.executor.worker.launch`, gloo; one torch thread per rank everywhere, and the step-time
 predictions use the `cpu` profile measured with one thread) and compares:
 
 - per-rank peak tensor memory (MemTracker, `RunRecord.per_rank_peak_bytes`) against the plan's
@@ -64,12 +64,12 @@ def use_one_thread_per_rank(root: Path) -> None:
     trainplan cache (`root`) holding the 1-thread cpu profile the predictions use.
 
     The cpu profile cache holds one entry keyed by the thread count runs use (OMP_NUM_THREADS,
-    else all cores: `hardware_profiles.threads`); with OMP_NUM_THREADS=1 set here the profile is
+    else all cores: `trainplan.hardware_profiles.threads`); with OMP_NUM_THREADS=1 set here the profile is
     measured at one thread and every rank runs at one. With one thread everywhere a
     "device" is one core for SP 1 and 2 (SP 4 puts two ranks on each of 2 cores), the profile is
     measured once, and the user's cache is untouched. The tokenizer and token caches are
     linked from the user's cache."""
-    from hardware_profiles.cache import cache_root
+    from trainplan.hardware_profiles.cache import cache_root
 
     src = cache_root()
     root.mkdir(parents=True, exist_ok=True)
@@ -83,10 +83,10 @@ def use_one_thread_per_rank(root: Path) -> None:
 
 def run_case(case: dict, out: Path):
     """Plan and run one case; returns (plan, record, wall seconds including launch, run dir)."""
-    from executor.reporting.report import load_run
-    from executor.train import run
-    from executor.worker import launch
-    from planner.api import plan_for_choice
+    from trainplan.executor.reporting.report import load_run
+    from trainplan.executor.train import run
+    from trainplan.executor.worker import launch
+    from trainplan.planner.api import plan_for_choice
 
     p = case["sp_degree"]
     plan = plan_for_choice(MODEL, "cpu", seq_len=case["seq_len"], micro_batch=MICRO_BATCH,

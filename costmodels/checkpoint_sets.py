@@ -25,7 +25,7 @@ Built-in entries:
 - `save_attention`: keep only attention outputs, recompute everything else: AutoSP's rule
   (sequence-aware checkpointing: at long sequence attention dominates compute).
 
-Solved entries (`remat:k`, `planner.joint.remat_solver`) are sets of node keys, chosen per block
+Solved entries (`remat:k`, `trainplan.planner.joint.remat_solver`) are sets of node keys, chosen per block
 shape by a CP-SAT model; a Plan carries their keys (`Decisions.checkpoint_sets`).
 """
 
@@ -34,8 +34,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from costmodels.graph import Region
-from trainplan_errors import TrainplanError
+from trainplan.costmodels.graph import Region
+from trainplan.errors import TrainplanError
 
 ATTENTION_OPS = frozenset({
     "aten._scaled_dot_product_flash_attention_for_cpu.default",
@@ -99,7 +99,7 @@ AUTOSP = "save_attention"
 """AutoSP's rule, the sequence-aware baseline."""
 MENU = "remat"
 """In a search space's policies: add each block shape's solved Pareto menu (`remat:k` entries,
-`planner.joint.remat_solver.pareto_menu`) to the named entries."""
+`trainplan.planner.joint.remat_solver.pareto_menu`) to the named entries."""
 
 
 def sets_from_mapping(sets: Mapping[str, Iterable[str]] | None) -> dict[str, CheckpointSet]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from trainplan_errors import TrainplanError
+from trainplan.errors import TrainplanError
 
 
 def check_finite(name: str, value: float) -> float:

@@ -2,7 +2,7 @@
 
 Sizes are polynomials in the micro-batch `b` and the per-rank sequence length `s`, stored as
 `Poly = ((i, j, coef), ...)` meaning sum(coef * b**i * s**j): bytes of a tensor, FLOPs of an op.
-`planner.capture.graph` builds these from a `make_fx` trace; here they are plain data, so the cost
+`trainplan.planner.capture.graph` builds these from a `make_fx` trace; here they are plain data, so the cost
 models stay free of torch.
 """
 
@@ -19,7 +19,7 @@ Poly = tuple[tuple[int, int, float], ...]
 def variant_key(region: str, *, mixed_precision: bool = False, activation_bits: int = 32,
                 chunks: int = 1) -> str:
     """The key of `region` traced with these settings: `{region}[@mp][@m{k}|@l{k}][@a{bits}]`,
-    parsed back by `planner.capture.regions.parse_key`. `mixed_precision`: under FSDP2's
+    parsed back by `trainplan.planner.capture.regions.parse_key`. `mixed_precision`: under FSDP2's
     mixed-precision policy; `chunks` > 1: a block's MLP (`@m{k}`) or the tail's LM head and loss
     (`@l{k}`) over that many sequence chunks; `activation_bits` < 32: saved activations compressed."""
     key = region + ("@mp" if mixed_precision else "")
@@ -76,13 +76,13 @@ class Region:
     n_nodes: int
     handed: tuple[Poly, ...] = ()
     """The head: bytes of each tensor it hands the blocks besides the hidden states (rotary
-    tables, masks, position ids), in `planner.capture.layout`'s order; 0 for one whose storage
+    tables, masks, position ids), in `trainplan.planner.capture.layout`'s order; 0 for one whose storage
     an earlier one shares or the forward retains anyway."""
     recompute_to_end: bool = False
     """Checkpointed, the whole forward is recomputed (the executor turns torch's early stop off):
-    a block whose MLP is tiled (`modeling.tiling`), whose chunk checkpoints save their inputs as
+    a block whose MLP is tiled (`trainplan.modeling.tiling`), whose chunk checkpoints save their inputs as
     the block's forward runs, so an early stop would fall inside the last chunk, at a point the
-    trace does not show (`executor.apply.checkpointing.apply_checkpointing`, `early_stop`)."""
+    trace does not show (`trainplan.executor.apply.checkpointing.apply_checkpointing`, `early_stop`)."""
 
     def fwd_nodes(self) -> list[str]:
         """Forward op nodes in execution order."""

@@ -1,5 +1,6 @@
 """trainplan's executor: applies a Plan to a real torch training run and measures it.
 
+    >>> from trainplan import executor
     >>> record = executor.run(plan, model, data, out="runs/r1")   # real torch training
     >>> executor.compare(plan, record)                            # DataFrame: term, predicted, measured, unit, rel_err
     >>> executor.report(plan, record, out="runs/r1")              # CSV, JSON, PNG figure and report.html
@@ -9,36 +10,37 @@ Or apply a plan to your own model and training loop, and still get the report:
     >>> applied = executor.apply_plan(plan, model)                # checkpoint sets, DDP/ZeRO/FSDP2, SP
     >>> with applied.measure("runs/mine") as m: ...               # m.step(train_step) per step
 
-The public API: `run` (`executor.train.run`), `apply_plan` (`executor.apply.applied.apply_plan`,
-returning an `executor.apply.applied.AppliedPlan`), `compare` (`executor.reporting.compare.compare`),
-`report` (`executor.reporting.report.report`) and the `RunRecord` they read and write
-(`executor.record.RunRecord`). `run`, `apply_plan`, `compare` and `report` are loaded on first
+The public API: `run` (`trainplan.executor.train.run`), `apply_plan` (`trainplan.executor.apply.applied.apply_plan`,
+returning a `trainplan.executor.apply.applied.AppliedPlan`), `compare`
+(`trainplan.executor.reporting.compare.compare`),
+`report` (`trainplan.executor.reporting.report.report`) and the `RunRecord` they read and write
+(`trainplan.executor.record.RunRecord`). `run`, `apply_plan`, `compare` and `report` are loaded on first
 use: `run` and `apply_plan` import torch, which reading and reporting a finished run (`trainplan
 report`) does not need, and `compare`/`report` import pandas, matplotlib and scipy, which a
-training process launched by torchrun (`executor.worker`, whose imports run this file first) does not need.
+training process launched by torchrun (`trainplan.executor.worker`, whose imports run this file first) does not need.
 """
 
-from executor.record import RunRecord
+from trainplan.executor.record import RunRecord
 
 __all__ = ["AppliedPlan", "RunRecord", "apply_plan", "compare", "report", "run"]  # noqa: F822 (module __getattr__ below)
 
 
 def __getattr__(name: str):
-    # loaded on first use, as `planner.solve` is
+    # loaded on first use, as `trainplan.planner.solve` is
     if name == "run":
-        from executor.train import run
+        from trainplan.executor.train import run
 
         return run
     if name in ("apply_plan", "AppliedPlan"):
-        from executor.apply import applied
+        from trainplan.executor.apply import applied
 
         return getattr(applied, name)
     if name == "compare":
-        from executor.reporting.compare import compare
+        from trainplan.executor.reporting.compare import compare
 
         return compare
     if name == "report":
-        from executor.reporting.report import report
+        from trainplan.executor.reporting.report import report
 
         return report
-    raise AttributeError(f"module 'executor' has no attribute {name!r}")
+    raise AttributeError(f"module 'trainplan.executor' has no attribute {name!r}")

@@ -1,10 +1,10 @@
 """Gradient accumulation: one optimizer step of `grad_accum` micro-steps, each a forward and
 backward of one micro-batch whose loss is divided by `grad_accum`, so that the gradients summed
 over the micro-steps are the whole batch's mean (`accumulate_gradients`, called by
-`executor.train.run` once per optimizer step, before the optimizer step).
+`trainplan.executor.train.run` once per optimizer step, before the optimizer step).
 
-The collectives per micro-step are the rule `costmodels.step.model.StepModel` prices
-(`costmodels.step.overlap`): DDP (ZeRO 0/1, `executor.parallel.zero.apply_zero`) all-reduces
+The collectives per micro-step are the rule `trainplan.costmodels.step.model.StepModel` prices
+(`trainplan.costmodels.step.overlap`): DDP (ZeRO 0/1, `trainplan.executor.parallel.zero.apply_zero`) all-reduces
 once per optimizer step, in the last micro-step, its earlier ones under `no_sync()`; FSDP2 (ZeRO
 2/3) reduce-scatters every micro-step into the sharded gradients (its default).
 """
@@ -29,7 +29,7 @@ def accumulation_sync(model, *, zero_stage: int, world: int, last: bool) -> Abst
 
 def reset_memory_tracker_modules() -> None:
     """Clear the module statistics of a `MemTracker` measuring this step, if one is
-    (`executor.measure.measure_memory`): it refuses a module's second forward in one tracking
+    (`trainplan.executor.measure.measure_memory`): it refuses a module's second forward in one tracking
     ("does not support memory tracking for multiple iterative calls", torch 2.13), and its
     `reset_mod_stats` is the remedy it names. Its peak snapshot, which the record reads, stays."""
     for mode in _get_current_dispatch_mode_stack():

@@ -10,7 +10,7 @@ Layout under the run directory::
                                         trainplan.json: steps done, tokens, plan, corpus, the
                                         RunRecord so far
                                         tokenizer.json: a copy of the run's tokenizer, when its
-                                        corpus names one (`executor.weights.export` writes it out)
+                                        corpus names one (`trainplan.executor.weights.export` writes it out)
 
 Atomic: a checkpoint is written into `step-N.tmp`, renamed to `step-N`, and only then is
 `latest` replaced (temporary file + `os.replace`); older step directories are removed last. A
@@ -45,9 +45,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from executor.record import RunRecord
-from planner.plan import Plan
-from trainplan_errors import PlanMismatchError, TrainplanError
+from trainplan.errors import PlanMismatchError, TrainplanError
+from trainplan.executor.record import RunRecord
+from trainplan.planner.plan import Plan
 
 logger = logging.getLogger(__name__)
 

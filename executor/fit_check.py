@@ -1,6 +1,6 @@
 """Whether a plan can run on this machine: its processes and its predicted memory.
 
-`executor.train.run` (one process) and `executor.worker.launch` (the torchrun parent) call
+`trainplan.executor.train.run` (one process) and `trainplan.executor.worker.launch` (the torchrun parent) call
 `check_fits` before the model is built, so that a plan solved for other hardware fails with one
 line naming both numbers instead of swapping, being OOM-killed or failing in a worker:
 
@@ -23,16 +23,16 @@ import os
 
 import torch
 
-from hardware_profiles import cpu_probes
-from planner.plan import Plan, edited_layout
-from trainplan_errors import PlanMismatchError
+from trainplan.errors import PlanMismatchError
+from trainplan.hardware_profiles import cpu_probes
+from trainplan.planner.plan import Plan, edited_layout
 
 CPU_PROCESSES_PER_CORE = 4
 """Most processes per CPU core a plan may place on this host. benchmarks/sp.py runs 2 per core
 (SP 4 on 2 cores) at about half speed; beyond 4 gloo's collectives wait on descheduled peers for
 most of a step, and the per-process runtime memory outgrows the model's."""
 
-SKIP_HINT = "or pass check_fits=False to executor.train.run or executor.worker.launch to try anyway"
+SKIP_HINT = "or pass check_fits=False to trainplan.executor.train.run or trainplan.executor.worker.launch to try anyway"
 
 
 class PlanDoesNotFitError(PlanMismatchError):
@@ -74,7 +74,7 @@ def check_fits(plan: Plan, dev: torch.device, *, in_worker: bool = False,
     here = "" if n == d.devices else f" ({n} of its {d.devices} on this node)"
     edited = edited_layout(plan)
     if edited:  # the memory checked below is the plan's prediction
-        raise PlanMismatchError(f"plan: {edited}; solve again (or planner.api.plan_for_choice) for the "
+        raise PlanMismatchError(f"plan: {edited}; solve again (or trainplan.planner.api.plan_for_choice) for the "
                                 "edited layout")
     need = float(plan.predictions.memory_bytes.get("total", 0.0) or 0.0)
     if dev.type == "cpu":

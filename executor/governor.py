@@ -2,12 +2,12 @@
 worth their cost.
 
 The stopping rule (`Governor`, `Decision`, reasons `nan`, `diverged`, `marginal_gain`, `budget`)
-is pure and lives in `costmodels.stopping.rule`; this module runs it in the loop (`GovernedLoop`,
-what `executor.train.run` calls) and draws it (`curve_frame`, `plot_governor`).
+is pure and lives in `trainplan.costmodels.stopping.rule`; this module runs it in the loop (`GovernedLoop`,
+what `trainplan.executor.train.run` calls) and draws it (`curve_frame`, `plot_governor`).
 
 Steps are counted as *steps done* (the record's `rec.steps`, 1 after the first optimizer step),
 the same axis as `RunRecord.heldout_loss`. In a loop over 0-based step indices, which is what
-`GovernedLoop` does for `executor.train.run`:
+`GovernedLoop` does for `trainplan.executor.train.run`:
 
     gov = Governor.for_plan(plan)                       # or Governor(threshold_nats_per_step=...)
     for step in range(start, d.max_steps):
@@ -36,17 +36,17 @@ from pathlib import Path
 
 import numpy as np
 
-from costmodels.stopping.heldout_curve import PilotCurve
-from costmodels.stopping.rule import Decision, Governor
-from costmodels.stopping.schedule import default_eval_every
-from executor.measure import gather_floats
+from trainplan.costmodels.stopping.heldout_curve import PilotCurve
+from trainplan.costmodels.stopping.rule import Decision, Governor
+from trainplan.costmodels.stopping.schedule import default_eval_every
+from trainplan.executor.measure import gather_floats
 
 NOTE = "governor: "
 """The prefix with which the record's notes and `governor.json` name the governor's decisions."""
 
 
 class GovernedLoop:
-    """The governor inside `executor.train.run`'s loop, as the module docstring's loop shows
+    """The governor inside `trainplan.executor.train.run`'s loop, as the module docstring's loop shows
     (`for_run` builds it; `lr`, `eval_due` and `after_step` are the loop's three calls).
 
     Off (`for_run` without a governor and a plan threshold of 0) it is inert: `lr` is 1.0,
@@ -163,11 +163,11 @@ class GovernedLoop:
 
 
 def pilot_curve(plan, record, *, skip_fraction: float = 0.2):
-    """A finished run's held-out points as a `costmodels.stopping.heldout_curve.PilotCurve`, to calibrate
-    the planner's curve on (`costmodels.stopping.heldout_fit.fit_heldout_curve`): the points at a constant
-    learning rate (after `warmup_steps`, up to the step `executor.apply.applied.lr_at` starts its
+    """A finished run's held-out points as a `trainplan.costmodels.stopping.heldout_curve.PilotCurve`, to calibrate
+    the planner's curve on (`trainplan.costmodels.stopping.heldout_fit.fit_heldout_curve`): the points at a constant
+    learning rate (after `warmup_steps`, up to the step `trainplan.executor.apply.applied.lr_at` starts its
     cooldown, the last 20% of `max_steps`), less the first `skip_fraction` of them (default 0.2,
-    the share `executor.calibrate.law.SKIP_FRACTION` skips as warm-up; kept apart as `early_steps` and
+    the share `trainplan.executor.calibrate.law.SKIP_FRACTION` skips as warm-up; kept apart as `early_steps` and
     `early_losses`, the start the planner adds to the fitted curve); with the run's final
     held-out loss when it ran its budget out (the cooldown's gain). Unique tokens:
     `plan.data_tokens x data_fraction`, None (fresh data) when the run saw fewer tokens than

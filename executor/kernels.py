@@ -1,7 +1,7 @@
 """Device kernel time of a training step by kind (matmul, communication, other), measured with
-`torch.profiler` on an accelerator; `executor.measure.measured_step` profiles `PROFILED_STEPS`
+`torch.profiler` on an accelerator; `trainplan.executor.measure.measured_step` profiles `PROFILED_STEPS`
 and keeps the mean per step in `RunRecord.kernel_time_s`, which `trainplan calibrate` refits a
-GPU profile from (`executor.calibrate.gpu`).
+GPU profile from (`trainplan.executor.calibrate.gpu`).
 
 The profiler records every kernel, copy and memset the device ran (Kineto: CUPTI on CUDA,
 roctracer on ROCm, which torch also calls "cuda"), with start and end times. Each is sorted by
@@ -10,7 +10,7 @@ its name (`kernel_kind`):
 - `matmul`: GEMMs (cuBLAS/cuBLASLt `*gemm*`, `nvjet_*` and `sm90_xmma_*` on Hopper, CUTLASS,
   rocBLAS/hipBLASLt `Cijk_*`) and attention (FlashAttention `flash_*`, memory-efficient
   `fmha_*`, cuDNN `*sdpa*`, AOTriton `attn_*`): the ops with FLOPs in the captured graph
-  (`modeling.flop_counting`'s convention counts attention's matmuls), whose time the profile's
+  (`trainplan.modeling.flop_counting`'s convention counts attention's matmuls), whose time the profile's
   `matmul_efficiency` curve sets;
 - `communication`: NCCL and RCCL kernels (`ncclDevKernel_*`, `ncclKernel_*`): collectives, the
   profile's `network_efficiency` (their time includes waiting for the slowest rank);
@@ -35,7 +35,7 @@ __all__ = ["KINDS", "PROFILED_STEPS", "kernel_kind", "merge_splits", "profile_st
 
 PROFILED_STEPS = (4, 5)
 """Steps profiled on an accelerator: after the two warm-up steps, the MemTracker step (2) and the
-FlopCounterMode step (3) (`executor.measure.WARMUP_STEPS_UNMEASURED`); not timed into
+FlopCounterMode step (3) (`trainplan.executor.measure.WARMUP_STEPS_UNMEASURED`); not timed into
 `RunRecord.step_times_s` (the profiler adds host time)."""
 
 KINDS = ("matmul", "communication", "other")

@@ -1,7 +1,7 @@
-"""What `executor.train.run` measures besides the loss: which step is measured how
+"""What `trainplan.executor.train.run` measures besides the loss: which step is measured how
 (`measured_step`: peak tensor memory by category with MemTracker, FLOPs with FlopCounterMode,
 wall time; on an accelerator also each step's allocator peaks and, over
-`executor.kernels.PROFILED_STEPS`, the kernel time split), held-out loss, per-rank values
+`trainplan.executor.kernels.PROFILED_STEPS`, the kernel time split), held-out loss, per-rank values
 gathered to every rank, and the progress bar.
 
 Device-agnostic: an accelerator is whatever `torch.accelerator` drives (CUDA, ROCm, XPU, ...),
@@ -23,10 +23,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from executor.kernels import PROFILED_STEPS, merge_splits, profile_step
-from executor.record import RunRecord
-from modeling.flop_counting import EXTRA_FLOP_FORMULAS
-from trainplan_errors import require_extra
+from trainplan.errors import require_extra
+from trainplan.executor.kernels import PROFILED_STEPS, merge_splits, profile_step
+from trainplan.executor.record import RunRecord
+from trainplan.modeling.flop_counting import EXTRA_FLOP_FORMULAS
 
 WARMUP_STEPS_UNMEASURED = 2
 """Steps before the measured ones: optimizer states exist from step 1 on, so step 2 is measured
@@ -132,7 +132,7 @@ def record_device_memory(rec: RunRecord, dev: torch.device) -> None:
 
 def measured_step(step: int, train_step, rec: RunRecord, dev: torch.device, model, opt) -> float:
     """One training step: step 2 under MemTracker (CPU), step 3 under FlopCounterMode, on an
-    accelerator `executor.kernels.PROFILED_STEPS` under torch.profiler (`RunRecord.kernel_time_s`),
+    accelerator `trainplan.executor.kernels.PROFILED_STEPS` under torch.profiler (`RunRecord.kernel_time_s`),
     every other step timed into `rec.step_times_s` (wall) and `rec.step_cpu_times_s` (this
     process's CPU seconds, all its threads). On an accelerator the allocator's peak statistics
     are reset before every step and read after it: the timed steps' into

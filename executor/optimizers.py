@@ -2,7 +2,8 @@
 
 | bits | library | states | memory model |
 |---|---|---|---|
-| 32 | torch `AdamW(fused=True)` (fp32 or bf16-mixed parameters) | fp32 | `costmodels.step.memory.adam_state_bytes` |
+| 32 | torch `AdamW(fused=True)` (fp32 or bf16-mixed parameters) | fp32 |
+`trainplan.costmodels.step.memory.adam_state_bytes` |
 | 16 | torch `AdamW(fused=True)` over pure-bf16 parameters | bf16 (the parameter dtype) | same |
 | 8 | bitsandbytes `AdamW8bit` (Dettmers et al. 2022) | block-wise uint8, 256/block | same |
 | 4 | torchao `AdamW4bit` (Li et al. 2023) | block-wise 4-bit, 128/block | same |
@@ -25,8 +26,8 @@ from unittest import mock
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from costmodels.step.precision import check_optimizer_bits as check_widths
-from trainplan_errors import require_extra
+from trainplan.costmodels.step.precision import check_optimizer_bits as check_widths
+from trainplan.errors import require_extra
 
 BETAS = (0.9, 0.95)
 """AdamW's (beta1, beta2) for every width."""
@@ -38,7 +39,7 @@ def check_optimizer_bits(bits, precision: str) -> int:
     """`bits` as an int, if the executor can run it at `precision`.
 
     Raises:
-        TrainplanError: names the value and the valid ones (`costmodels.step.precision.check_optimizer_bits`).
+        TrainplanError: names the value and the valid ones (`trainplan.costmodels.step.precision.check_optimizer_bits`).
     """
     check_widths((bits,), precision)
     return int(bits)
@@ -73,7 +74,7 @@ def build_optimizer(params, bits: int, lr: float, precision: str = "fp32") -> to
     """
     bits = check_optimizer_bits(bits, precision)
     if bits in (32, 16):
-        # fused on every device (`costmodels.step.model.ADAMW_IMPLEMENTATION`: what the memory
+        # fused on every device (`trainplan.costmodels.step.model.ADAMW_IMPLEMENTATION`: what the memory
         # model prices)
         return torch.optim.AdamW(params, lr=lr, betas=BETAS, weight_decay=WEIGHT_DECAY, fused=True)
     if bits == 8:

@@ -9,8 +9,8 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from hardware_profiles import load as load_profile
-from trainplan_errors import TrainplanError
+from trainplan.errors import TrainplanError
+from trainplan.hardware_profiles import load as load_profile
 
 
 @dataclass(kw_only=True, slots=True)
@@ -39,7 +39,7 @@ class RunRecord:
     peak_memory_bytes: dict[str, float] = field(default_factory=dict)
     """Tensor bytes per category at the measured peak: params, grads, optimizer, activations,
     temporaries, total (MemTracker on CPU; on an accelerator only total: the largest
-    max_memory_allocated of any step, `executor.measure.record_device_memory`)."""
+    max_memory_allocated of any step, `trainplan.executor.measure.record_device_memory`)."""
     step_max_allocated_bytes: list[float] | None = None
     """On an accelerator (CUDA, ROCm, ...), per timed step (`step_times_s`, in the same order):
     `torch.accelerator.max_memory_allocated` over that step, the peak statistics reset before
@@ -54,11 +54,11 @@ class RunRecord:
     allocator at that moment), bytes. None on CPU."""
     kernel_time_s: dict[str, float] | None = None
     """On an accelerator, device time per step from `torch.profiler` over the profiled steps
-    (`executor.kernels.PROFILED_STEPS`), mean per step, seconds: `matmul` (GEMM and attention
+    (`trainplan.executor.kernels.PROFILED_STEPS`), mean per step, seconds: `matmul` (GEMM and attention
     kernels), `communication` (NCCL/RCCL kernels), `other` (elementwise, reductions, copies),
     `busy` (time any kernel ran: overlapped kernels once), `wall` (the profiled step's wall
     time, profiler overhead included), and `steps` (how many were profiled). None on CPU or
-    when the run ended before the profiled steps (`executor.kernels.split_kernels`)."""
+    when the run ended before the profiled steps (`trainplan.executor.kernels.split_kernels`)."""
     per_rank_peak_bytes: list[float] = field(default_factory=list)
     flops_per_step: float = 0.0
     """FLOPs of one step on this rank, by `FlopCounterMode`."""
@@ -70,7 +70,7 @@ class RunRecord:
     wall_s: float = 0.0
     """Training wall time, all segments of a resumed run together."""
     selection_flops: float = 0.0
-    """FLOPs spent scoring the data for the plan's `data_method` (`executor.data.selection`: reference
+    """FLOPs spent scoring the data for the plan's `data_method` (`trainplan.executor.data.selection`: reference
     training and scoring passes; dynamic selection adds each re-score), charged to the budget
     beside `flops_per_step * steps`; the same on a cache hit (the compute the scores cost). 0 for
     `random`. Records written before the field read 0."""
@@ -126,12 +126,12 @@ class RunRecord:
 
 
 def same_hardware(plan_hw: str, device: str) -> bool:
-    """Whether a run on `device` (as a record names it, `executor.measure.device_name`: `cpu`,
+    """Whether a run on `device` (as a record names it, `trainplan.executor.measure.device_name`: `cpu`,
     `cuda:0 (NVIDIA H200)`) runs on the hardware the plan's profile `plan_hw` describes, so that
     its times compare with the plan's: a CPU for `cpu`; an accelerator of the profile's device
     type whose name contains the profile's name (`NVIDIA H200` for `h200`, `AMD Instinct MI300X`
     for `mi300x`; spaces, dashes and underscores ignored). False for a profile
-    `hardware_profiles.load` does not know by name (one read from a file)."""
+    `trainplan.hardware_profiles.load` does not know by name (one read from a file)."""
     kind = device.split(" ")[0].split(":")[0]
     if kind == "cpu" or plan_hw == "cpu":
         return kind == "cpu" and plan_hw == "cpu"

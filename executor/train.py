@@ -2,16 +2,16 @@
 checkpointed.
 
 One process per rank. The model (the preset's, the one the plan's `hf_config` builds, or the
-caller's) gets the plan applied by `executor.apply.applied.apply_plan`, the function a user's own
+caller's) gets the plan applied by `trainplan.executor.apply.applied.apply_plan`, the function a user's own
 loop calls too: checkpoint sets (with the op check), `sp_degree`/`zero_stage` above one device
-through `executor.parallel.ulysses` and `executor.parallel.zero` under torchrun, the optimizer of
+through `trainplan.executor.parallel.ulysses` and `trainplan.executor.parallel.zero` under torchrun, the optimizer of
 its bits. The plan's data fraction, method and token budget become the sampler
-(`executor.data.dynamic_selection.PlannedBatches`) and the step count. An optimizer step runs
-`grad_accum` micro-steps (`executor.accumulation`), each on the next micro-batch, at the learning
-rate of `executor.apply.applied.lr_at` times the governor's. Measured: peak tensor memory by
+(`trainplan.executor.data.dynamic_selection.PlannedBatches`) and the step count. An optimizer step runs
+`grad_accum` micro-steps (`trainplan.executor.accumulation`), each on the next micro-batch, at the learning
+rate of `trainplan.executor.apply.applied.lr_at` times the governor's. Measured: peak tensor memory by
 category (MemTracker, one step after warm-up), FLOPs of one step (FlopCounterMode), every step's
 wall time, train loss, held-out loss, the data selection's scoring FLOPs. Interrupts, checkpoints
-and resuming: `executor.checkpoint`; the measurement helpers: `executor.measure`.
+and resuming: `trainplan.executor.checkpoint`; the measurement helpers: `trainplan.executor.measure`.
 """
 
 from __future__ import annotations
@@ -26,10 +26,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from costmodels.stopping.rule import Governor
-from executor.accumulation import accumulate_gradients
-from executor.apply.applied import apply_plan, init_world, lr_at, resolve_device
-from executor.checkpoint import (
+from trainplan.costmodels.stopping.rule import Governor
+from trainplan.errors import TrainingDivergedError, TrainplanError
+from trainplan.executor.accumulation import accumulate_gradients
+from trainplan.executor.apply.applied import apply_plan, init_world, lr_at, resolve_device
+from trainplan.executor.checkpoint import (
     OutOfMemoryRunError,
     check_resume_plan,
     is_out_of_memory,
@@ -39,21 +40,20 @@ from executor.checkpoint import (
     remove_checkpoints,
     save_checkpoint,
 )
-from executor.data.batches import TokenCorpus, check_corpus_for_plan, heldout_batches, load_corpus
-from executor.data.dynamic_selection import PlannedBatches
-from executor.fit_check import check_fits as check_plan_fits
-from executor.governor import GovernedLoop
-from executor.measure import any_rank, device_name, gather_floats, heldout_loss, measured_step, progress_bar
-from executor.optimizers import set_lr
-from executor.record import RunRecord, same_hardware
-from executor.reporting.trackers import TrackerSpec, open_trackers
-from hardware_profiles.threads import threads_per_rank
-from modeling import configs, presets
-from planner.plan import Plan
-from trainplan_errors import TrainingDivergedError, TrainplanError
+from trainplan.executor.data.batches import TokenCorpus, check_corpus_for_plan, heldout_batches, load_corpus
+from trainplan.executor.data.dynamic_selection import PlannedBatches
+from trainplan.executor.fit_check import check_fits as check_plan_fits
+from trainplan.executor.governor import GovernedLoop
+from trainplan.executor.measure import any_rank, device_name, gather_floats, heldout_loss, measured_step, progress_bar
+from trainplan.executor.optimizers import set_lr
+from trainplan.executor.record import RunRecord, same_hardware
+from trainplan.executor.reporting.trackers import TrackerSpec, open_trackers
+from trainplan.hardware_profiles.threads import threads_per_rank
+from trainplan.modeling import configs, presets
+from trainplan.planner.plan import Plan
 
 EVAL_BATCHES = 4
-"""Fewest held-out micro-batches of each evaluation (`executor.data.batches.heldout_batches`)."""
+"""Fewest held-out micro-batches of each evaluation (`trainplan.executor.data.batches.heldout_batches`)."""
 EVAL_TOKENS = 16384
 """Fewest held-out tokens of each evaluation: at a small micro-batch, more batches, so that plans
 of different micro-batches are measured on the same held-out text with the same noise (issue
@@ -65,7 +65,7 @@ def eval_batches(micro_batch: int, seq_len: int, eval_tokens: int | None = None,
     """Held-out micro-batches per evaluation: enough for `eval_tokens` (default `EVAL_TOKENS`,
     and at least `EVAL_BATCHES` batches); given `eval_tokens`, exactly enough for them. Given
     `heldout_len` (held-out tokens), the default takes at most half of its windows beyond
-    `EVAL_BATCHES` batches: the rest is the DSIR/influence target (`executor.data.dynamic_selection`)."""
+    `EVAL_BATCHES` batches: the rest is the DSIR/influence target (`trainplan.executor.data.dynamic_selection`)."""
     per = micro_batch * seq_len
     if eval_tokens is not None:
         return max(1, -(-int(eval_tokens) // per))
@@ -101,7 +101,7 @@ def run(plan: Plan, model: nn.Module | None = None, data: TokenCorpus | None = N
 
     The record is rewritten at every evaluation and when the run ends, however it ends; its
     `stop_reason` says why: `budget`, `interrupted` (SIGINT/SIGTERM, acted on at the next step
-    boundary), `nan`, `out_of_memory` or `error`. A checkpoint (`executor.checkpoint`) is written
+    boundary), `nan`, `out_of_memory` or `error`. A checkpoint (`trainplan.executor.checkpoint`) is written
     at the end, on an interrupt and every `checkpoint_every` steps.
 
     checkpoint_every: also checkpoint every this many steps; None: only at the end and on an
@@ -111,19 +111,19 @@ def run(plan: Plan, model: nn.Module | None = None, data: TokenCorpus | None = N
         (`TokenBatches.batch(step)`) and learning rates, the record appended to. Without it a
         run in a used `out` starts over and deletes the old checkpoints.
     stop_after_steps: for tests: act as if SIGINT arrived once this many steps are done in all.
-    governor: the compute governor (`executor.governor`); None: `Governor.for_plan(plan)` when
+    governor: the compute governor (`trainplan.executor.governor`); None: `Governor.for_plan(plan)` when
         the plan's `governor_threshold` is > 0, else none. A governed run can also stop with
         `marginal_gain` (after the cooldown its decision starts; final checkpoint and record as
         at a budget stop) or `diverged`; it evaluates every max_steps // 50 steps by default.
     check_fits: first check that the plan's processes and predicted memory fit this machine
-        (`executor.fit_check.check_fits`); False skips it.
+        (`trainplan.executor.fit_check.check_fits`); False skips it.
     threads: torch's intra-op threads in the steps (restored after); None: OMP_NUM_THREADS if set,
-        else the usable cores // ranks (`hardware_profiles.threads`, as the cpu profile is measured).
-    trackers: TensorBoard, wandb, trackio: rank 0 reports to them (`executor.reporting.trackers`).
+        else the usable cores // ranks (`trainplan.hardware_profiles.threads`, as the cpu profile is measured).
+    trackers: TensorBoard, wandb, trackio: rank 0 reports to them (`trainplan.executor.reporting.trackers`).
     eval_tokens: held-out tokens of each evaluation (`eval_batches`); None: at least
         `EVAL_TOKENS` and `EVAL_BATCHES` micro-batches.
     eval_from: no periodic evaluation before this many steps (pilots: their early transient is
-        not fitted, `costmodels.loss.pilots`); the last step is always evaluated.
+        not fitted, `trainplan.costmodels.loss.pilots`); the last step is always evaluated.
 
     Raises:
         PlanMismatchError: model or corpus do not match the plan; on resume, a plan or corpus
@@ -181,7 +181,8 @@ def run(plan: Plan, model: nn.Module | None = None, data: TokenCorpus | None = N
                         same_hardware=same_hardware(plan.hw, device_name(dev)))
         start = 0
     batches = PlannedBatches(plan, data, model=model, rank=dp_rank, held=held, out=out, start=start,
-                             record=rec, progress=progress)  # the data subset: executor.data.dynamic_selection
+                             # the data subset: trainplan.executor.data.dynamic_selection
+                             record=rec, progress=progress)
     gov = GovernedLoop.for_run(plan, governor, record=rec if resume else None, out=out, rank=rank,
                                world=world)
     ga = d.grad_accum

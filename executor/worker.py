@@ -1,5 +1,5 @@
-"""Multi-process runs: `launch` starts one `python -m executor.worker` per device under
-torchrun; each worker runs `executor.train.run` on its rank.
+"""Multi-process runs: `launch` starts one `python -m trainplan.executor.worker` per device under
+torchrun; each worker runs `trainplan.executor.train.run` on its rank.
 
 On several nodes each node calls `launch` with its `Rendezvous` and starts its share,
 `decisions.devices / nnodes` processes; the node whose processes include global rank 0 holds
@@ -17,16 +17,16 @@ import sys
 import threading
 from pathlib import Path
 
-from executor.checkpoint import check_resume_plan
-from executor.data.batches import load_corpus
-from executor.data.sources import DataOptions, add_data_flags
-from executor.fit_check import check_fits as check_plan_fits
-from executor.parallel.launch import Rendezvous, run_torchrun
-from executor.reporting.trackers import FLAGS, TrackerSpec
-from executor.train import resolve_device, run
-from hardware_profiles.threads import THREADS_ENV, threads_per_rank
-from planner.plan import Plan
-from trainplan_errors import PlanMismatchError
+from trainplan.errors import PlanMismatchError
+from trainplan.executor.checkpoint import check_resume_plan
+from trainplan.executor.data.batches import load_corpus
+from trainplan.executor.data.sources import DataOptions, add_data_flags
+from trainplan.executor.fit_check import check_fits as check_plan_fits
+from trainplan.executor.parallel.launch import Rendezvous, run_torchrun
+from trainplan.executor.reporting.trackers import FLAGS, TrackerSpec
+from trainplan.executor.train import resolve_device, run
+from trainplan.hardware_profiles.threads import THREADS_ENV, threads_per_rank
+from trainplan.planner.plan import Plan
 
 LAUNCH_MARGIN_S = 300.0
 """Seconds added to 3x the plan's predicted run time before `launch` stops a job as hung."""
@@ -68,20 +68,20 @@ def launch(plan_path: str | Path, out: Path, data: list[str] | None, device: str
            data_options: DataOptions | None = None) -> bool:
     """Run the plan at `plan_path` on `decisions.devices` processes; rank 0 writes
     `out/record.json`. `resume`, `checkpoint_every`, `stop_after_steps`: as in
-    `executor.train.run`, on every rank. `check_fits`: first check that this node's processes
-    and their predicted memory fit this machine (`executor.fit_check.check_fits`; each CUDA
+    `trainplan.executor.train.run`, on every rank. `check_fits`: first check that this node's processes
+    and their predicted memory fit this machine (`trainplan.executor.fit_check.check_fits`; each CUDA
     rank then checks its own device); False skips it, also in the workers. `threads`: torch
     threads per rank; None: OMP_NUM_THREADS if set, else the usable cores // this node's ranks
-    (`hardware_profiles.threads.threads_per_rank`); passed to the workers as OMP_NUM_THREADS
-    (torchrun would set it to 1). `trackers`: as in `executor.train.run` (rank 0 reports;
+    (`trainplan.hardware_profiles.threads.threads_per_rank`); passed to the workers as OMP_NUM_THREADS
+    (torchrun would set it to 1). `trackers`: as in `trainplan.executor.train.run` (rank 0 reports;
     checked here first). `nodes`: this node's part of a multi-node job (every node calls
     `launch` with the same plan and its own `node_rank`); None: one node (`--standalone`).
-    `data_options`: how the workers read `data` (`executor.data.sources.DataOptions`: the
+    `data_options`: how the workers read `data` (`trainplan.executor.data.sources.DataOptions`: the
     model's tokenizer, a token file's dtype, the text column); None: the defaults.
 
     SIGINT (Ctrl-C) or SIGTERM to this process stops the job: torchrun passes SIGTERM on to
     the workers, which agree on the step, checkpoint and write the record (within
-    `executor.parallel.launch.KILL_GRACE_S`, after which they are killed). Returns True when the run
+    `trainplan.executor.parallel.launch.KILL_GRACE_S`, after which they are killed). Returns True when the run
     was interrupted that way, False when it ended by itself.
 
     Raises:
@@ -130,7 +130,7 @@ def launch(plan_path: str | Path, out: Path, data: list[str] | None, device: str
     predicted = plan.predictions.step_time_s * plan.decisions.max_steps
     old = _sigterm_as_keyboard_interrupt()
     try:
-        run_torchrun("executor.worker", args, local, timeout_s=3 * predicted + LAUNCH_MARGIN_S,
+        run_torchrun("trainplan.executor.worker", args, local, timeout_s=3 * predicted + LAUNCH_MARGIN_S,
                      log_dir=log_dir, env={THREADS_ENV: str(per_rank)}, rendezvous=nodes)
     except KeyboardInterrupt:  # run_torchrun has stopped the job (workers checkpoint on SIGTERM)
         return True
@@ -154,9 +154,9 @@ def _sigterm_as_keyboard_interrupt():
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m executor.worker PLAN --out DIR ...`: one rank of `launch`'s job (torchrun sets
-    the rank in the environment); runs `executor.train.run` on it. Returns the exit status 0."""
-    ap = argparse.ArgumentParser(prog="python -m executor.worker")
+    """`python -m trainplan.executor.worker PLAN --out DIR ...`: one rank of `launch`'s job (torchrun sets
+    the rank in the environment); runs `trainplan.executor.train.run` on it. Returns the exit status 0."""
+    ap = argparse.ArgumentParser(prog="python -m trainplan.executor.worker")
     ap.add_argument("plan")
     ap.add_argument("--out", required=True)
     ap.add_argument("--data", nargs="*")
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--checkpoint-every", type=int)
     ap.add_argument("--stop-after-steps", type=int, help="for tests: act as if interrupted then")
-    ap.add_argument("--no-fit-check", action="store_true", help="skip executor.fit_check")
+    ap.add_argument("--no-fit-check", action="store_true", help="skip trainplan.executor.fit_check")
     ap.add_argument("--rank0-file", help="global rank 0 writes its host name here (hosted_rank0)")
     for flag in FLAGS.values():  # --tensorboard DIR, --wandb-project NAME, --trackio-project NAME
         ap.add_argument(flag)

@@ -2,14 +2,14 @@
 
 One TOML file per device in this package (a100, a100-40gb, h100, h200, mi300x alias mi300, mi300a), each
 number with a unit in its key and a source in its `[sources]` table; plus `cpu`, measured on the
-local machine by `hardware_profiles.cpu.measure_cpu` and cached there; plus any device's profile
+local machine by `trainplan.hardware_profiles.cpu.measure_cpu` and cached there; plus any device's profile
 in a file of the same keys, given by its path (`load("./my-gpu.toml")`,
-`HardwareProfile.from_file`; `hardware_profiles.profile_file` writes such files).
+`HardwareProfile.from_file`; `trainplan.hardware_profiles.profile_file` writes such files).
 
 The package's public API is `__all__`: profiles by name (`load`, `known_names`, `list_profiles`,
 `describe_profiles`) and the `HardwareProfile` they return (defined in
-`hardware_profiles.profile`). Measuring and caching the cpu profile is `hardware_profiles.cpu`;
-the errors raised are `trainplan_errors`'.
+`trainplan.hardware_profiles.profile`). Measuring and caching the cpu profile is `trainplan.hardware_profiles.cpu`;
+the errors raised are `trainplan.errors`'.
 
     >>> hw = load("mi300")            # by name or alias, any case
     >>> hw.peak("bf16")               # dense FLOP/s
@@ -25,9 +25,9 @@ import logging as _logging
 import tomllib
 from typing import Any
 
-from hardware_profiles.cpu import load_cpu
-from hardware_profiles.profile import HardwareProfile
-from trainplan_errors import TrainplanError, UnknownNameError
+from trainplan.errors import TrainplanError, UnknownNameError
+from trainplan.hardware_profiles.cpu import load_cpu
+from trainplan.hardware_profiles.profile import HardwareProfile
 
 # Import-time warnings of optional kernels trainplan does not use: bitsandbytes' CPU 4-bit GEMM
 # (needs the `kernels` package), torchao's CUDA extensions (also imported by transformers'
@@ -115,8 +115,8 @@ def load(name_or_profile: str | HardwareProfile, *, remeasure: bool = False) -> 
     when the string ends in `.toml` (`HardwareProfile.from_file`, read at every call); a profile
     passes through.
 
-    "cpu" returns the local machine, measured by `hardware_profiles.cpu.measure_cpu` and cached
-    per host (see `hardware_profiles.cpu`); `remeasure=True` forces a new measurement (other names ignore it).
+    "cpu" returns the local machine, measured by `trainplan.hardware_profiles.cpu.measure_cpu` and cached
+    per host (see `trainplan.hardware_profiles.cpu`); `remeasure=True` forces a new measurement (other names ignore it).
     Raises `UnknownNameError` listing every known name and alias, e.g.
     "unknown hardware 'h800': known profiles are a100, a100-40gb, cpu, h100, h200, mi300a, mi300x (alias mi300)",
     and `TrainplanError` if a packaged TOML file is invalid, or naming a profile file and what is

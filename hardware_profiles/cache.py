@@ -4,10 +4,10 @@ The root is, in order: a `cache_dir` the caller passes, else `$TRAINPLAN_CACHE_D
 platform's user cache folder for "trainplan" (`platformdirs.user_cache_path`:
 `$XDG_CACHE_HOME/trainplan`, by default `~/.cache/trainplan`, on Linux;
 `~/Library/Caches/trainplan` on macOS; `%LOCALAPPDATA%\\trainplan\\Cache` on Windows).
-Under it: `hardware/cpu.json` (the measured cpu profile, `hardware_profiles.cpu`), `laws/` and
-`quality/` (fitted constants, `costmodels.loss.cache`, `costmodels.data.quality_cache`),
-`tokenizers/`, `tokens/` and `scores/` (`executor.data`), `calibration_history.csv`
-(`executor.reporting.figures`).
+Under it: `hardware/cpu.json` (the measured cpu profile, `trainplan.hardware_profiles.cpu`), `laws/` and
+`quality/` (fitted constants, `trainplan.costmodels.loss.cache`, `trainplan.costmodels.data.quality_cache`),
+`tokenizers/`, `tokens/` and `scores/` (`trainplan.executor.data`), `calibration_history.csv`
+(`trainplan.executor.reporting.figures`).
 
 It lives in the lowest package that caches something (the cpu profile), so every package above
 builds its paths from it.

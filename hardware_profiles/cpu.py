@@ -1,19 +1,19 @@
 """The local `cpu` profile: measured by a micro-benchmark, cached per host.
 
-`load_cpu()` (what `hardware_profiles.load("cpu")` calls) returns, in order: the cache file
-`<cache root>/hardware/cpu.json` (`hardware_profiles.cache.cache_root`: $TRAINPLAN_CACHE_DIR, else
+`load_cpu()` (what `trainplan.hardware_profiles.load("cpu")` calls) returns, in order: the cache file
+`<cache root>/hardware/cpu.json` (`trainplan.hardware_profiles.cache.cache_root`: $TRAINPLAN_CACHE_DIR, else
 the platform's user cache, `~/.cache/trainplan` on Linux) when it was written on this host with
 the same torch version and thread count; else a profile measured earlier in this process under
 the same key; else a fresh `measure_cpu()`, which it writes to the cache. A cache file that
 cannot be read back is re-measured with a warning.
 
-The thread count is the one runs use: `hardware_profiles.threads.threads_per_rank(1)` (the
-OMP_NUM_THREADS the user set, else the usable cores), which `executor.train.run` sets for a
+The thread count is the one runs use: `trainplan.hardware_profiles.threads.threads_per_rank(1)` (the
+OMP_NUM_THREADS the user set, else the usable cores), which `trainplan.executor.train.run` sets for a
 one-process run; `measure_cpu` measures at it, whatever torch's threads are in the calling
 process. (A run of n processes gives each cores // n threads; the profile describes a
 one-process run.)
 
-torch is imported inside the functions that need it (as in `hardware_profiles.cpu_probes`):
+torch is imported inside the functions that need it (as in `trainplan.hardware_profiles.cpu_probes`):
 every entry point imports `hardware_profiles`, and a datasheet profile needs no torch.
 """
 
@@ -28,11 +28,11 @@ import time
 import warnings
 from pathlib import Path
 
-import hardware_profiles.cpu_probes as probes
-from hardware_profiles.cache import cache_root
-from hardware_profiles.profile import HardwareProfile
-from hardware_profiles.threads import threads_per_rank, torch_threads
-from trainplan_errors import TrainplanError
+import trainplan.hardware_profiles.cpu_probes as probes
+from trainplan.errors import TrainplanError
+from trainplan.hardware_profiles.cache import cache_root
+from trainplan.hardware_profiles.profile import HardwareProfile
+from trainplan.hardware_profiles.threads import threads_per_rank, torch_threads
 
 CACHE_FORMAT = 5
 """Version of the cache file layout and of what its probes measure (4: AdamW fused; 5: host
@@ -53,7 +53,7 @@ _MEMO: dict[tuple[str, str, int], HardwareProfile] = {}
 
 def cache_path() -> Path:
     """Path of the cached cpu profile: `<cache root>/hardware/cpu.json`
-    (`hardware_profiles.cache.cache_root`)."""
+    (`trainplan.hardware_profiles.cache.cache_root`)."""
     return cache_root() / "hardware" / "cpu.json"
 
 
@@ -116,7 +116,8 @@ def _measure(dtype: str, quick: bool, threads: int) -> HardwareProfile:
     budget_s = 1.0 if quick else 6.0  # for the matmuls; copy and TCP add well under a second
     host, version = socket.gethostname(), torch.__version__
     when = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    where = f"measured by hardware_profiles.cpu.measure_cpu on {host}, {threads} torch threads, torch {version}, {when}"
+    where = (f"measured by trainplan.hardware_profiles.cpu.measure_cpu on {host}, {threads} torch threads, "
+             f"torch {version}, {when}")
     if quick:
         where += " (quick)"
 

@@ -1,4 +1,4 @@
-"""Micro-benchmarks and system probes behind `measure_cpu` (see `hardware_profiles.cpu`).
+"""Micro-benchmarks and system probes behind `measure_cpu` (see `trainplan.hardware_profiles.cpu`).
 
 torch is imported inside the functions that need it, so importing this module stays cheap.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
-from trainplan_errors import TrainplanError
+from trainplan.errors import TrainplanError
 
 TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 """Matmul dtypes `measure_cpu` times -> torch dtype attribute."""
@@ -132,7 +132,7 @@ def op_overhead_s(quick: bool) -> float:
 
 def optimizer_s_per_param(quick: bool) -> dict[str, float]:
     """Seconds per parameter of one AdamW step as the executor builds it
-    (`executor.optimizers.build_optimizer`: torch AdamW, fused=True, for 32 bits and, over
+    (`trainplan.executor.optimizers.build_optimizer`: torch AdamW, fused=True, for 32 bits and, over
     bf16 parameters, 16; bitsandbytes AdamW8bit for 8 bits; torchao AdamW4bit, eager as the
     executor runs it on CPU, for 4): parameters with gradients, 4 tensors of 512 x 1024
     (quick: 128 x 256), the best step of 3 (quick: 2) after one warm-up step (which allocates

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from hardware_profiles.profile_schema import check_profile
-from trainplan_errors import TrainplanError
+from trainplan.errors import TrainplanError
+from trainplan.hardware_profiles.profile_schema import check_profile
 
 V = TypeVar("V")
 
@@ -85,8 +85,8 @@ class FrozenMap(Mapping[str, V]):
 class HardwareProfile:
     """One device type: capacity, peak rates, links and efficiency curves, each with a source.
 
-    Build one with `hardware_profiles.load(name)`, or directly: every field is checked against
-    the file format, `hardware_profiles.profile_schema.ProfileSchema`, which raises
+    Build one with `trainplan.hardware_profiles.load(name)`, or directly: every field is checked against
+    the file format, `trainplan.hardware_profiles.profile_schema.ProfileSchema`, which raises
     `TrainplanError` naming the field, its value and what is valid.
     """
 
@@ -121,7 +121,7 @@ class HardwareProfile:
     allocator fragmentation, memory the driver does not expose)."""
     host_memory_bytes: int = 0
     """Host (CPU) memory of one node, bytes, shared by its `devices_per_node` devices: where
-    activation offload (`modeling.offload`) keeps what it copies out. 0: none to offload into.
+    activation offload (`trainplan.modeling.offload`) keeps what it copies out. 0: none to offload into.
     On a unified-memory device, the node's unified memory (the same bytes as the devices')."""
     host_link_bandwidth_bytes_per_s: float = 32e9
     """One device's link to host memory, one direction, bytes of payload per second (a copy of n
@@ -146,7 +146,7 @@ class HardwareProfile:
     where the optimizer's implementation on this device is not the memory-bound kernel the
     roofline assumes (bitsandbytes' 8-bit AdamW on a CPU runs unfused torch code, ~6-10x the
     time of 32-bit AdamW's traffic; measured by `measure_cpu`). Empty for the GPU profiles:
-    their optimizer step is the roofline of its traffic (`costmodels.step.model`)."""
+    their optimizer step is the roofline of its traffic (`trainplan.costmodels.step.model`)."""
     sources: Mapping[str, str] = field(default_factory=FrozenMap)
     """Field name (or "peak_flops_per_s.<dtype>") -> where its value comes from; read-only."""
 
@@ -260,7 +260,7 @@ class HardwareProfile:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> HardwareProfile:
         """Inverse of `to_dict` (also reads a parsed TOML profile): the keys of a profile file
-        (`hardware_profiles.profile_schema.ProfileSchema`).
+        (`trainplan.hardware_profiles.profile_schema.ProfileSchema`).
 
         Raises `TrainplanError` naming unknown or missing keys, or an invalid value.
         """

@@ -3,7 +3,7 @@ units, `[peak_flops_per_s]`, `[sources]`), for a device that ships no profile an
 profiles `trainplan calibrate` refits.
 
 `HardwareProfile.from_file` reads such a file back (the round trip is exact: floats are written
-in Python's shortest round-trip form, which TOML 1.0 reads unchanged); `hardware_profiles.load`
+in Python's shortest round-trip form, which TOML 1.0 reads unchanged); `trainplan.hardware_profiles.load`
 and every `--hw` option take its path:
 `HardwareProfile.from_file(write_profile_file(p, "my-gpu.toml")) == p` for every profile `p`.
 """
@@ -17,8 +17,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from hardware_profiles.profile import HardwareProfile
-from trainplan_errors import OutputPathError
+from trainplan.errors import OutputPathError
+from trainplan.hardware_profiles.profile import HardwareProfile
 
 __all__ = ["TEMPLATE_HEADER", "profile_toml", "template_toml", "write_profile_file"]
 

@@ -5,7 +5,7 @@
 
 Strict (pydantic's strict mode): a number is an int or a float, never a bool or a string; whole
 numbers are ints; no NaN or infinity. Why pydantic rather than checks by hand:
-`trainplan_errors.validation`. Units are in the key names, as in the files.
+`trainplan.errors.validation`. Units are in the key names, as in the files.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
-from trainplan_errors import TrainplanError
-from trainplan_errors.validation import one_line
+from trainplan.errors import TrainplanError
+from trainplan.errors.validation import one_line
 
 __all__ = ["DEVICE_TYPES", "ProfileSchema", "check_profile"]
 

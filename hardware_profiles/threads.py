@@ -1,8 +1,8 @@
 """torch's CPU threads per process: the usable cores shared among a run's ranks, unless the user set them.
 
-One rule for the run and for the profile that predicts it: `executor.train.run` sets torch's
-intra-op threads of each rank to `threads_per_rank(ranks, threads)`, `executor.worker.launch`
-passes that count to its torchrun workers as OMP_NUM_THREADS, and `hardware_profiles.cpu`
+One rule for the run and for the profile that predicts it: `trainplan.executor.train.run` sets torch's
+intra-op threads of each rank to `threads_per_rank(ranks, threads)`, `trainplan.executor.worker.launch`
+passes that count to its torchrun workers as OMP_NUM_THREADS, and `trainplan.hardware_profiles.cpu`
 measures and caches the `cpu` profile at `threads_per_rank(1)`, the count a one-process run uses.
 
 The count is, in order: an explicit `threads` (a `threads=` argument), else OMP_NUM_THREADS when
@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from trainplan_errors import TrainplanError
+from trainplan.errors import TrainplanError
 
 THREADS_ENV = "OMP_NUM_THREADS"
 """The environment variable a user sets the threads per process with (OpenMP's; torch reads it

@@ -1,10 +1,11 @@
 """Saved-activation compression: what autograd keeps for the backward, stored in fewer bits.
 
-One implementation serves both sides: `executor.train` runs a step's forward inside
-`compress_saved_activations(bits)`, and `planner.capture.graph` traces each region inside the same
+One implementation serves both sides: `trainplan.executor.train` runs a step's forward inside
+`compress_saved_activations(bits)`, and `trainplan.planner.capture.graph` traces each region inside the same
 context, so the quantize ops of the forward, the compressed copies' lifetimes and the
 dequantize temporaries of the backward are in the captured graph the memory and time models
-replay (`costmodels.step.memory.simulate_region`, `costmodels.step.roofline.region_cost`): nothing about the
+replay (`trainplan.costmodels.step.memory.simulate_region`, `trainplan.costmodels.step.roofline.region_cost`):
+nothing about the
 compression is modelled by hand.
 
 Built on `torch.autograd.graph.saved_tensors_hooks` (pack when autograd saves a tensor for the
@@ -38,7 +39,7 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from trainplan_errors import TrainplanError
+from trainplan.errors import TrainplanError
 
 ACTIVATION_BITS = (32, 16, 8)
 """Valid saved-activation widths; 32 means as computed (bf16 tensors stay bf16)."""
@@ -71,7 +72,7 @@ def is_weight(t: torch.Tensor, param_ids: frozenset[int]) -> bool:
     """A parameter (an `nn.Parameter`, or a tensor whose id is in `param_ids`: the fake parameters
     of a capture), a view of one (`weight.t()` saved by mm), or autocast's cast of one
     (ToCopyBackward0 -> AccumulateGrad): what saved-tensor hooks leave alone as weights, not
-    activations (here and in `modeling.offload`)."""
+    activations (here and in `trainplan.modeling.offload`)."""
     root = t._base if t._base is not None else t
     if isinstance(root, nn.Parameter) or id(root) in param_ids or id(t) in param_ids:
         return True

@@ -8,7 +8,7 @@ else eager (Gemma-2 refuses SDPA); no KV cache. The built module carries the dic
 (`trainplan_config`, which a plan stores so that `trainplan run` rebuilds the same model) and a
 name (`trainplan_preset`, which plans and captures use as a preset's name). `max_positions` is
 the longest sequence a model (a preset or a module) was configured for, `position_warning` the
-plan's warning for a longer one. As in `modeling.presets`, `transformers` is imported by the
+plan's warning for a longer one. As in `trainplan.modeling.presets`, `transformers` is imported by the
 functions that need it.
 """
 
@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from modeling.presets import cast_keeping_rotary, get_preset
-from trainplan_errors import ModelConfigError, UnknownNameError
+from trainplan.errors import ModelConfigError, UnknownNameError
+from trainplan.modeling.presets import cast_keeping_rotary, get_preset
 
 CONFIG_FILE = "config.json"
 """The file a model folder holds its config in (transformers' `CONFIG_NAME`)."""
@@ -128,7 +128,7 @@ def build_from_config(cfg: dict[str, Any], *, device: str | torch.device = "meta
 
     On `device="meta"` nothing is allocated; on a real device the weights are randomly
     initialised with `seed`. It is built in fp32 (whatever `dtype` the config names), then cast to
-    `dtype` with the rotary frequencies kept fp32 (`modeling.presets.cast_keeping_rotary`).
+    `dtype` with the rotary frequencies kept fp32 (`trainplan.modeling.presets.cast_keeping_rotary`).
     `vocab_size` overrides the config's (a run uses its tokenizer's). The module carries
     `trainplan_config` (`cfg`, with `vocab_size` when given) and `trainplan_preset` (`name`,
     default `config_name(cfg)`).

@@ -1,5 +1,5 @@
 """Running a model on fake tensors as a training step runs it on real ones (`as_run`), for the
-capture (`planner.capture`) and the executor's op check (`executor.apply.checkpointing.block_ops`).
+capture (`trainplan.planner.capture`) and the executor's op check (`trainplan.executor.apply.checkpointing.block_ops`).
 
 transformers' mask builder (`transformers.masking_utils`) decides differently when it sees a
 fake tensor: it assumes an export and builds every mask (`is_tracing` is true for fake

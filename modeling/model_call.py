@@ -31,7 +31,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from trainplan_errors import CaptureError, PlanMismatchError
+from trainplan.errors import CaptureError, PlanMismatchError
 
 
 @dataclass(frozen=True)
@@ -128,7 +128,7 @@ def forward_logits(model: nn.Module, input_ids: torch.Tensor, *, position_ids: t
 
     The output may be the logits, an object with `.logits`, a dict with `"logits"`, or a tuple or
     list whose first element is the logits. `allow_scalar`: a 0-dim result is returned as is (a
-    tiled loss head, `modeling.tiling.TiledHead`, makes the logits the summed cross-entropy).
+    tiled loss head, `trainplan.modeling.tiling.TiledHead`, makes the logits the summed cross-entropy).
 
     Raises:
         CaptureError: the output holds no logits (e.g. a 0-dim loss without `allow_scalar`), or

@@ -4,7 +4,7 @@ The activation checkpoint offload to CPU memory of ALST (Bekman et al. 2025, "Ar
 Sequence Training", arXiv:2506.13996): in a long-context step the saved block inputs of
 activation checkpointing dominate device memory, so each goes to host (CPU) memory in the forward
 and comes back for the backward. Built on `torch.autograd.graph.saved_tensors_hooks`, the
-mechanism of `modeling.activation_compression` (pack when autograd saves a tensor, unpack when
+mechanism of `trainplan.modeling.activation_compression` (pack when autograd saves a tensor, unpack when
 the backward reads it) and of torch's `torch.autograd.graph.save_on_cpu`, extended here with a
 side stream, prefetch and deduplication. With checkpointed blocks, offload outside the
 checkpoint: `offload_block` says why, and what the hooks then see (the block inputs only).
@@ -22,7 +22,7 @@ checkpoint: `offload_block` says why, and what the hooks then see (the block inp
   strides (transposes, expands) and values come back bit-exact; a view with gaps whose span
   exceeds its elements is copied compactly and restored into `torch.empty_strided` of its strides.
 - Deduplication: a tensor saved by several backward nodes (same storage, offset, shape, stride,
-  dtype and version) is offloaded once, as `modeling.activation_compression` packs once.
+  dtype and version) is offloaded once, as `trainplan.modeling.activation_compression` packs once.
 
 Left on the device: parameters, their views and autocast casts (weights, not activations),
 non-floating tensors, tensors of fewer than `min_numel` elements, tensor subclasses (DTensor,
@@ -40,8 +40,8 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from modeling.activation_compression import is_weight
-from trainplan_errors import TrainplanError
+from trainplan.errors import TrainplanError
+from trainplan.modeling.activation_compression import is_weight
 
 _LOCK = threading.Lock()  # pack runs in the forward's thread, unpack and release in autograd's
 
@@ -117,7 +117,7 @@ class offload_saved_activations(torch.autograd.graph.saved_tensors_hooks):  # lo
     casts); `min_numel`: smaller tensors stay on the device; `stats`: the counters to update (a
     fresh `OffloadStats` when None; `with` gives it, as does `.stats`); `prefetch`: start the copy back of the
     previous item when one is unpacked. Composition with `torch.utils.checkpoint` and
-    `modeling.activation_compression`: the innermost saved-tensor hooks win (see `offload_block`).
+    `trainplan.modeling.activation_compression`: the innermost saved-tensor hooks win (see `offload_block`).
 
     Raises:
         TrainplanError: `min_numel` negative.
@@ -254,7 +254,7 @@ def _restore(p: OffloadedTensor, buf: torch.Tensor) -> torch.Tensor:
 def offload_block(block: nn.Module, *, stats: OffloadStats | None = None, min_numel: int = 1024,
                   prefetch: bool = True) -> None:
     """Run `block`'s forward inside `offload_saved_activations(skip_ids=<its parameters' ids>)`
-    (an instance attribute `forward`, as `executor.apply.checkpointing.apply_checkpointing` wraps
+    (an instance attribute `forward`, as `trainplan.executor.apply.checkpointing.apply_checkpointing` wraps
     a block; parameter names unchanged). The forward in place before is kept as
     `block.offload_original_forward`; `unoffload_block` puts it back. `stats`: shared by the
     blocks of a model for prefetch across blocks (a fresh one when None, as `block.offload_stats`).

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from costmodels.step import comm
-from trainplan_errors import UnknownNameError
+from trainplan.costmodels.step import comm
+from trainplan.errors import UnknownNameError
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -23,7 +23,7 @@ intermediates and the backward reruns the chunk's forward when it first needs th
 
 The gradient of the split input comes back as one full-size `slice_backward` per chunk, summed.
 
-Nested in a block's checkpoint (`executor.apply.checkpointing`) the values and gradients are
+Nested in a block's checkpoint (`trainplan.executor.apply.checkpointing`) the values and gradients are
 unchanged, but: under full checkpointing the block's recompute reruns the chunks' forward and
 each chunk's backward recomputes it once more; under selective checkpointing (SAC) the policy's
 cache keeps the outputs of every chunk's saved ops (all of the MLP's matmul outputs under
@@ -47,8 +47,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
-from modeling.loss import lm_loss
-from trainplan_errors import TrainplanError
+from trainplan.errors import TrainplanError
+from trainplan.modeling.loss import lm_loss
 
 IGNORE_INDEX = -100
 """Label value that takes no part in the loss (`F.cross_entropy`'s default `ignore_index`)."""
@@ -98,7 +98,7 @@ def tiled_lm_loss(hidden: torch.Tensor, head, labels: torch.Tensor, chunks: int)
     hidden: (b, s, h), the final norm's output; head: a callable (c, h) -> logits (c, V) over
     c tokens (any leading shape works: a linear LM head); labels: (b, s) int64, already shifted,
     `IGNORE_INDEX` (-100) where a token takes no part. Same value as
-    `modeling.loss.lm_loss(head(hidden), labels)`: the sum of cross-entropy over the tokens that
+    `trainplan.modeling.loss.lm_loss(head(hidden), labels)`: the sum of cross-entropy over the tokens that
     take part, divided by their number (nan when none does).
 
     chunks == 1: exactly `lm_loss(head(hidden), labels)`. chunks > 1: the b*s tokens (hidden
@@ -123,7 +123,7 @@ def tiled_ce_sum(hidden: torch.Tensor, head, labels: torch.Tensor, chunks: int) 
     """Sum of next-token cross-entropy (nats, 0-dim) over the tokens of `labels` that take part,
     `chunks` sequence chunks at a time, each under non-reentrant checkpoint (as `tiled_lm_loss`,
     which divides it by the tokens; Ulysses SP divides it by the global count,
-    `executor.parallel.ulysses.sp_loss`). Shapes as `tiled_lm_loss`'s.
+    `trainplan.executor.parallel.ulysses.sp_loss`). Shapes as `tiled_lm_loss`'s.
 
     Raises:
         TrainplanError: `chunks` is not a whole number >= 1 (`check_chunks`).

@@ -1,5 +1,5 @@
 import sys
 
-from planner.cli.main import main
+from trainplan.planner.cli.main import main
 
 sys.exit(main())

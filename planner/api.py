@@ -1,32 +1,38 @@
 """`solve()`: model x hardware x budget -> Plan, every knob chosen jointly; and `plan_for_choice`,
 a Plan with every knob fixed by the caller. The problem behind a solve (capture, search space,
-the joint CP-SAT model) is `planner.joint.problem`'s.
+the joint CP-SAT model) is `trainplan.planner.joint.problem`'s.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 from torch import nn
 
-from costmodels.checkpoint_sets import check_policy, sets_from_mapping
-from costmodels.data.quality import QualityFit
-from costmodels.loss.bits import bits_loss_penalty
-from costmodels.loss.law import LossLaw
-from costmodels.loss.planned import run_loss
-from costmodels.step import comm
-from costmodels.step.model import Choice
-from costmodels.step.precision import optimizer_bits_for
-from hardware_profiles import HardwareProfile
-from modeling.configs import max_positions, position_warning
-from modeling.tiling import check_chunks
-from planner.budget import UNLIMITED_DATA_TOKENS, Budget, check_global_batch_tokens, check_seed, check_time_limit
-from planner.capture.layout import sp_refusal
-from planner.capture.setup import loss_law_for, setup_model
-from planner.data_choice import DEFAULT_DATA_METHODS, check_data_methods, choose_data_method, with_data_method
-from planner.joint.explain import explain_infeasible
-from planner.joint.problem import (
-    DEFAULT_ACTIVATION_BITS,
+from trainplan.costmodels.checkpoint_sets import check_policy, sets_from_mapping
+from trainplan.costmodels.loss.bits import bits_loss_penalty
+from trainplan.costmodels.loss.law import LossLaw
+from trainplan.costmodels.loss.planned import run_loss
+from trainplan.costmodels.step import comm
+from trainplan.costmodels.step.model import Choice
+from trainplan.costmodels.step.precision import optimizer_bits_for
+from trainplan.errors import InfeasibleError, TrainplanError
+from trainplan.hardware_profiles import HardwareProfile
+from trainplan.modeling.configs import max_positions, position_warning
+from trainplan.modeling.tiling import check_chunks
+from trainplan.planner.budget import (
+    UNLIMITED_DATA_TOKENS,
+    Budget,
+    check_global_batch_tokens,
+    check_seed,
+    check_time_limit,
+)
+from trainplan.planner.capture.layout import sp_refusal
+from trainplan.planner.capture.setup import loss_law_for, setup_model
+from trainplan.planner.data_choice import check_data_methods, choose_data_method, with_data_method
+from trainplan.planner.joint.explain import explain_infeasible
+from trainplan.planner.joint.problem import (
     GRANULARITY_TOKENS,
     MAX_TOKENS,
     check_seq_len,
@@ -35,74 +41,30 @@ from planner.joint.problem import (
     prepare,
     solve_problem,
 )
-from planner.joint.space import DEFAULT_POLICIES, check_chunk_options
-from planner.pilots import calibrated, with_calibration
-from planner.plan import Plan, SolverFacts
-from trainplan_errors import InfeasibleError, TrainplanError
+from trainplan.planner.joint.space import check_chunk_options
+from trainplan.planner.options import SolveOptions, options_from
+from trainplan.planner.pilots import calibrated, with_calibration
+from trainplan.planner.plan import Plan, SolverFacts
 
 
-def solve(model: nn.Module | str, hw: str | HardwareProfile, budget: Budget, *, seq_len: int = 2048,
-          data_tokens: int | None = None, vocab_size: int | None = None, precision: str | None = None,
-          law: LossLaw | None = None, micro_batches: tuple[int, ...] = (1, 2, 4, 8, 16),
-          optimizer_bits: tuple[int, ...] | None = None, activation_bits: object = DEFAULT_ACTIVATION_BITS,
-          policies: tuple[str, ...] = DEFAULT_POLICIES,
-          data_fractions: tuple[float, ...] = (0.25, 0.5, 0.75, 1.0), memory_limit_bytes: float | None = None,
-          time_limit_s: float = 10.0, seed: int = 0, lr: float = 3e-3,
-          export_path: str | None = None, explain: bool = True,
-          data_methods: object = DEFAULT_DATA_METHODS,
-          data_quality: dict[str, QualityFit] | None = None,
-          global_batch_tokens: int | None = None, loss_chunks: tuple[int, ...] | None = None,
-          mlp_chunks: tuple[int, ...] | None = None, offload: tuple[bool, ...] | None = None,
-          data=None, calibrate: bool = True, bytes_per_token: float | None = None,
-          cache_dir: str | None = None) -> Plan:
+def solve(model: nn.Module | str, hw: str | HardwareProfile, budget: Budget, options: SolveOptions | None = None,
+          **overrides: Any) -> Plan:
     """Plan a training run: every knob chosen jointly by one CP-SAT model.
 
     Args:
         model: an `nn.Module` (HF-style causal LM) or a preset name (`trainplan profiles`
-            lists hardware, `modeling.presets.known_presets()` models).
+            lists hardware, `trainplan.modeling.presets.known_presets()` models).
         hw: hardware profile name or alias (`mi300`, `h100`, `cpu`, ...) or a profile.
         budget: device-hours, wall-clock seconds or FLOPs, and the device count.
-        seq_len: tokens per sequence.
-        data_tokens: unique training tokens in the corpus (None: unconstrained).
-        vocab_size: overrides the preset's vocabulary (a run uses its tokenizer's).
-        optimizer_bits: Adam-state widths to choose from (None: the precision's two widest the
-            executor runs, `costmodels.step.precision.optimizer_bits_for`: 32 and 8, or 16 and 8 for bf16;
-            4 on request).
-        activation_bits: saved-activation widths to choose from (32 = as computed, 16, 8;
-            `modeling.activation_compression`); each one below 32 is captured once more.
-        memory_limit_bytes: per-device memory cap below the profile's usable bytes.
-        explain: on an infeasible budget, re-solve to name the smallest change that fits
-            (`planner.joint.explain`); False raises the solver's own message at once.
-        data_methods: data-subset scoring methods to choose from with the fraction
-            (`planner.data_choice.choose_data_method`: the data-constrained law times each
-            method's quality multiplier, at the tokens its scoring leaves of the budget; a method
-            without a known multiplier drops out); ("random",) keeps the solver's random subset.
-        data_quality: {method: `costmodels.data.quality.QualityFit`} overriding the cached and
-            published multipliers.
-        global_batch_tokens: tokens every optimizer step trains, all ranks together (e.g. 4M
-            for an 8B+ model): each plan's dp_degree x micro_batch x seq_len x grad_accum equals
-            it, the solver choosing the micro-batch and with it the gradient accumulation (a
-            smaller micro-batch with more micro-steps holds fewer activations), and its step
-            count is in optimizer steps. None: one micro-step per optimizer step (grad_accum 1).
-        loss_chunks, mlp_chunks, offload: the long-context knobs' values to choose from: a tiled
-            loss and a tiled MLP over that many sequence chunks (powers of two, 1 = not tiled;
-            `modeling.tiling`) and activation offload to host memory (`modeling.offload`). None:
-            `planner.joint.space.default_tiling` (each off, or on at one size), which the solver
-            takes only where it buys a plan that fits or runs faster.
-        data: the corpus the plan will train on (an `executor.data.batches.TokenCorpus`, as
-            `load_corpus` returns it). On the local `cpu` profile, with `calibrate` and no `law`,
-            pilot runs on it fit the plan's loss law when they cost at most 10% of the budget,
-            which they are charged to (`planner.pilots`; cached per model, corpus and tokenizer);
-            the plan's `Predictions.loss_calibration` records it. None: no pilots.
-        bytes_per_token: UTF-8 bytes per token of the corpus (`executor.data.text_bytes`): the
-            published law is carried to it per byte (`costmodels.loss.transfer`). None: the
-            published law's own units.
-        cache_dir: the cache root for the pilot fits (default: `hardware_profiles.cache.cache_root`).
+        options: a `trainplan.planner.options.SolveOptions` (None: its defaults): the sequence length,
+            the search space, limits, the loss law and corpus; each field is documented there.
+        overrides: keywords naming `SolveOptions` fields (`seq_len=8192`), applied over `options`.
+        The plan records the options it was solved with (`Plan.options`).
 
     Raises:
         UnknownNameError: unknown hardware or preset.
-        TrainplanError: bad sequence length, SP degree, option or data method; a pilot that
-            stopped early.
+        TrainplanError: an override that names no option; bad sequence length, SP degree, option
+            or data method; a pilot that stopped early.
         BudgetError: a time limit or seed out of range; more devices than the corpus can feed; a
             global batch that is not a whole number of tokens in range, or that no SP degree and
             micro-batch divides (the message names the nearest valid global batches).
@@ -112,37 +74,39 @@ def solve(model: nn.Module | str, hw: str | HardwareProfile, budget: Budget, *, 
             and (with `explain`) the smallest change that fits, confirmed by a re-solve; the
             error's `explanation` and `suggestions` carry the same as data.
     """
-    check_seq_len(seq_len)
+    o = options_from(options, overrides)
+    check_seq_len(o.seq_len)
     if not isinstance(budget, Budget):
-        raise TrainplanError(f"budget must be a planner.Budget, got {type(budget).__name__}")
-    check_time_limit(time_limit_s)
-    check_seed(seed)
-    check_global_batch_tokens(global_batch_tokens)
-    data_methods = check_data_methods(data_methods)
-    pr = prepare(model, hw, seq_len=seq_len, data_tokens=data_tokens, vocab_size=vocab_size,
-                 precision=precision, law=law, micro_batches=micro_batches,
-                 optimizer_bits=optimizer_bits, policies=policies, data_fractions=data_fractions,
-                 activation_bits=activation_bits, global_batch_tokens=global_batch_tokens,
-                 loss_chunks=loss_chunks, mlp_chunks=mlp_chunks, offload=offload,
-                 bytes_per_token=bytes_per_token)
-    pr, budget, calibration = calibrated(pr, model, budget, data, enabled=calibrate and law is None, lr=lr,
-                                         seed=seed, bytes_per_token=bytes_per_token, cache_dir=cache_dir)
+        raise TrainplanError(f"budget must be a trainplan.planner.Budget, got {type(budget).__name__}")
+    check_time_limit(o.time_limit_s)
+    check_seed(o.seed)
+    check_global_batch_tokens(o.global_batch_tokens)
+    data_methods = check_data_methods(o.data_methods)
+    pr = prepare(model, hw, seq_len=o.seq_len, data_tokens=o.data_tokens, vocab_size=o.vocab_size,
+                 precision=o.precision, law=o.law, micro_batches=o.micro_batches,
+                 optimizer_bits=o.optimizer_bits, policies=o.policies, data_fractions=o.data_fractions,
+                 activation_bits=o.activation_bits, global_batch_tokens=o.global_batch_tokens,
+                 loss_chunks=o.loss_chunks, mlp_chunks=o.mlp_chunks, offload=o.offload,
+                 bytes_per_token=o.bytes_per_token)
+    pr, budget, calibration = calibrated(pr, model, budget, o.data, enabled=o.calibrate and o.law is None, lr=o.lr,
+                                         seed=o.seed, bytes_per_token=o.bytes_per_token, cache_dir=o.cache_dir)
     try:
-        plan = solve_problem(pr, budget, memory_limit_bytes=memory_limit_bytes,
-                             time_limit_s=time_limit_s, seed=seed, lr=lr, export_path=export_path,
-                             diagnose=not explain)
+        plan = solve_problem(pr, budget, memory_limit_bytes=o.memory_limit_bytes,
+                             time_limit_s=o.time_limit_s, seed=o.seed, lr=o.lr, export_path=o.export_path,
+                             diagnose=not o.explain)
     except InfeasibleError as e:
-        if not explain:
+        if not o.explain:
             raise
-        raise explain_infeasible(pr, budget, e, memory_limit_bytes=memory_limit_bytes) from e
-    plan = choose_data_method(plan, pr.law, methods=data_methods, fractions=data_fractions,
-                              fits=data_quality)
-    return with_calibration(with_model_facts(with_feature_notes(plan, pr.graph), model), calibration)
+        raise explain_infeasible(pr, budget, e, memory_limit_bytes=o.memory_limit_bytes) from e
+    plan = choose_data_method(plan, pr.law, methods=data_methods, fractions=o.data_fractions,
+                              fits=o.data_quality)
+    plan = with_calibration(with_model_facts(with_feature_notes(plan, pr.graph), model), calibration)
+    return replace(plan, options=o.recorded())
 
 
 def with_feature_notes(plan: Plan, graph) -> Plan:
     """`plan` with the notes its model's features call for: why SP above 1 was not offered,
-    when the model's attention is one Ulysses cannot run (`planner.capture.layout.sp_refusal`)
+    when the model's attention is one Ulysses cannot run (`trainplan.planner.capture.layout.sp_refusal`)
     and the plan has devices to share a sequence over; and, for a mixture of experts, where its
     experts are (no expert parallelism: on every device, their states sharded by the ZeRO stage)."""
     notes = []
@@ -166,7 +130,7 @@ def solve_longest(model: nn.Module | str, hw: str | HardwareProfile, budget: Bud
                   vocab_size: int | None = None, precision: str | None = None, law: LossLaw | None = None,
                   time_limit_s: float = 10.0, seed: int = 0, memory_limit_bytes: float | None = None,
                   **space_options) -> Plan:
-    """The plan for the longest sequence `budget` trains (`planner.joint.problem.longest_plan`: the
+    """The plan for the longest sequence `budget` trains (`trainplan.planner.joint.problem.longest_plan`: the
     longest multiple of `granularity` tokens, at most `up_to`, with a plan; every knob chosen
     jointly at each length, the long-context knobs where nothing fits without them).
     `space_options`: `solve`'s search-space options (micro_batches, optimizer_bits,
@@ -176,7 +140,7 @@ def solve_longest(model: nn.Module | str, hw: str | HardwareProfile, budget: Bud
     Raises:
         as `solve`; InfeasibleError when not even `granularity` tokens fit."""
     if not isinstance(budget, Budget):
-        raise TrainplanError(f"budget must be a planner.Budget, got {type(budget).__name__}")
+        raise TrainplanError(f"budget must be a trainplan.planner.Budget, got {type(budget).__name__}")
     check_time_limit(time_limit_s)
     check_seed(seed)
     if space_options.get("global_batch_tokens") is not None:
@@ -192,9 +156,9 @@ def solve_longest(model: nn.Module | str, hw: str | HardwareProfile, budget: Bud
 
 def with_model_facts(plan: Plan, model: nn.Module | str) -> Plan:
     """`plan` with what its model adds to it: the transformers config a config-built module
-    carries (`Plan.hf_config`, from `modeling.configs.build_from_config`), and a warning when the
+    carries (`Plan.hf_config`, from `trainplan.modeling.configs.build_from_config`), and a warning when the
     plan's sequence is beyond the positions the model was configured for
-    (`modeling.configs.position_warning`, presets included). `solve`, `solve_longest` and
+    (`trainplan.modeling.configs.position_warning`, presets included). `solve`, `solve_longest` and
     `plan_for_choice` apply it; applied twice, it adds nothing more.
 
     Raises:
@@ -226,10 +190,10 @@ def plan_for_choice(model: nn.Module | str, hw: str | HardwareProfile, *, seq_le
                     loss_chunks: int = 1, mlp_chunks: int = 1, offload: bool = False) -> Plan:
     """A Plan with every knob fixed by the caller, predictions from the same cost models, no
     solver (status `FIXED`): for baselines, benchmarks and what-if questions. `data_method`
-    and `selection_every_steps` (dynamic selection) as `planner.data_choice.with_data_method`
+    and `selection_every_steps` (dynamic selection) as `trainplan.planner.data_choice.with_data_method`
     sets them: nothing is taken off `max_steps` for scoring. `grad_accum`: micro-steps of
     `micro_batch` sequences per optimizer step; `max_steps` counts optimizer steps.
-    `loss_chunks`, `mlp_chunks`, `offload`: the long-context knobs (`planner.plan.Decisions`).
+    `loss_chunks`, `mlp_chunks`, `offload`: the long-context knobs (`trainplan.planner.plan.Decisions`).
 
     Raises:
         TrainplanError: a knob out of range (SP degree not dividing devices, heads or sequence;

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from trainplan_errors import BudgetError, DataError
+from trainplan.errors import BudgetError, DataError
 
 MAX_WALL_CLOCK_S = 1e9
 """Largest wall clock a plan may run: 1e9 s, about 31.7 years. The solver counts time in

@@ -1,6 +1,6 @@
 """The data subset's scoring method, chosen with its kept fraction after the joint solve.
 
-The joint solver (`planner.joint.solver`) picks every knob for a random subset: its loss table is the
+The joint solver (`trainplan.planner.joint.solver`) picks every knob for a random subset: its loss table is the
 data-constrained law at each token level and kept fraction. A scoring method changes two numbers
 of that table, and nothing else the solver sees (memory, step time, the combo): the data term's
 quality multiplier and the tokens left once the scoring is paid for. So, at the solved knobs,
@@ -15,17 +15,17 @@ and keeps the lowest L; ties go to random, then to the larger fraction. A non-ra
 exactly when its predicted gain (quality > 1) beats its scoring cost (fewer steps).
 
 Sources: the law and effective data are Muennighoff et al. 2023 ("Scaling Data-Constrained
-Language Models", arXiv:2305.16264, eq. 5) on Hoffmann et al. 2022's form (`costmodels.loss.law`);
-q_m(f) = 1 + a (1 - f)**b is `costmodels.data.quality`'s selection-quality multiplier; charging the
+Language Models", arXiv:2305.16264, eq. 5) on Hoffmann et al. 2022's form (`trainplan.costmodels.loss.law`);
+q_m(f) = 1 + a (1 - f)**b is `trainplan.costmodels.data.quality`'s selection-quality multiplier; charging the
 scoring compute to the budget follows Yin and Rush 2025 ("Compute-Constrained Data Selection",
 arXiv:2410.16208), with the FLOPs of the executor's default reference model predicted by
-`costmodels.data.scoring.reference_scoring_flops` over every corpus window plus `TARGET_WINDOWS`
+`trainplan.costmodels.data.scoring.reference_scoring_flops` over every corpus window plus `TARGET_WINDOWS`
 target windows, converted to steps at the plan's FLOPs per step (under a time budget the same
 conversion at the plan's FLOP rate).
 
 Which multiplier a method gets (`known_quality`), first that applies:
-1. `fits` passed in (e.g. from `costmodels.data.fit.fit_quality` on pilot runs);
-2. a local fit cached for (model, vocabulary) (`costmodels.data.quality_cache.load_quality_fits`,
+1. `fits` passed in (e.g. from `trainplan.costmodels.data.fit.fit_quality` on pilot runs);
+2. a local fit cached for (model, vocabulary) (`trainplan.costmodels.data.quality_cache.load_quality_fits`,
    written by `save_quality_fits` or `python benchmarks/data.py --save-fits`);
 3. the published default (`DEFAULT_QUALITY`) for models of at least `LARGE_MODEL_PARAMS`
    parameters: Ankner et al. 2024 ("Perplexed by Perplexity", arXiv:2405.20541) measured loss-
@@ -38,7 +38,7 @@ Approximations: the knobs (combo, checkpointing, optimizer width) stay the solve
 tokens and fraction move, which is exact for every knob but the optimizer width, whose loss
 penalty the solver traded against tokens at the random subset's quality. The published loss
 multiplier was measured with a 125M reference model; the executor's default reference is far
-smaller (`executor.data.scorers.ReferenceConfig`), so refit it locally before trusting it. With no
+smaller (`trainplan.executor.data.scorers.ReferenceConfig`), so refit it locally before trusting it. With no
 corpus size (`data_tokens` unconstrained) there is no pool to score and the plan stays random.
 Dynamic selection (`Decisions.selection_every_steps`) is never chosen here (no multiplier model
 for it); `with_data_method` sets it by hand and predicts it at the random subset's quality.
@@ -51,28 +51,28 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from costmodels.data.quality import DEFAULT_QUALITY, METHODS, QualityFit
-from costmodels.data.quality_cache import load_quality_fits
-from costmodels.data.scoring import reference_scoring_flops
-from costmodels.loss.bits import bits_loss_penalty
-from costmodels.loss.cache import law_from_fields, load_local_law
-from costmodels.loss.law import LossLaw
-from costmodels.loss.planned import run_loss, warmup_steps_for
-from planner.budget import UNLIMITED_DATA_TOKENS
-from planner.plan import Plan
-from trainplan_errors import TrainplanError
+from trainplan.costmodels.data.quality import DEFAULT_QUALITY, METHODS, QualityFit
+from trainplan.costmodels.data.quality_cache import load_quality_fits
+from trainplan.costmodels.data.scoring import reference_scoring_flops
+from trainplan.costmodels.loss.bits import bits_loss_penalty
+from trainplan.costmodels.loss.cache import law_from_fields, load_local_law
+from trainplan.costmodels.loss.law import LossLaw
+from trainplan.costmodels.loss.planned import run_loss, warmup_steps_for
+from trainplan.errors import TrainplanError
+from trainplan.planner.budget import UNLIMITED_DATA_TOKENS
+from trainplan.planner.plan import Plan
 
 __all__ = ["DEFAULT_DATA_METHODS", "LARGE_MODEL_PARAMS", "TARGET_WINDOWS", "DataOption",
            "check_data_methods", "known_quality", "predicted_scoring_flops", "data_options",
            "choose_data_method", "with_data_method", "plan_law"]
 
 DEFAULT_DATA_METHODS = ("random", "dsir", "loss", "influence")
-"""Methods `planner.api.solve` considers by default (those without a known multiplier drop out)."""
+"""Methods `trainplan.planner.api.solve` considers by default (those without a known multiplier drop out)."""
 LARGE_MODEL_PARAMS = 1e9
 """From this many parameters a method without a local fit gets its published default multiplier
 (Ankner et al. 2024 trained 1B and 3B models)."""
 TARGET_WINDOWS = 64
-"""Held-out target windows influence/DSIR also score; mirrors `executor.data.dynamic_selection.TARGET_WINDOWS`
+"""Held-out target windows influence/DSIR also score; mirrors `trainplan.executor.data.dynamic_selection.TARGET_WINDOWS`
 (the planner does not import the executor)."""
 
 
@@ -111,7 +111,7 @@ def known_quality(model: str, vocab_size: int, n_params: float, methods: Sequenc
 
 
 def plan_law(plan: Plan) -> LossLaw:
-    """The law `planner.api.solve` predicted `plan` with: the one the plan records
+    """The law `trainplan.planner.api.solve` predicted `plan` with: the one the plan records
     (`Predictions.loss_law`); for plans written before it, the locally fitted law of (model,
     vocabulary) on the cpu profile when one is cached, else Besiroglu et al. 2024's."""
     if plan.predictions.loss_law:  # the law the plan was predicted with (plans since the field)
@@ -229,7 +229,7 @@ def choose_data_method(plan: Plan, law: LossLaw | None = None, *,
     """`plan` with its data method and fraction chosen jointly (module docstring), steps and
     tokens re-derived from what the scoring leaves of the budget. Unchanged when only "random"
     is asked for, when random wins (the solver's own plan), with no corpus size, or for a plan
-    with dynamic selection. Call it before `planner.governor.with_governor` (whose predictions
+    with dynamic selection. Call it before `trainplan.planner.governor.with_governor` (whose predictions
     it would not update). Idempotent: a plan already charged for a method is re-evaluated from
     its whole budget.
 
@@ -256,7 +256,7 @@ def choose_data_method(plan: Plan, law: LossLaw | None = None, *,
     note = (f"data: {best.method} at fraction {best.fraction:g} (q={best.quality:.3g}: "
             f"{best.quality_source}); scoring {best.scoring_flops:.3g} FLOPs = "
             f"{best.scoring_steps} steps charged; predicted loss {best.predicted_loss:.4f}"
-            f"{versus} (planner.data_choice)")
+            f"{versus} (trainplan.planner.data_choice)")
     return _apply(plan, best, note)
 
 
@@ -264,7 +264,7 @@ def with_data_method(plan: Plan, method: str, *, selection_every_steps: int = 0,
                      law: LossLaw | None = None, fits: dict[str, QualityFit] | None = None,
                      cache_dir=None) -> Plan:
     """`plan` with `method` (and dynamic selection every `selection_every_steps` steps) set by
-    hand at its own fraction and steps (`planner.api.plan_for_choice`: steps fixed by the
+    hand at its own fraction and steps (`trainplan.planner.api.plan_for_choice`: steps fixed by the
     caller, so nothing is taken off them): the scoring FLOPs predicted and the final loss
     predicted at the method's known multiplier (q = 1 when it has none, and for dynamic
     selection).

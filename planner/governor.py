@@ -1,7 +1,7 @@
 """The planner's side of the compute governor: the stopping threshold and the predicted stop.
 
 A plan's budget (`Decisions.max_steps`) is the most the run may spend; the governor
-(`executor.governor`) ends it earlier when its next steps are no longer worth their cost. The
+(`trainplan.executor.governor`) ends it earlier when its next steps are no longer worth their cost. The
 planner fixes the governor's threshold from economics and predicts where it will stop:
 
 - threshold (nats/token per step) = cost of one step / value of one nat of held-out loss.
@@ -9,20 +9,20 @@ planner fixes the governor's threshold from economics and predicts where it will
   device-hours; the value of a nat is the user's (`--loss-value-device-hours-per-nat` on
   `trainplan solve` and `demo`): how many device-hours one nat less held-out loss is worth.
   A step is worth taking while it lowers the loss by at least the threshold
-  (`costmodels.stopping.prediction.threshold_from_value`).
-- predicted stop step: the step at which the governor's own rule (`costmodels.stopping.rule.
+  (`trainplan.costmodels.stopping.prediction.threshold_from_value`).
+- predicted stop step: the step at which the governor's own rule (`trainplan.costmodels.stopping.rule.
   Governor`: the same refit cadence, fit window, confidence bound, trend check and cooldown
   rule), run over a predicted held-out curve evaluated as the run will be (every `eval_every`
   steps, with the noise a pilot's held-out curve showed about its fit), decides to stop: the
-  median over simulated evaluation series (`costmodels.stopping.simulation.simulated_stop_step`).
-  The curve is, best, the one calibrated on pilot runs (`curve=`, `costmodels.stopping.heldout_curve`:
+  median over simulated evaluation series (`trainplan.costmodels.stopping.simulation.simulated_stop_step`).
+  The curve is, best, the one calibrated on pilot runs (`curve=`, `trainplan.costmodels.stopping.heldout_curve`:
   a fresh-data law plus a penalty for repeated data, which can rise, as an overfitting run's
   held-out loss does, and the pilots' measured start before their fitted range); without
   one, the plan's loss law along the run (the local law of `trainplan calibrate` on the
   cpu profile, else the published one, data-constrained through Muennighoff et al. 2023's
   effective tokens), which only flattens and so misplaces a stop that overfitting sets; and
   without an evaluation noise either, where the law's mean drop per step crosses the threshold
-  (`costmodels.stopping.prediction.predict_stop_from_law`), a lower bound on the governor's stop.
+  (`trainplan.costmodels.stopping.prediction.predict_stop_from_law`), a lower bound on the governor's stop.
 
 `with_governor` returns the plan with both written in (`Decisions.governor_threshold`,
 `Predictions.predicted_stop_step`, `predicted_end_step`, `predicted_end_loss`) and a note
@@ -39,18 +39,18 @@ import math
 from pathlib import Path
 from typing import Any
 
-from costmodels.loss.bits import bits_loss_penalty
-from costmodels.loss.cache import law_from_fields, load_local_law
-from costmodels.loss.law import LossLaw, learning_curve
-from costmodels.stopping.heldout_curve import HeldoutCurve
-from costmodels.stopping.prediction import predict_stop_from_law, threshold_from_value
-from costmodels.stopping.schedule import cooldown_steps
-from costmodels.stopping.simulation import simulated_stops
-from planner.plan import Plan
-from trainplan_errors import TrainplanError
+from trainplan.costmodels.loss.bits import bits_loss_penalty
+from trainplan.costmodels.loss.cache import law_from_fields, load_local_law
+from trainplan.costmodels.loss.law import LossLaw, learning_curve
+from trainplan.costmodels.stopping.heldout_curve import HeldoutCurve
+from trainplan.costmodels.stopping.prediction import predict_stop_from_law, threshold_from_value
+from trainplan.costmodels.stopping.schedule import cooldown_steps
+from trainplan.costmodels.stopping.simulation import simulated_stops
+from trainplan.errors import TrainplanError
+from trainplan.planner.plan import Plan
 
 LAW_NOTE = "loss law: "
-"""How `planner.api` names the plan's loss law in `Plan.notes`."""
+"""How `trainplan.planner.api` names the plan's loss law in `Plan.notes`."""
 GOVERNOR_NOTE = "governor: "
 CURVE_NEEDS_VALUE = ("--heldout-curve predicts the governor's stop: give "
                      "--loss-value-device-hours-per-nat V with it")
@@ -103,7 +103,7 @@ def with_governor(plan: Plan, *, value_device_hours_per_nat: float | None = None
         value_device_hours_per_nat: device-hours one nat of held-out loss is worth; the
             threshold is then the plan's predicted cost of one step (device-hours) over it;
         threshold_nats_per_step: the threshold itself (0: the governor off, no prediction).
-    curve: the held-out curve calibrated on pilot runs (`costmodels.stopping.heldout_fit.
+    curve: the held-out curve calibrated on pilot runs (`trainplan.costmodels.stopping.heldout_fit.
         fit_heldout_curve`); it is moved to the plan's tokens per step and unique tokens
         (`HeldoutCurve.for_run`) and the governor simulated over it, its start as the pilots
         measured it (`HeldoutCurve.loss_with_early`), with `noise_nats` (default:
@@ -115,10 +115,10 @@ def with_governor(plan: Plan, *, value_device_hours_per_nat: float | None = None
     noise_nats: the held-out evaluation noise expected (nats). With a curve or a noise, the
         predicted stop is the governor's own rule simulated over the curve (`runs` series of
         evaluations every `eval_every` steps, default: a governed run's, max_steps // 50, with
-        `governor_settings`, `Governor` fields; `costmodels.stopping.simulation.
+        `governor_settings`, `Governor` fields; `trainplan.costmodels.stopping.simulation.
         simulated_stop_step`): it waits for an upper confidence bound, so it stops later than
         the curve's crossing. Neither: the crossing of the law's mean curve
-        (`costmodels.stopping.prediction.predict_stop_from_law`), a lower bound on the stop.
+        (`trainplan.costmodels.stopping.prediction.predict_stop_from_law`), a lower bound on the stop.
     pick_budget: with a simulated stop before the budget, also pick the token budget from the
         curve: max_steps = min(the budget's, ceil((1 + BUDGET_MARGIN) x end)), end = the
         BUDGET_QUANTILE simulated decision plus its cooldown; the stop is then simulated again
@@ -226,7 +226,7 @@ def with_governor(plan: Plan, *, value_device_hours_per_nat: float | None = None
 
 def run_curve(plan: Plan, curve: HeldoutCurve) -> HeldoutCurve:
     """The pilots' `curve` moved to `plan`'s tokens per step and unique tokens (`data_tokens x
-    data_fraction`, at least 1): eq. (1) of `costmodels.stopping.heldout_curve` for this run.
+    data_fraction`, at least 1): eq. (1) of `trainplan.costmodels.stopping.heldout_curve` for this run.
 
     Raises: TrainplanError for a curve of another model or vocabulary than the plan's (its
     constants and nats per token belong to both); a curve that records neither is taken as it
@@ -241,7 +241,7 @@ def simulated_decisions(plan: Plan, curve: HeldoutCurve, *, threshold_nats_per_s
                         eval_every: int | None = None, governor_settings: dict | None = None,
                         runs: int = 16) -> list[tuple[int, int]]:
     """(decision, end) steps of the governor simulated `runs` times over the pilots' `curve`
-    for `plan`, sorted (`costmodels.stopping.simulation.simulated_stops`): the curve as the plan's
+    for `plan`, sorted (`trainplan.costmodels.stopping.simulation.simulated_stops`): the curve as the plan's
     run sees it (`run_curve`), its start as the pilots measured it (`loss_with_early`), with
     `noise_nats` of evaluation noise (default `sim_noise_nats`), `max_steps` (default the
     plan's), `eval_every` and `governor_settings` (`Governor` fields) as the live run's, the

@@ -1,16 +1,16 @@
 """Automatic local calibration: short pilot runs on this machine fit the plan's loss law.
 
 `solve(..., data=corpus)` (and `trainplan solve`/`demo`, which always pass the corpus) on the
-local `cpu` profile calls `calibrate`: when the pilots of `costmodels.loss.pilots.design_pilots`
-cost at most 10% of the budget, it trains them for real (`executor.train.run`, trainplan's own
+local `cpu` profile calls `calibrate`: when the pilots of `trainplan.costmodels.loss.pilots.design_pilots`
+cost at most 10% of the budget, it trains them for real (`trainplan.executor.train.run`, trainplan's own
 loop, with the plan's sequence, learning rate and schedule), fits the local law
-(`costmodels.loss.pilots.fit_pilot_law`) and charges what they cost to the budget before the
+(`trainplan.costmodels.loss.pilots.fit_pilot_law`) and charges what they cost to the budget before the
 solve. The fit is cached (`<cache root>/laws/pilots-<key>.json`, key: the model's name and shape,
 the corpus and tokenizer fingerprint, the sequence, the learning rate and the pilot design) with
 the pilots' curves, and reused by any later plan whose budget is at most the one it was sized for
 (its pilots were at most 10% of that): such a plan is charged nothing and says so.
 
-The one module of `planner` besides `planner.cli` that imports the executor (the import
+The one module of `planner` besides `trainplan.planner.cli` that imports the executor (the import
 contract in pyproject.toml names it): calibrating means running.
 """
 
@@ -29,9 +29,9 @@ from typing import Any
 
 from torch import nn
 
-from costmodels.loss.cache import law_fields, law_from_fields
-from costmodels.loss.law import LossLaw
-from costmodels.loss.pilots import (
+from trainplan.costmodels.loss.cache import law_fields, law_from_fields
+from trainplan.costmodels.loss.law import LossLaw
+from trainplan.costmodels.loss.pilots import (
     MIN_PILOT_STEPS,
     PILOT_BUDGET_FRAC,
     PilotResult,
@@ -39,13 +39,13 @@ from costmodels.loss.pilots import (
     design_pilots,
     fit_pilot_law,
 )
-from costmodels.step.model import Choice
-from costmodels.step.precision import optimizer_bits_for
-from hardware_profiles.cache import cache_root
-from planner.budget import Budget
-from planner.joint.problem import Problem, make_plan
-from planner.plan import Plan, SolverFacts
-from trainplan_errors import TrainplanError
+from trainplan.costmodels.step.model import Choice
+from trainplan.costmodels.step.precision import optimizer_bits_for
+from trainplan.errors import TrainplanError
+from trainplan.hardware_profiles.cache import cache_root
+from trainplan.planner.budget import Budget
+from trainplan.planner.joint.problem import Problem, make_plan
+from trainplan.planner.plan import Plan, SolverFacts
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ def _pilot_plan(pr: Problem, spec: PilotSpec, lr: float, seed: int) -> Plan:
 
 def _run_pilots(pr: Problem, model: nn.Module | str, specs: list[PilotSpec], corpus, lr: float, seed: int,
                 progress: bool) -> list[PilotResult]:
-    from executor.train import run  # torch training: only when pilots run
+    from trainplan.executor.train import run  # torch training: only when pilots run
 
     out = []
     with tempfile.TemporaryDirectory(prefix="trainplan-pilots-") as tmp:
@@ -146,7 +146,7 @@ def calibrate(pr: Problem, model: nn.Module | str, budget: Budget, corpus, *, lr
     them (the caller, `calibrated`, then keeps the published law and records why).
 
     Reuses a cached fit whose budget covers this one (nothing charged); else designs the pilots
-    for `budget` (`costmodels.loss.pilots.design_pilots`), runs them, fits, caches and returns
+    for `budget` (`trainplan.costmodels.loss.pilots.design_pilots`), runs them, fits, caches and returns
     the budget minus what they cost (FLOPs, seconds or device-hours, as the budget is given:
     the cost model's FLOPs per step, the measured seconds).
 
@@ -197,7 +197,7 @@ def calibrate(pr: Problem, model: nn.Module | str, budget: Budget, corpus, *, lr
 def calibrated(pr: Problem, model: nn.Module | str, budget: Budget, data, *, enabled: bool, lr: float, seed: int,
                bytes_per_token: float | None = None, cache_dir=None,
                progress: bool = False) -> tuple[Problem, Budget, dict | None]:
-    """(problem, budget, record) after the automatic local calibration (`planner.pilots.calibrate`):
+    """(problem, budget, record) after the automatic local calibration (`trainplan.planner.pilots.calibrate`):
     the problem with the pilots' law and the budget less what they cost, when `enabled`, `data`
     is given and the profile is the local `cpu` one (pilots run on this machine); else as given,
     with a record saying why not (None when no corpus was given)."""

@@ -9,9 +9,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from planner.plan_schema import PlanSchema
-from trainplan_errors import PlanMismatchError
-from trainplan_errors.validation import one_line
+from trainplan.errors import PlanMismatchError
+from trainplan.errors.validation import one_line
+from trainplan.planner.plan_schema import PlanSchema
 
 PLAN_FORMAT = 1
 
@@ -41,55 +41,55 @@ class Decisions:
     """Tokens per sequence (the whole sequence; each SP rank holds seq_len / sp_degree)."""
     checkpoint: tuple[str, ...]
     """Per transformer block, the checkpoint menu entry: `none`, `full`, a built-in selective
-    policy (`costmodels.checkpoint_sets.BUILTIN`) or a solved entry named in `checkpoint_sets`."""
+    policy (`trainplan.costmodels.checkpoint_sets.BUILTIN`) or a solved entry named in `checkpoint_sets`."""
     precision: str
     """`fp32`, `bf16-mixed` (bf16 compute, fp32 master) or `bf16`."""
     optimizer_bits: int
     """Adam state width: 32 (fp32, torch), 16 (the pure-bf16 parameters' dtype, torch), 8
-    (bitsandbytes block-wise) or 4 (torchao block-wise) bits (`executor.optimizers`)."""
+    (bitsandbytes block-wise) or 4 (torchao block-wise) bits (`trainplan.executor.optimizers`)."""
     activation_bits: int = 32
     """Width of the activations autograd saves for the backward outside checkpointed blocks:
     32 = as computed, 16 = bf16, 8 = int8 with a per-channel scale
-    (`modeling.activation_compression`). Plans written before the field read 32."""
+    (`trainplan.modeling.activation_compression`). Plans written before the field read 32."""
     loss_chunks: int = 1
-    """Sequence chunks the LM head and loss run over (`modeling.tiling.tiled_lm_loss`: one
+    """Sequence chunks the LM head and loss run over (`trainplan.modeling.tiling.tiled_lm_loss`: one
     chunk's logits alive at a time, recomputed in the backward); 1 = not tiled. Plans written
     before the field read 1."""
     mlp_chunks: int = 1
-    """Sequence chunks every block's MLP runs over (`modeling.tiling.tile_mlp`); 1 = not tiled.
+    """Sequence chunks every block's MLP runs over (`trainplan.modeling.tiling.tile_mlp`); 1 = not tiled.
     Above 1, blocks are checkpointed `none` or `full`. Plans written before the field read 1."""
     offload: bool = False
     """Checkpointed blocks' inputs kept in host memory from their forward to their backward
-    (`modeling.offload`). Plans written before the field read False."""
+    (`trainplan.modeling.offload`). Plans written before the field read False."""
     data_fraction: float
     """Fraction of the corpus's training windows kept."""
     data_method: str
     """How the kept subset is chosen: `random` (a seeded uniform subset), or a scoring method of
-    `executor.data.selection`: `loss` (a small reference model's per-window loss), `influence`
+    `trainplan.executor.data.selection`: `loss` (a small reference model's per-window loss), `influence`
     (LESS-style gradient similarity to a held-out target slice) or `dsir` (hashed n-gram
     importance weights toward that slice). Chosen with `data_fraction` by
-    `planner.data_choice.choose_data_method`."""
+    `trainplan.planner.data_choice.choose_data_method`."""
     max_tokens: int
     """Stopping budget: tokens to train (all ranks)."""
     max_steps: int
     """Stopping budget in optimizer steps = ceil(max_tokens / tokens_per_step)."""
     governor_threshold: float = 0.0
     """Stop when the predicted held-out loss drop per step falls below this (nats/token per
-    step); 0 disables the compute governor (`executor.governor`). Set by
-    `planner.governor.with_governor`: cost of one step / value of one nat."""
+    step); 0 disables the compute governor (`trainplan.executor.governor`). Set by
+    `trainplan.planner.governor.with_governor`: cost of one step / value of one nat."""
     lr: float = DEFAULT_LR
     """Peak learning rate (AdamW)."""
     checkpoint_sets: dict[str, list[str]] = field(default_factory=dict)
     """Solved checkpoint entries (`remat:k`) -> the node keys whose outputs they keep
-    (`costmodels.checkpoint_sets`, e.g. `aten.mm.default#3`); the executor rebuilds each SAC policy
+    (`trainplan.costmodels.checkpoint_sets`, e.g. `aten.mm.default#3`); the executor rebuilds each SAC policy
     from these."""
     checkpoint_block_ops: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Per checkpointed block kind (the captured region its layers run, e.g. `block0`): `layers`
     (the 0-based layers that run it checkpointed), `ops` (the ATen ops of its captured forward in
-    execution order, as the SAC policy function sees them: `costmodels.checkpoint_sets.node_keys`
+    execution order, as the SAC policy function sees them: `trainplan.costmodels.checkpoint_sets.node_keys`
     without the call counts, attention overloads as `attention`) and `device_type` (whose attention
     and dropout kernels were captured: `cpu` or `cuda`). The node keys of `checkpoint_sets` name
-    positions in these sequences; `executor.apply.checkpointing.check_block_ops` refuses a model
+    positions in these sequences; `trainplan.executor.apply.checkpointing.check_block_ops` refuses a model
     whose blocks run other ops (`PlanMismatchError`). Plans written before the field read {}
     (not checked)."""
     warmup_steps: int = 20
@@ -97,7 +97,7 @@ class Decisions:
     selection_every_steps: int = 0
     """Data selection timing: 0 = static (score once before training, keep `data_fraction` of
     the windows for the whole run); K > 0 = dynamic (start from a seeded random subset and
-    re-score every K steps with the model being trained, `executor.data.dynamic_selection.DynamicSelector`).
+    re-score every K steps with the model being trained, `trainplan.executor.data.dynamic_selection.DynamicSelector`).
     Plans written before the field read 0."""
 
 
@@ -129,7 +129,7 @@ class Predictions:
     predicted_stop_step: int | None = None
     """Steps done when the governor is predicted to decide to stop: where the predicted loss
     curve's drop per step falls below `Decisions.governor_threshold`
-    (`planner.governor.with_governor`); `max_steps` when the budget binds first; None without
+    (`trainplan.planner.governor.with_governor`); `max_steps` when the budget binds first; None without
     a governor. Plans written before the field read None."""
     predicted_end_step: int | None = None
     """Steps done when the governed run is predicted to end: `predicted_stop_step` plus its
@@ -144,24 +144,24 @@ class Predictions:
     checked)."""
     scoring_flops: float = 0.0
     """FLOPs of scoring the corpus for `Decisions.data_method` (reference-model training and
-    the scoring pass, `costmodels.data.scoring.reference_scoring_flops`), charged to the budget
+    the scoring pass, `trainplan.costmodels.data.scoring.reference_scoring_flops`), charged to the budget
     before training: `max_steps` is what is left. 0 for `random`; plans written before the
     field read 0."""
     host_memory_bytes: float = 0.0
     """Host memory per device holding offloaded activations (`Decisions.offload`); 0 without."""
     host_memory_limit_bytes: float = 0.0
-    """Host memory one device may fill (`costmodels.step.offload.host_limit_bytes`); 0 on a
+    """Host memory one device may fill (`trainplan.costmodels.step.offload.host_limit_bytes`); 0 on a
     unified-memory device, where offload frees nothing, and in plans written before the field."""
     loss_regime: str = ""
-    """Which regime `final_loss` is in (`costmodels.loss.law.LossLaw.regime`): "fitted locally",
+    """Which regime `final_loss` is in (`trainplan.costmodels.loss.law.LossLaw.regime`): "fitted locally",
     "published, inside its range" or "extrapolated"; "" in plans written before the field."""
     loss_band_nats: float = 0.0
     """Half-width of `final_loss`'s band, nats/token (`LossLaw.band`); 0 in older plans."""
     loss_law: dict[str, Any] = field(default_factory=dict)
-    """The loss law's constants the predictions used (`LossLaw` fields, `costmodels.loss.cache.law_fields`),
+    """The loss law's constants the predictions used (`LossLaw` fields, `trainplan.costmodels.loss.cache.law_fields`),
     so the data-method choice and the governor predict with the same law; {} in older plans."""
     loss_calibration: dict[str, Any] = field(default_factory=dict)
-    """How the law was obtained when `solve` calibrated it on pilot runs (`planner.pilots`): ran
+    """How the law was obtained when `solve` calibrated it on pilot runs (`trainplan.planner.pilots`): ran
     or reused from the cache, the pilots and their FLOPs and seconds, the fit; {} when it did not."""
 
 
@@ -194,7 +194,7 @@ class Plan:
     """A training plan: model, hardware, budget, decisions, predictions and solver facts."""
 
     model: str
-    """Preset name, a config-built model's name (`modeling.configs.config_name`), or the module's
+    """Preset name, a config-built model's name (`trainplan.modeling.configs.config_name`), or the module's
     class name for a user model."""
     model_n_params: int
     model_n_layers: int
@@ -212,13 +212,17 @@ class Plan:
     notes: tuple[str, ...] = field(default=())
     warnings: tuple[str, ...] = field(default=())
     """What the user should know before running the plan, one line each (e.g. a sequence beyond
-    the model's `max_position_embeddings`, `modeling.configs.position_warning`); `trainplan solve`
+    the model's `max_position_embeddings`, `trainplan.modeling.configs.position_warning`); `trainplan solve`
     prints them. Plans written before the field read ()."""
     hf_config: dict[str, Any] | None = None
-    """The transformers config dict the model was built from (`modeling.configs.build_from_config`,
+    """The transformers config dict the model was built from (`trainplan.modeling.configs.build_from_config`,
     e.g. by `trainplan solve --model config.json`): `trainplan run` rebuilds the model from it.
     None for a preset (rebuilt by name) or a user's own module; plans written before the field
     read None."""
+    options: dict[str, Any] | None = None
+    """The `trainplan.planner.options.SolveOptions` the plan was solved with, as JSON values
+    (`SolveOptions.recorded`); None for a plan not made by `solve` (`plan_for_choice`, the longest
+    sequence's search) and for plans written before the field."""
 
     def to_json(self, path: str | Path | None = None) -> str:
         """JSON text of the plan; also written to `path` when given."""
@@ -230,7 +234,7 @@ class Plan:
     @classmethod
     def from_json(cls, text_or_path: str | Path) -> Plan:
         """Read a plan from JSON text or a file path, validated by the plan file's schema
-        (`planner.plan_schema.PlanSchema`: types, ranges, the relations between decisions) and
+        (`trainplan.planner.plan_schema.PlanSchema`: types, ranges, the relations between decisions) and
         checked that its predictions were made for its decisions (`edited_layout`).
 
         Raises:

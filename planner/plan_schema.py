@@ -4,12 +4,12 @@
 
 Strict (pydantic's strict mode): a number is an int or a float, never a bool or a string; whole
 numbers are ints (`8.0` is not a bit width); no NaN or infinity. The fields and their meaning
-are `planner.plan`'s dataclasses (`Decisions`, `Predictions`, `SolverFacts`, `Plan`); a key a
+are `trainplan.planner.plan`'s dataclasses (`Decisions`, `Predictions`, `SolverFacts`, `Plan`); a key a
 plan of format 1 may leave out (written before the field existed) has the dataclass's default.
 Relations between fields that a type cannot state are validators here (sp_degree x dp_degree =
 devices, warm-up within the steps, one checkpoint entry per layer); whether the predictions
-belong to the decisions is `planner.plan.edited_layout`, which `Plan.from_json` applies after.
-Why pydantic rather than checks by hand: `trainplan_errors.validation`.
+belong to the decisions is `trainplan.planner.plan.edited_layout`, which `Plan.from_json` applies after.
+Why pydantic rather than checks by hand: `trainplan.errors.validation`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from costmodels.step.precision import optimizer_bits_for
+from trainplan.costmodels.step.precision import optimizer_bits_for
 
 __all__ = ["BlockOpsSchema", "DecisionsSchema", "PlanSchema", "PredictionsSchema", "SolverFactsSchema"]
 
@@ -40,7 +40,7 @@ Names = list[str]
 
 
 class BlockOpsSchema(BaseModel):
-    """One entry of `planner.plan.Decisions.checkpoint_block_ops`: a checkpointed block kind's
+    """One entry of `trainplan.planner.plan.Decisions.checkpoint_block_ops`: a checkpointed block kind's
     layers and the ops of its captured forward."""
 
     model_config = _CONFIG
@@ -51,7 +51,7 @@ class BlockOpsSchema(BaseModel):
 
 
 class DecisionsSchema(BaseModel):
-    """`planner.plan.Decisions` as the plan file holds it."""
+    """`trainplan.planner.plan.Decisions` as the plan file holds it."""
 
     model_config = _CONFIG
 
@@ -107,7 +107,7 @@ class DecisionsSchema(BaseModel):
 
 
 class PredictionsSchema(BaseModel):
-    """`planner.plan.Predictions` as the plan file holds it."""
+    """`trainplan.planner.plan.Predictions` as the plan file holds it."""
 
     model_config = _CONFIG
 
@@ -144,7 +144,7 @@ class PredictionsSchema(BaseModel):
 
 
 class SolverFactsSchema(BaseModel):
-    """`planner.plan.SolverFacts` as the plan file holds it."""
+    """`trainplan.planner.plan.SolverFacts` as the plan file holds it."""
 
     model_config = _CONFIG
 
@@ -160,7 +160,7 @@ class SolverFactsSchema(BaseModel):
 
 
 class PlanSchema(BaseModel):
-    """A plan file: `planner.plan.Plan` as `Plan.to_json` writes it (format 1)."""
+    """A plan file: `trainplan.planner.plan.Plan` as `Plan.to_json` writes it (format 1)."""
 
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, frozen=True, title="trainplan plan")
 
@@ -180,6 +180,8 @@ class PlanSchema(BaseModel):
     notes: Names = []
     warnings: Names = []
     hf_config: dict[str, Any] | None = None
+    options: dict[str, Any] | None = None
+    """`trainplan.planner.options.SolveOptions.recorded`: informational, not read back into a solve."""
 
     @field_validator("hf_config")
     @classmethod

@@ -1,9 +1,9 @@
 """The JSON Schemas of trainplan's file formats, generated from the pydantic models that declare
-them and written to `docs/schemas/` by `python -m planner.schema_files [--out DIR]`.
+them and written to `docs/schemas/` by `python -m trainplan.planner.schema_files [--out DIR]`.
 
-One declaration per format, beside its reader: a plan (`planner.plan_schema.PlanSchema`), a
-hardware profile (`hardware_profiles.profile_schema.ProfileSchema`, the keys of a `.toml` file)
-and a held-out curve (`costmodels.stopping.heldout_curve.HeldoutCurveSchema`). The readers
+One declaration per format, beside its reader: a plan (`trainplan.planner.plan_schema.PlanSchema`), a
+hardware profile (`trainplan.hardware_profiles.profile_schema.ProfileSchema`, the keys of a `.toml` file)
+and a held-out curve (`trainplan.costmodels.stopping.heldout_curve.HeldoutCurveSchema`). The readers
 validate through the models; these files are for other tools (editors, CI checks of a plan) and
 are generated, never edited: `tests/unit/test_schemas.py` fails when they differ from what the
 models generate now. JSON Schema cannot say what the models' validators check (sp_degree x
@@ -18,9 +18,9 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from costmodels.stopping.heldout_curve import HeldoutCurveSchema
-from hardware_profiles.profile_schema import ProfileSchema
-from planner.plan_schema import PlanSchema
+from trainplan.costmodels.stopping.heldout_curve import HeldoutCurveSchema
+from trainplan.hardware_profiles.profile_schema import ProfileSchema
+from trainplan.planner.plan_schema import PlanSchema
 
 __all__ = ["SCHEMAS", "SCHEMA_DIR", "main", "schema_text", "write_schemas"]
 
@@ -52,7 +52,7 @@ def write_schemas(out: str | Path = SCHEMA_DIR) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m planner.schema_files",
+    ap = argparse.ArgumentParser(prog="python -m trainplan.planner.schema_files",
                                  description="Write the JSON Schemas of the plan, hardware profile and "
                                              "held-out curve files.")
     ap.add_argument("--out", default=str(SCHEMA_DIR), help="folder to write them to (default: %(default)s)")

@@ -3,9 +3,9 @@
 The `cpu` hardware profile is measured once per session (quick mode, about a second) and saved
 into a session temporary cache, so `load("cpu")`, `solve(..., "cpu", ...)` and the corpus
 cache never touch the user's cache and never re-measure. `TRAINPLAN_CACHE_DIR` stays set
-for the whole session, so subprocesses (`python -m planner`, torchrun workers) use the same
+for the whole session, so subprocesses (`python -m trainplan`, torchrun workers) use the same
 cache. The cache file is keyed by host, torch version and the thread count runs use
-(`hardware_profiles.cpu`, `hardware_profiles.threads`): the session sets OMP_NUM_THREADS=1, as
+(`trainplan.hardware_profiles.cpu`, `trainplan.hardware_profiles.threads`): the session sets OMP_NUM_THREADS=1, as
 a user would, so the profile is measured at one thread and every run (in this process, a
 subprocess or a torchrun worker) trains at one thread, as the benchmarks do: the suite shares
 two cores with other work, where multi-threaded steps stall.
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from hardware_profiles import HardwareProfile
+from trainplan.hardware_profiles import HardwareProfile
 
 TINY_LLAMA = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=512, max_position_embeddings=256)
@@ -28,7 +28,7 @@ TINY_LLAMA = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, nu
 @pytest.fixture(scope="session", autouse=True)
 def trainplan_cache(tmp_path_factory) -> Iterator[Path]:
     """Session cache root with the quick-measured cpu profile saved in it."""
-    from hardware_profiles import cpu
+    from trainplan.hardware_profiles import cpu
 
     root = tmp_path_factory.mktemp("trainplan_cache")
     mp = pytest.MonkeyPatch()
@@ -42,7 +42,7 @@ def trainplan_cache(tmp_path_factory) -> Iterator[Path]:
 @pytest.fixture(scope="session")
 def cpu_profile(trainplan_cache) -> HardwareProfile:
     """The session's cpu profile (what `load("cpu")` returns in this session)."""
-    from hardware_profiles import load
+    from trainplan.hardware_profiles import load
 
     return load("cpu")
 
@@ -68,12 +68,12 @@ def tiny_llama() -> Callable:
 @pytest.fixture(scope="session")
 def torch_threads() -> Callable:
     """`with torch_threads(n): ...`: torch's intra-op threads set to `n` inside the block, restored
-    after (`hardware_profiles.threads.torch_threads`). For real training steps in tests: the suite
+    after (`trainplan.hardware_profiles.threads.torch_threads`). For real training steps in tests: the suite
     shares two cores with other work, and small multi-threaded GEMMs under contention run up to
     50x slower (spinning OpenMP workers); bytes and FLOPs do not depend on the thread count.
-    (`executor.train.run` sets its own threads: OMP_NUM_THREADS, 1 in this session, or its
+    (`trainplan.executor.train.run` sets its own threads: OMP_NUM_THREADS, 1 in this session, or its
     `threads` argument.)"""
-    from hardware_profiles.threads import torch_threads as threads
+    from trainplan.hardware_profiles.threads import torch_threads as threads
 
     return threads
 
@@ -81,14 +81,14 @@ def torch_threads() -> Callable:
 @pytest.fixture(scope="session")
 def measured_peak() -> Callable:
     """`measured_peak(model, opt, b, s, autocast_dtype=None, activation_bits=32)`: MemTracker's
-    peak by category (`executor.measure.measure_memory`) over one real training step of
+    peak by category (`trainplan.executor.measure.measure_memory`) over one real training step of
     `model` on random tokens (b sequences of s), after two warm-up steps, as the executor
     measures; the forward under autocast and saved-activation compression when given."""
     import torch
 
-    from executor.measure import measure_memory
-    from modeling.activation_compression import compress_saved_activations
-    from modeling.loss import lm_loss
+    from trainplan.executor.measure import measure_memory
+    from trainplan.modeling.activation_compression import compress_saved_activations
+    from trainplan.modeling.loss import lm_loss
 
     def measure(model, opt, b: int, s: int, autocast_dtype=None, activation_bits: int = 32) -> dict:
         gen = torch.Generator().manual_seed(0)
@@ -112,7 +112,7 @@ def measured_peak() -> Callable:
 @pytest.fixture(scope="module")
 def one_thread(cpu_profile) -> Iterator[None]:
     """One torch thread for a whole module (the cpu profile is loaded before)."""
-    from hardware_profiles.threads import torch_threads
+    from trainplan.hardware_profiles.threads import torch_threads
 
     with torch_threads(1):
         yield

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from costmodels.stopping.heldout_curve import HeldoutCurve
-from executor.record import RunRecord
-from planner.plan import Decisions, Plan, Predictions, SolverFacts
+from trainplan.costmodels.stopping.heldout_curve import HeldoutCurve
+from trainplan.executor.record import RunRecord
+from trainplan.planner.plan import Decisions, Plan, Predictions, SolverFacts
 
 
 class Rotary(nn.Module):
@@ -81,15 +81,15 @@ def tensorboard_scalars(folder) -> dict[str, list[tuple[int, float]]]:
 def transformers_heldout_loss(folder, plan: Plan, corpus) -> float:
     """Held-out loss (nats/token) of the model folder `folder` (`trainplan export-weights`) loaded by
     `transformers.AutoModelForCausalLM`, on the held-out batches a run of `plan` on `corpus` (a
-    `TokenCorpus`) evaluates (`executor.train.eval_batches` of them), by the run's loss
-    (`modeling.loss.lm_loss`, `executor.measure.heldout_loss`): a run's final held-out loss when
+    `TokenCorpus`) evaluates (`trainplan.executor.train.eval_batches` of them), by the run's loss
+    (`trainplan.modeling.loss.lm_loss`, `trainplan.executor.measure.heldout_loss`): a run's final held-out loss when
     `folder` holds its weights."""
     from transformers import AutoModelForCausalLM
 
-    from executor.data.batches import heldout_batches
-    from executor.measure import heldout_loss
-    from executor.train import eval_batches
-    from modeling.loss import lm_loss
+    from trainplan.executor.data.batches import heldout_batches
+    from trainplan.executor.measure import heldout_loss
+    from trainplan.executor.train import eval_batches
+    from trainplan.modeling.loss import lm_loss
 
     d = plan.decisions
     model = AutoModelForCausalLM.from_pretrained(folder)

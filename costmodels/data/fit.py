@@ -1,10 +1,10 @@
-"""Fitting the data-value model (`costmodels.data.value`) to local runs: the law's constants
+"""Fitting the data-value model (`trainplan.costmodels.data.value`) to local runs: the law's constants
 (`fit_local_law`, optionally with R_D*) and each scoring method's selection-quality multiplier
 (`fit_quality`).
 
 Effective tokens:
 Muennighoff et al. 2023, "Scaling Data-Constrained Language Models" (arXiv:2305.16264), eq. 5;
-law fit: Hoffmann et al. 2022 eq. 3 / Besiroglu et al. 2024 (`costmodels.loss.law.LossLaw.fit`).
+law fit: Hoffmann et al. 2022 eq. 3 / Besiroglu et al. 2024 (`trainplan.costmodels.loss.law.LossLaw.fit`).
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from collections.abc import Sequence
 import numpy as np
 from scipy.optimize import least_squares, nnls
 
-from costmodels.checks import check_range
-from costmodels.data.quality import QUALITY_FORM, QualityFit, check_fraction
-from costmodels.data.value import subset_loss_curve
-from costmodels.loss.fit import HUBER_DELTA
-from costmodels.loss.law import R_D_STAR, LossLaw, effective_array
-from trainplan_errors import TrainplanError
+from trainplan.costmodels.checks import check_range
+from trainplan.costmodels.data.quality import QUALITY_FORM, QualityFit, check_fraction
+from trainplan.costmodels.data.value import subset_loss_curve
+from trainplan.costmodels.loss.fit import HUBER_DELTA
+from trainplan.costmodels.loss.law import R_D_STAR, LossLaw, effective_array
+from trainplan.errors import TrainplanError
 
 R_D_STAR_BOUNDS = (0.05, 100.0)
 """Range searched when `fit_local_law` fits R_D* (repetitions)."""

@@ -3,20 +3,20 @@ token is worth.
 
 Holds the method names (`METHODS`), the multiplier q(f) = 1 + a * (1 - f)**b of a kept
 fraction f (`selection_quality`, `QualityFit`) and its published-number defaults
-(`DEFAULT_QUALITY`). The form of q is a modelling assumption; `costmodels.data.value` describes
+(`DEFAULT_QUALITY`). The form of q is a modelling assumption; `trainplan.costmodels.data.value` describes
 the whole data-value model and gives the loss of a run on a selected subset, and
-`costmodels.data.fit.fit_quality` fits q per method from pilot runs.
+`trainplan.costmodels.data.fit.fit_quality` fits q per method from pilot runs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from costmodels.checks import check_range
-from trainplan_errors import TrainplanError
+from trainplan.costmodels.checks import check_range
+from trainplan.errors import TrainplanError
 
 METHODS = ("random", "loss", "influence", "dsir")
-"""Scoring methods `executor.data.selection` implements."""
+"""Scoring methods `trainplan.executor.data.selection` implements."""
 
 QUALITY_FORM = "q(f) = 1 + a * (1 - f)**b"
 """The selection-quality multiplier's functional form (a modelling assumption; see module doc)."""

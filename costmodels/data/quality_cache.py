@@ -1,10 +1,10 @@
 """The on-disk cache of fitted selection-quality multipliers, per (model, vocabulary).
 
 Fits are written by `save_quality_fits` (e.g. `python benchmarks/data.py --save-fits`) under the
-cache root (`hardware_profiles.cache.cache_root`) and read back by `load_quality_fits`, which the planner's
-method choice (`planner.data_choice`) prefers to `costmodels.data.quality.DEFAULT_QUALITY`.
+cache root (`trainplan.hardware_profiles.cache.cache_root`) and read back by `load_quality_fits`, which the planner's
+method choice (`trainplan.planner.data_choice`) prefers to `trainplan.costmodels.data.quality.DEFAULT_QUALITY`.
 
-Like `costmodels.loss.cache`, a small JSON cache of fitted constants (`QualityFit`s) kept in
+Like `trainplan.costmodels.loss.cache`, a small JSON cache of fitted constants (`QualityFit`s) kept in
 costmodels on purpose: the cost models themselves stay pure functions, and these files only
 hold the constants they take.
 """
@@ -18,9 +18,9 @@ import warnings
 from collections.abc import Iterable
 from pathlib import Path
 
-from costmodels.data.quality import QUALITY_FORM, QualityFit
-from costmodels.loss.cache import model_file
-from trainplan_errors import TrainplanError
+from trainplan.costmodels.data.quality import QUALITY_FORM, QualityFit
+from trainplan.costmodels.loss.cache import model_file
+from trainplan.errors import TrainplanError
 
 QUALITY_CACHE_FORMAT = 1
 """Version of the quality-fit file layout; a file of another version is ignored."""
@@ -28,7 +28,7 @@ QUALITY_CACHE_FORMAT = 1
 
 def quality_path(model: str, vocab_size: int, cache_dir: str | Path | None = None) -> Path:
     """`<cache root>/quality/<model>-v<vocab_size>.json` (the cache root as
-    `hardware_profiles.cache.cache_root`; characters other than letters, digits, `.`, `_`, `-` in
+    `trainplan.hardware_profiles.cache.cache_root`; characters other than letters, digits, `.`, `_`, `-` in
     the model name become `_`)."""
     return model_file("quality", model, vocab_size, cache_dir)
 

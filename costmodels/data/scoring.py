@@ -1,10 +1,10 @@
 """What scoring a corpus costs, and the solver's (method, fraction) data-subset menu.
 
-Part of the data-value model (`costmodels.data.value`). Scoring compute is
+Part of the data-value model (`trainplan.costmodels.data.value`). Scoring compute is
 charged to the budget (Yin and Rush 2025, "Compute-Constrained Data Selection",
 arXiv:2410.16208: counting it, perplexity and gradient scoring pay off only when the trained
 model is ~5x resp. ~10x larger than the scoring model); `scoring_flops` gives it, and
-`executor.data.selection` reports the FLOPs it counted.
+`trainplan.executor.data.selection` reports the FLOPs it counted.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from costmodels.checks import check_range
-from costmodels.data.quality import METHODS, QualityFit, check_fraction
-from trainplan_errors import TrainplanError
+from trainplan.costmodels.checks import check_range
+from trainplan.costmodels.data.quality import METHODS, QualityFit, check_fraction
+from trainplan.errors import TrainplanError
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -107,8 +107,8 @@ def reference_scoring_flops(method: str, n_windows: int, seq_len: int, vocab_siz
                             heads: int = 4, kv_heads: int = 2, train_steps: int = 100,
                             train_micro_batch: int = 8, target_windows: int = 64,
                             projection_rank: int = 8, grad_blocks: int = 2) -> ScoringFlops:
-    """`scoring_flops` for `executor.data.selection`'s default reference model (a tied-embedding
-    Llama; the defaults mirror `executor.data.scorers.ReferenceConfig`), trained for
+    """`scoring_flops` for `trainplan.executor.data.selection`'s default reference model (a tied-embedding
+    Llama; the defaults mirror `trainplan.executor.data.scorers.ReferenceConfig`), trained for
     `train_steps` x `train_micro_batch` windows, before any scoring has run: what the planner
     charges a method it has not tried yet. Matmul parameters per layer: 2 h^2 (q, o) +
     2 h kv_heads (h / heads) (k, v) + 3 h I (gate, up, down), plus the V x h output matrix.
@@ -148,7 +148,7 @@ def selection_menu(fits: dict[str, QualityFit], fractions: Sequence[float], *,
 
     `fits`: the quality multiplier of each method (e.g. `DEFAULT_QUALITY` updated with local
     fits); `scoring`: each method's scoring FLOPs (`scoring_flops(...).total`, or what
-    `executor.data.selection` counted; a method missing here costs 0). Fraction 1.0 is kept for random
+    `trainplan.executor.data.selection` counted; a method missing here costs 0). Fraction 1.0 is kept for random
     only (selecting everything is no selection, and would pay for scoring).
 
     Raises: TrainplanError on an invalid fraction or corpus size.

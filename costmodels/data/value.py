@@ -1,7 +1,7 @@
 """What a smaller, better-scored data subset is worth, and what scoring it costs.
 
 Pure (numpy/scipy, no torch): the planner builds its loss table from these functions and charges
-the scoring compute to the budget; `executor.data.selection` does the scoring and reports the FLOPs it
+the scoring compute to the budget; `trainplan.executor.data.selection` does the scoring and reports the FLOPs it
 counted, which `scoring_flops` predicts.
 
 Loss of a run on a selected subset (nats per token):
@@ -10,7 +10,7 @@ Loss of a run on a selected subset (nats per token):
 
 - D' = effective data (Muennighoff et al. 2023, "Scaling Data-Constrained Language Models",
   arXiv:2305.16264, eq. 5): the `tokens_seen` drawn from `unique = f * corpus_tokens` unique tokens,
-  repeated epochs decaying with R_D* = 15.4 (`costmodels.loss.law.effective_tokens`).
+  repeated epochs decaying with R_D* = 15.4 (`trainplan.costmodels.loss.law.effective_tokens`).
 - q(method, f) = 1 + a * (1 - f)**b, the *selection-quality multiplier*: how many random tokens one
   selected token is worth. q(1) = 1 (keeping everything is no selection); a > 0 when the method's
   subset beats a random one of the same size (a in (-1, inf), so q > 0). The form is a modelling
@@ -27,22 +27,22 @@ Defaults: `DEFAULT_QUALITY` holds the published-number defaults used before any 
 there). `fit_local_law` refits E, B, beta of the law on the local machine's small runs.
 Fitted multipliers are cached per (model, vocabulary) with `save_quality_fits` (e.g.
 `python benchmarks/data.py --save-fits`) and read back by `load_quality_fits`, which the planner's
-method choice (`planner.data_choice`) prefers to the defaults.
+method choice (`trainplan.planner.data_choice`) prefers to the defaults.
 
 Where each part lives: the loss of a run on a selected subset here (`predicted_loss`,
 `subset_loss`); the multiplier q, the method names and `DEFAULT_QUALITY` in
-`costmodels.data.quality`; the fits in `costmodels.data.fit`; scoring compute and the solver's
-(method, fraction) menu in `costmodels.data.scoring`; the cache of fitted multipliers in
-`costmodels.data.quality_cache`.
+`trainplan.costmodels.data.quality`; the fits in `trainplan.costmodels.data.fit`; scoring compute and the solver's
+(method, fraction) menu in `trainplan.costmodels.data.scoring`; the cache of fitted multipliers in
+`trainplan.costmodels.data.quality_cache`.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from costmodels.checks import check_range
-from costmodels.data.quality import DEFAULT_QUALITY, QualityFit, check_fraction
-from costmodels.loss.law import LossLaw, effective_array
+from trainplan.costmodels.checks import check_range
+from trainplan.costmodels.data.quality import DEFAULT_QUALITY, QualityFit, check_fraction
+from trainplan.costmodels.loss.law import LossLaw, effective_array
 
 
 def predicted_loss(law: LossLaw, n_params: float, tokens_seen: float, unique_tokens: float | None,

@@ -19,15 +19,15 @@ so the law sees E_min ("effective tokens") where it saw tokens. The limits:
 The critical batch grows as the loss falls (Kaplan et al. 2020, Sec. 5.1 and Table 4):
 B_crit(L) = B_* / L^(1 / alpha_B), B_* ~ 2.1e8 tokens, alpha_B ~ 0.21, L in nats per token of
 their tokenizer (GPT-2's byte-level BPE on WebText2). Carried to another tokenizer per byte
-(`costmodels.loss.transfer`): the loss per byte and the batch in bytes are what compare.
-A locally fitted law replaces B_* by its own constant (`costmodels.loss.pilots`).
+(`trainplan.costmodels.loss.transfer`): the loss per byte and the batch in bytes are what compare.
+A locally fitted law replaces B_* by its own constant (`trainplan.costmodels.loss.pilots`).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from costmodels.checks import check_positive
+from trainplan.costmodels.checks import check_positive
 
 #: Kaplan et al. 2020, Table 4 / Sec. 5.1: B_crit(L) = B_* / L^(1/alpha_B), tokens.
 KAPLAN_B_STAR_TOKENS = 2.1e8

@@ -3,7 +3,7 @@ weights and pure-bf16 parameters, as additive nats per token on the loss law's p
 
 Defaults are published "no measurable degradation" results read conservatively (the fields
 cite each); `trainplan calibrate` refits them by non-negative least squares from the measured
-held-out loss deltas of runs that differ only in their bits (`executor.calibrate.bits`) and
+held-out loss deltas of runs that differ only in their bits (`trainplan.executor.calibrate.bits`) and
 stores them with the local loss law (`LossLaw.bits`).
 """
 
@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import ClassVar
 
-from costmodels.checks import check_non_negative
-from trainplan_errors import TrainplanError
+from trainplan.costmodels.checks import check_non_negative
+from trainplan.errors import TrainplanError
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -39,7 +39,7 @@ class BitsPenalty:
     precision already computes in bf16). Mixed precision keeps activations in 16 bits at fp32
     accuracy (Micikevicius et al. 2018, "Mixed Precision Training", ICLR; arXiv:1710.03740,
     Sec. 4): no penalty by default. A component of its own so that calibration does not take a
-    bf16-compressed run for a full-width one (`executor.calibrate.bits`)."""
+    bf16-compressed run for a full-width one (`trainplan.executor.calibrate.bits`)."""
     activation_8bit_nats: float = 0.005
     """8-bit saved activations (int8, per-channel scale). ActNN (Chen et al. 2021, ICML; arXiv:2104.14129) compresses
     saved activations to 2 bits with negligible accuracy loss (vision models); Jetfire (Xi et al.

@@ -1,16 +1,17 @@
 """Locally fitted loss laws, cached as JSON per (model, vocabulary size).
 
-`trainplan calibrate` (`executor.calibrate.law`) fits L(D) = E + B / D**beta to the held-out curves
+`trainplan calibrate` (`trainplan.executor.calibrate.law`) fits L(D) = E + B / D**beta to the held-out curves
 of real runs and writes `<cache root>/laws/<model>-v<vocab_size>.json` (the root:
-`hardware_profiles.cache.cache_root`); `planner.api.solve` reads it back with `load_local_law` for the
+`trainplan.hardware_profiles.cache.cache_root`); `trainplan.planner.api.solve` reads it back with `load_local_law`
+for the
 `cpu` profile. Pure: json + `LossLaw`, no torch, so the planner can import it.
 
 File layout (format 1): {"format", "model", "vocab_size", "created", "law": {LossLaw fields},
 "fit": {method, points, residuals, ...}, "runs": [...]}; "law" may hold "bits", the fitted
-`costmodels.loss.bits.BitsPenalty` fields. Only "format", "model", "vocab_size" and "law" are read
+`trainplan.costmodels.loss.bits.BitsPenalty` fields. Only "format", "model", "vocab_size" and "law" are read
 back; the rest documents the fit.
 
-The one disk access in `costmodels.loss` besides `costmodels.data.quality_cache`, kept here on
+The one disk access in `trainplan.costmodels.loss` besides `trainplan.costmodels.data.quality_cache`, kept here on
 purpose: the cost models stay pure functions of graph x profile x choice, and these small JSON
 files only hold the fitted constants those functions take (a `LossLaw`), read once by the
 planner and written by calibration. `model_file` is the layout both share.
@@ -26,10 +27,10 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from costmodels.loss.bits import BitsPenalty
-from costmodels.loss.law import LossLaw
-from hardware_profiles.cache import cache_root
-from trainplan_errors import TrainplanError
+from trainplan.costmodels.loss.bits import BitsPenalty
+from trainplan.costmodels.loss.law import LossLaw
+from trainplan.errors import TrainplanError
+from trainplan.hardware_profiles.cache import cache_root
 
 LAW_CACHE_FORMAT = 1
 """Version of the law file layout; a file of another version is ignored."""
@@ -40,7 +41,7 @@ _LAW_FIELDS = ("E", "A", "B", "alpha", "beta", "r_d_star", "r_n_star", "units", 
 
 def law_fields(law: LossLaw) -> dict[str, Any]:
     """`law` as JSON-ready fields (ranges as lists, bits as a dict when fitted): what a law file
-    and a plan (`planner.plan.Predictions.loss_law`) hold."""
+    and a plan (`trainplan.planner.plan.Predictions.loss_law`) hold."""
     out = {k: (list(v) if isinstance(v := getattr(law, k), tuple) else v) for k in _LAW_FIELDS}
     return out | ({"bits": dataclasses.asdict(law.bits)} if law.bits is not None else {})
 

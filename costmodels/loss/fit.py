@@ -1,8 +1,8 @@
-"""The numerical fit behind `costmodels.loss.law.LossLaw.fit`: input checks
+"""The numerical fit behind `trainplan.costmodels.loss.law.LossLaw.fit`: input checks
 (`check_fit_arrays`), the Huber/L-BFGS-B fit in log space (`huber_fit`) and its
 variable-projection starting grid.
 
-The law and its sources are in `costmodels.loss.law`, which validates the pinned names and the
+The law and its sources are in `trainplan.costmodels.loss.law`, which validates the pinned names and the
 identifiability of a fit before it calls `huber_fit`. Method: Hoffmann et al. 2022, "Training
 Compute-Optimal Large Language Models" (arXiv:2203.15556), Sec. 3.3 eq. 3, as corrected by
 Besiroglu et al. 2024 (arXiv:2404.10102): Huber loss on log residuals, summed, L-BFGS-B from a
@@ -16,7 +16,7 @@ import math
 import numpy as np
 from scipy.optimize import minimize, nnls
 
-from trainplan_errors import TrainplanError
+from trainplan.errors import TrainplanError
 
 #: Hoffmann et al. 2022, Sec. 3.3 eq. 3 (and Besiroglu et al. 2024): Huber threshold on
 #: log-space residuals.

@@ -29,12 +29,12 @@ from typing import ClassVar
 import numpy as np
 from numpy.typing import ArrayLike
 
-from costmodels.checks import check_finite, check_non_negative, check_positive
-from costmodels.loss.batch import batch_efficiency, critical_batch_tokens
-from costmodels.loss.bits import BitsPenalty
-from costmodels.loss.fit import HUBER_DELTA, check_fit_arrays, huber_fit
-from costmodels.loss.transfer import MASSIVETEXT_BYTES_PER_TOKEN, carry_law
-from trainplan_errors import TrainplanError
+from trainplan.costmodels.checks import check_finite, check_non_negative, check_positive
+from trainplan.costmodels.loss.batch import batch_efficiency, critical_batch_tokens
+from trainplan.costmodels.loss.bits import BitsPenalty
+from trainplan.costmodels.loss.fit import HUBER_DELTA, check_fit_arrays, huber_fit
+from trainplan.costmodels.loss.transfer import MASSIVETEXT_BYTES_PER_TOKEN, carry_law
+from trainplan.errors import TrainplanError
 
 #: Muennighoff et al. 2023, Sec. 3 (fit reported as R_D* = 15.387756): repetitions of the data
 #: after which a repeated token is worth 1/e of a fresh one.
@@ -140,15 +140,16 @@ class LossLaw:
     """Where the constants come from."""
     bits: BitsPenalty | None = None
     """Loss penalties of lower-precision settings fitted with this law (`trainplan calibrate`,
-    `costmodels.loss.bits`); None: the published defaults (`costmodels.loss.bits.DEFAULT_BITS_PENALTY`)."""
+    `trainplan.costmodels.loss.bits`); None: the published defaults
+    (`trainplan.costmodels.loss.bits.DEFAULT_BITS_PENALTY`)."""
     bytes_per_token: float = MASSIVETEXT_BYTES_PER_TOKEN
-    """UTF-8 bytes per token of the data the constants are in (`costmodels.loss.transfer`):
+    """UTF-8 bytes per token of the data the constants are in (`trainplan.costmodels.loss.transfer`):
     MassiveText's for the published laws, the local corpus's once carried or fitted."""
     vocab_size: int | None = None
     """The model's vocabulary: no prediction is above ln(vocab_size), the loss of a uniform
     guess (a model that learned nothing). None: no bound."""
     b_crit_tokens: float | None = None
-    """Critical batch in tokens (`costmodels.loss.batch`), fitted locally; None: Kaplan et
+    """Critical batch in tokens (`trainplan.costmodels.loss.batch`), fitted locally; None: Kaplan et
     al. 2020's B_crit(L) at the predicted loss, carried per byte."""
     params_range: tuple[float, float] | None = CHINCHILLA_PARAMS_RANGE
     """Parameters the constants were fitted over (None: not recorded)."""
@@ -219,7 +220,7 @@ class LossLaw:
           "Scaling Law with Learning Rate Annealing", arXiv:2408.11029, whose loss falls with the
           summed learning rate);
         - batch: times E_min / E = 1 / (1 + B / B_crit) at `batch_tokens` per optimizer step
-          (Kaplan et al. 2020 Sec. 5.1, `costmodels.loss.batch`): B_crit is `b_crit_tokens`, or
+          (Kaplan et al. 2020 Sec. 5.1, `trainplan.costmodels.loss.batch`): B_crit is `b_crit_tokens`, or
           Kaplan's B_crit(L) at the predicted loss (a fixed point, found in a few iterations:
           B_crit grows as L falls);
         - `quality` multiplies X: > 1 for a selected subset whose tokens are worth more than

@@ -1,6 +1,6 @@
 """Pilot runs for a local loss law: what they may cost, which to run, and the law fitted to them.
 
-Pure (numpy/scipy). `planner.pilots` runs the pilots this module designs and caches the fit.
+Pure (numpy/scipy). `trainplan.planner.pilots` runs the pilots this module designs and caches the fit.
 
 **The pilot-cost rule** (`PILOT_BUDGET_FRAC`, `design_pilots`): pilots may cost at most 10% of the
 plan's budget, in the budget's own unit (FLOPs, or seconds for a wall-clock budget); the
@@ -50,10 +50,10 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.optimize import least_squares
 
-from costmodels.checks import check_positive
-from costmodels.loss.law import LossLaw
-from costmodels.loss.planned import MAX_DEFAULT_WARMUP_STEPS, warmup_steps_for
-from trainplan_errors import TrainplanError
+from trainplan.costmodels.checks import check_positive
+from trainplan.costmodels.loss.law import LossLaw
+from trainplan.costmodels.loss.planned import MAX_DEFAULT_WARMUP_STEPS, warmup_steps_for
+from trainplan.errors import TrainplanError
 
 PILOT_BUDGET_FRAC = 0.10
 """Pilots cost at most this share of the plan's budget (issue #23's rule)."""
@@ -75,7 +75,7 @@ a curve (warmup, the loss spike after it, the unigram plateau) is not a power la
 MIN_BATCH_RATIO = 4
 """pilot-b's micro-batch is at least this multiple of pilot-a's, or it is pilot-a's."""
 PILOT_EVAL_TOKENS = 4096
-"""Held-out tokens of each pilot evaluation (the plan's own runs use `executor.train.EVAL_TOKENS`)."""
+"""Held-out tokens of each pilot evaluation (the plan's own runs use `trainplan.executor.train.EVAL_TOKENS`)."""
 FORWARD_SHARE = 1.0 / 3.0
 """An evaluation's forward pass costs this share of a training step on the same tokens (the
 backward is about twice the forward: Kaplan et al. 2020, Sec. 2.1, C = 6N per token, 2N of it forward)."""
@@ -178,12 +178,12 @@ def _points(results: Sequence[PilotResult]) -> tuple[np.ndarray, ...]:
 
 def fit_pilot_law(results: Sequence[PilotResult], *, floor_nats: float | None = None,
                   vocab_size: int | None = None, bytes_per_token: float | None = None, source: str = ""):
-    """The local law (`costmodels.loss.law.LossLaw`, A = 0, `local=True`) fitted to the pilots
+    """The local law (`trainplan.costmodels.loss.law.LossLaw`, A = 0, `local=True`) fitted to the pilots
     (module docstring). Returns (law, record): the record holds the fitted constants, gamma,
     the points, residuals and the band.
 
     `floor_nats`: E, pinned (at most 0.9 x the lowest pilot loss): the published law's floor for
-    this model size, E + A / N^alpha, carried per byte (`planner.pilots`). Pilots span a few
+    this model size, E + A / N^alpha, carried per byte (`trainplan.planner.pilots`). Pilots span a few
     times their first fitted step and the plan lies ten to twenty times beyond: over so short a
     range a free floor and exponent trade off (on this repo's pilots the fit put E at the last
     pilot loss, a curve that stops falling), so the floor comes from the law fitted over four
@@ -236,8 +236,9 @@ def fit_pilot_law(results: Sequence[PilotResult], *, floor_nats: float | None = 
                   b_crit_tokens=None if one_batch else b_crit,
                   local=True, params_range=None, tokens_range=None, band_nats=band, vocab_size=vocab_size,
                   bytes_per_token=bytes_per_token or LossLaw().bytes_per_token,
-                  source=source or f"fitted to {len(results)} pilot runs ({int(fin.sum())} final and "
-                                   f"{int((~fin).sum())} constant-rate held-out points; costmodels.loss.pilots)")
+                  source=source or (f"fitted to {len(results)} pilot runs ({int(fin.sum())} final and "
+                                    f"{int((~fin).sum())} constant-rate held-out points; "
+                                    "trainplan.costmodels.loss.pilots)"))
     record = {"E": e, "B_constant_rate": math.exp(log_b), "beta": beta,
               "b_crit_tokens": None if one_batch else b_crit,
               "gamma": gamma, "band_nats": band, "rms_nats": float(np.sqrt(np.mean(res ** 2))),

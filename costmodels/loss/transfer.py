@@ -21,14 +21,14 @@ Bytes per token of the published laws' data:
   2021 (arXiv:2112.11446), Sec. 2 / App. A: MassiveText holds about 10.5 TB of text, and Gopher's
   300B training tokens are 12.8% of its tokens, so 2.34e12 tokens: 10.5e12 / 2.34e12 = 4.48
   bytes per token (over the whole collection; the sampled mixture may differ somewhat).
-- Kaplan et al. 2020 (WebText2, GPT-2 BPE): `costmodels.loss.batch.KAPLAN_BYTES_PER_TOKEN`.
+- Kaplan et al. 2020 (WebText2, GPT-2 BPE): `trainplan.costmodels.loss.batch.KAPLAN_BYTES_PER_TOKEN`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from costmodels.checks import check_positive
+from trainplan.costmodels.checks import check_positive
 
 #: Rae et al. 2021, Sec. 2 and App. A: 10.5 TB of MassiveText over 300e9 / 0.128 tokens.
 MASSIVETEXT_BYTES_PER_TOKEN = 10.5e12 / (300e9 / 0.128)
@@ -43,12 +43,12 @@ def byte_ratio(bytes_per_token: float, source_bytes_per_token: float) -> float:
 
 
 def carry_law(law, bytes_per_token: float):
-    """`law` (a `costmodels.loss.law.LossLaw` fitted on data of `law.bytes_per_token`) in nats
+    """`law` (a `trainplan.costmodels.loss.law.LossLaw` fitted on data of `law.bytes_per_token`) in nats
     per local token of a corpus with `bytes_per_token`: E' = r E, A' = r A, B' = r^(1 - beta) B,
     r = bytes_per_token / law.bytes_per_token (module docstring); its fitted token range
     becomes local tokens (divided by r). The law's batch constant and
     data-repetition constants carry unchanged (both are ratios or per-byte already; the critical
-    batch is carried in `costmodels.loss.batch.critical_batch_tokens`).
+    batch is carried in `trainplan.costmodels.loss.batch.critical_batch_tokens`).
 
     Returns: a new LossLaw with `bytes_per_token` set to the local value (r = 1: the same law).
     Raises: TrainplanError on a non-positive `bytes_per_token`.

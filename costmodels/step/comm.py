@@ -21,7 +21,7 @@ reduce-scatter, all-to-all. The ring latency term (n-1 or 2(n-1) hops) is pessim
 tree/NVLS algorithms at small sizes; `Link.latency_s` is fitted, so it absorbs the difference.
 
 Time and bytes sent only; the memory the Ulysses exchanges take (send and receive buffers, the copy
-each block keeps for `o_proj`) is `costmodels.step.ulysses`'.
+each block keeps for `o_proj`) is `trainplan.costmodels.step.ulysses`'.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import numbers
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from trainplan_errors import TrainplanError
+from trainplan.errors import TrainplanError
 
 #: Factor on nbytes for the bytes each rank sends, relative to (n-1)/n (Thakur et al. 2005;
 #: NCCL tests PERFORMANCE.md bus-bandwidth factors).

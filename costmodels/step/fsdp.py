@@ -1,5 +1,6 @@
 """FSDP2's all-gathered parameters and reduce-scatter buffers, beyond the shards that
-`costmodels.step.memory.model_state_bytes` counts, for ZeRO 2/3 as `executor.parallel.zero.apply_zero` runs
+`trainplan.costmodels.step.memory.model_state_bytes` counts, for ZeRO 2/3 as
+`trainplan.executor.parallel.zero.apply_zero` runs
 them (`fully_shard` on each transformer block, then on the root module).
 
 Sources: torch 2.13 `torch/distributed/fsdp/_fully_shard/` (`_fsdp_state.py` lazy_init: a root
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from costmodels.graph import Region
+from trainplan.costmodels.graph import Region
 
 
 def root_gather_events(region: Region, root_param_bytes: float) -> list[tuple[float, float, float, str]]:
@@ -36,7 +37,7 @@ def root_gather_events(region: Region, root_param_bytes: float) -> list[tuple[fl
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class FsdpLayout:
-    """What FSDP2 holds beyond the shards `ModelStates` counts, for `executor.parallel.zero.apply_zero`
+    """What FSDP2 holds beyond the shards `ModelStates` counts, for `trainplan.executor.parallel.zero.apply_zero`
     at ZeRO 2/3 over `shard_degree` > 1 ranks: `fully_shard` on each block and on the root
     module, whose own parameters (those in no block: embedding, final norm, LM head) form the
     root group (sources: the module text).
@@ -52,8 +53,8 @@ class FsdpLayout:
     - The root group's gradients stay whole until its reduce-scatter, in the backward's final
       callback (blocks reduce-scatter theirs when their backward is done, after resharding
       their parameters: `at_reduce`).
-    - Buffers are freed where FSDP2 drops them: `executor.parallel.zero` installs
-      `executor.parallel.collectives`' all-gather and reduce-scatter on CPU, which return only once
+    - Buffers are freed where FSDP2 drops them: `trainplan.executor.parallel.zero` installs
+      `trainplan.executor.parallel.collectives`' all-gather and reduce-scatter on CPU, which return only once
       gloo's worker thread has let go of them (without that, a loaded run could free the
       root group's all-gather buffer late, on gloo's thread, after the next block's prefetch).
     - A reduce-scatter holds its input (the whole gradients), its output (1/shard_degree) and,

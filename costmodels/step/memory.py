@@ -5,7 +5,7 @@ mixed-precision Adam a parameter costs 2 (bf16 weight) + 2 (bf16 grad) + 12 (fp3
 bytes, and stages 1/2/3 shard the optimizer states / gradients / parameters over the data-parallel x
 SP group; as the executor runs them (`model_state_bytes(as_executed=True)`) stage 1 shards whole
 tensors and stages 2/3 are FSDP2, whose all-gathered parameters and reduce-scatter buffers come from
-`costmodels.step.fsdp`. Activations are not a sum of saved sizes: each captured region is replayed
+`trainplan.costmodels.step.fsdp`. Activations are not a sum of saved sizes: each captured region is replayed
 op by op, a storage alive from the op that makes it to the last op that reads it (views share their
 base's storage), and regions compose in execution order (head, blocks, tail, blocks backward, head
 backward). With a checkpointed block, only the block input and the outputs of ops the policy saves
@@ -25,16 +25,16 @@ from collections.abc import Iterable
 from dataclasses import dataclass, fields
 from functools import lru_cache
 
-from costmodels.graph import Region, poly_at
-from costmodels.step.fsdp import FsdpLayout
-from costmodels.step.optimizer_states import (
+from trainplan.costmodels.graph import Region, poly_at
+from trainplan.costmodels.step.fsdp import FsdpLayout
+from trainplan.costmodels.step.optimizer_states import (
     MIN_QUANT_NUMEL,
     TORCHAO_EAGER_STEP_COPIES,
     adam_state_bytes,
     adamw_step_temp_bytes,
     quantization_map_bytes,
 )
-from trainplan_errors import TrainplanError
+from trainplan.errors import TrainplanError
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "temporaries")
 
@@ -87,7 +87,7 @@ class RegionMemory:
     input_bytes: float = 0.0
     """Bytes of the hidden states handed in (the region's activation input): what a checkpointed
     block keeps of its forward beyond its saved outputs, and what activation offload moves to
-    host memory (`costmodels.step.model.StepModel.block_memory`)."""
+    host memory (`trainplan.costmodels.step.model.StepModel.block_memory`)."""
     offloaded_bytes: float = 0.0
     """Bytes held in host memory from the forward to the backward (activation offload), not on
     the device; 0 without offload."""
@@ -106,7 +106,7 @@ def simulate_region(region: Region, b: int, s: int, *, checkpoint: bool = False,
     the region's inputs; everything else is freed after its last forward use and recomputed
     at the start of the backward. `saved_ops=()` with `checkpoint=True` is full checkpointing.
     `extra`: more storages as (made at, freed at, bytes, `act`|`temp`|`grad`|`param`), times on
-    the region's execution indices (e.g. `costmodels.step.fsdp.root_gather_events`).
+    the region's execution indices (e.g. `trainplan.costmodels.step.fsdp.root_gather_events`).
     """
     saved = frozenset(saved_ops)
     bnd = region.boundary
@@ -247,7 +247,7 @@ def model_state_bytes(param_numels: Iterable[int], *, weight_bytes: int, grad_by
     `master_bytes` is 4 for bf16 mixed precision (an fp32 master copy, counted with the
     optimizer states as ZeRO does) and 0 otherwise. `as_executed=False` is the paper's
     accounting (elementwise shards, stage-2 parameters replicated); `True` the stages as
-    `executor.parallel.zero.apply_zero` runs them with torch: stage 1's `ZeroRedundancyOptimizer`
+    `trainplan.executor.parallel.zero.apply_zero` runs them with torch: stage 1's `ZeroRedundancyOptimizer`
     shards whole tensors (`zero1_partition`: the largest rank share is counted), stage 2's FSDP2
     (`fully_shard`, `reshard_after_forward=False`) keeps parameters sharded at rest and
     all-gathers them from forward to backward (`FsdpLayout`, not counted here).

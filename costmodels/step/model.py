@@ -1,11 +1,11 @@
 """Cost of one training step for one choice of knobs: memory, FLOPs and time per device.
 
-Composes the region lifetime simulation (`costmodels.step.memory`), per-node FLOPs (torch's
+Composes the region lifetime simulation (`trainplan.costmodels.step.memory`), per-node FLOPs (torch's
 `flop_counter` formulas, captured as polynomials) and a per-node roofline over the hardware
-profile (`costmodels.step.roofline`: Williams et al. 2009; efficiency curves as data, as
+profile (`trainplan.costmodels.step.roofline`: Williams et al. 2009; efficiency curves as data, as
 Calculon does, Isaev et al. 2023) and the collectives of Ulysses SP and ZeRO
-(`costmodels.step.comm`), overlapped with compute as the executor issues them
-(`costmodels.step.overlap`; `StepModel(overlap=False)` adds them instead, a conservative bound).
+(`trainplan.costmodels.step.comm`), overlapped with compute as the executor issues them
+(`trainplan.costmodels.step.overlap`; `StepModel(overlap=False)` adds them instead, a conservative bound).
 A step is one optimizer step of `Choice.grad_accum` micro-steps.
 """
 
@@ -15,19 +15,20 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
-from costmodels.checkpoint_sets import CheckpointSet, resolve, saved_nodes, sets_from_mapping
-from costmodels.graph import Region, variant_key
-from costmodels.step import comm
-from costmodels.step.fsdp import FsdpLayout, root_gather_events
-from costmodels.step.memory import MemoryBreakdown, RegionMemory, model_state_bytes, simulate_region, step_peak
-from costmodels.step.offload import copy_s, exposed_s, in_flight, offloaded
-from costmodels.step.optimizer_states import ADAMW_IMPLEMENTATION, adamw_traffic, optimizer_step_s
-from costmodels.step.overlap import StepTimes, bwd_stream_s, fwd_stream_s, step_timeline
-from costmodels.step.precision import PRECISIONS
-from costmodels.step.roofline import RegionCost, region_cost
-from costmodels.step.ulysses import ulysses_block_events
-from hardware_profiles import HardwareProfile
-from trainplan_errors import TrainplanError
+from trainplan.costmodels.checkpoint_sets import CheckpointSet, resolve, saved_nodes, sets_from_mapping
+from trainplan.costmodels.graph import Region, variant_key
+from trainplan.costmodels.step import comm
+from trainplan.costmodels.step import memory as region_memory
+from trainplan.costmodels.step.fsdp import FsdpLayout, root_gather_events
+from trainplan.costmodels.step.memory import MemoryBreakdown, RegionMemory, model_state_bytes, simulate_region
+from trainplan.costmodels.step.offload import copy_s, exposed_s, in_flight, offloaded
+from trainplan.costmodels.step.optimizer_states import ADAMW_IMPLEMENTATION, adamw_traffic, optimizer_step_s
+from trainplan.costmodels.step.overlap import StepTimes, bwd_stream_s, fwd_stream_s, step_timeline
+from trainplan.costmodels.step.precision import PRECISIONS
+from trainplan.costmodels.step.roofline import RegionCost, region_cost
+from trainplan.costmodels.step.ulysses import ulysses_block_events
+from trainplan.errors import TrainplanError
+from trainplan.hardware_profiles import HardwareProfile
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -53,18 +54,18 @@ class Choice:
     """Micro-steps (forward + backward of `micro_batch` sequences) per optimizer step: gradient
     accumulation. `StepModel` prices one optimizer step of `grad_accum` micro-steps."""
     loss_chunks: int = 1
-    """Sequence chunks the tail's LM head and loss run over (`modeling.tiling.tiled_lm_loss`,
+    """Sequence chunks the tail's LM head and loss run over (`trainplan.modeling.tiling.tiled_lm_loss`,
     the captured `tail@l{k}`); 1 = not tiled."""
     mlp_chunks: int = 1
-    """Sequence chunks every block's MLP runs over (`modeling.tiling.tile_mlp`, the captured
+    """Sequence chunks every block's MLP runs over (`trainplan.modeling.tiling.tile_mlp`, the captured
     `block{i}@m{k}`); 1 = not tiled. Above 1 the blocks' entries are `none` or `full`."""
     offload: bool = False
     """Checkpointed blocks' inputs held in host memory between forward and backward
-    (`modeling.offload`, priced by `costmodels.step.offload`)."""
+    (`trainplan.modeling.offload`, priced by `trainplan.costmodels.step.offload`)."""
 
     @classmethod
     def from_decisions(cls, d) -> Choice:
-        """The choice a Plan's `Decisions` (`planner.plan`) fixes, its solved entries included."""
+        """The choice a Plan's `Decisions` (`trainplan.planner.plan`) fixes, its solved entries included."""
         return cls(sp_degree=d.sp_degree, zero_stage=d.zero_stage, micro_batch=d.micro_batch,
                    seq_len=d.seq_len, policies=tuple(d.checkpoint), precision=d.precision,
                    optimizer_bits=d.optimizer_bits, devices=d.devices,
@@ -103,7 +104,7 @@ class StepCost:
     comm_total_s: float = 0.0
     """All collectives' seconds, hidden or not (what a no-overlap model adds)."""
     offload_s: float = 0.0
-    """Activation offload's copies on the critical path (`costmodels.step.offload.exposed_s`)."""
+    """Activation offload's copies on the critical path (`trainplan.costmodels.step.offload.exposed_s`)."""
     host_bytes: float = 0.0
     """Host memory per device holding offloaded activations (`Choice.offload`)."""
 
@@ -127,7 +128,7 @@ class StepModel:
                  hw: HardwareProfile, *, n_heads: int, n_kv_heads: int, head_dim: int, overlap: bool = True):
         self.regions, self.blocks, self.param_numels, self.hw = regions, blocks, param_numels, hw
         self.overlap = overlap
-        """True: communication overlapped with compute as executed (`costmodels.step.overlap`);
+        """True: communication overlapped with compute as executed (`trainplan.costmodels.step.overlap`);
         False: every collective added to compute (a conservative bound)."""
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self._mem = lru_cache(maxsize=None)(self._region_memory)
@@ -137,7 +138,7 @@ class StepModel:
         self._param_bytes = lru_cache(maxsize=None)(lambda name: self.regions[name].param_bytes())
 
     def model_states(self, c: Choice):
-        """Per-device model states (`costmodels.step.memory.model_state_bytes`, as executed) at `c`'s
+        """Per-device model states (`trainplan.costmodels.step.memory.model_state_bytes`, as executed) at `c`'s
         precision, optimizer bits, ZeRO stage and device count; under FSDP2's mixed-precision
         policy each block's gradient shard is kept at the reduce width (`ModelStates.grad_scale`)."""
         return self._states(c.precision, c.optimizer_bits, c.zero_stage, c.devices)
@@ -159,7 +160,7 @@ class StepModel:
         (`mixed_precision_policy`, see the method of that name) its variant `name@mp`, traced with
         bf16 parameters and no autocast; then, with saved activations at `activation_bits` < 32
         outside a checkpointed entry (torch's checkpoint hooks take precedence over the
-        compression's, `modeling.activation_compression`), the variant `...@a{bits}` captured
+        compression's, `trainplan.modeling.activation_compression`), the variant `...@a{bits}` captured
         under the compression. `chunks` > 1: the sequence-tiled variant (`variant_key`: `@m{k}` for
         a block's MLP, `@l{k}` for the tail's loss), which the region table traces on first use.
 
@@ -170,7 +171,7 @@ class StepModel:
         if base not in self.regions:
             raise TrainplanError(
                 f"bf16-mixed under FSDP2 needs the regions captured with bf16 parameters ({base!r} is "
-                "missing): capture the model at precision 'bf16-mixed' (planner.capture.setup.capture_model)")
+                "missing): capture the model at precision 'bf16-mixed' (trainplan.planner.capture.setup.capture_model)")
         bits = 32 if activation_bits == 32 or resolve(policy).checkpointed else activation_bits
         variant = variant_key(name, mixed_precision=mixed_precision_policy, activation_bits=bits, chunks=chunks)
         if variant == base:
@@ -190,7 +191,7 @@ class StepModel:
 
         Raises:
             TrainplanError: a tiled MLP under a selective entry (only `none` and `full` nest a
-                tiled MLP's chunk checkpoints as `modeling.tiling` runs them)."""
+                tiled MLP's chunk checkpoints as `trainplan.modeling.tiling` runs them)."""
         chunks = c.loss_chunks if name == "tail" else 1 if name == "head" else c.mlp_chunks
         if chunks > 1 and name not in ("head", "tail") and resolve(policy).name not in ("none", "full"):
             raise TrainplanError(f"mlp_chunks={c.mlp_chunks} runs with the checkpoint entries none and "
@@ -219,16 +220,16 @@ class StepModel:
 
     def block_memory(self, c: Choice, i: int, policy: str | CheckpointSet) -> RegionMemory:
         """Lifetime summary of block i under checkpoint entry `policy` at `c`'s shape, with
-        Ulysses' exchanges around attention when `c.sp_degree` > 1 (`costmodels.step.ulysses`),
+        Ulysses' exchanges around attention when `c.sp_degree` > 1 (`trainplan.costmodels.step.ulysses`),
         its input in host memory when `c.offload` and the entry checkpoints
-        (`costmodels.step.offload.offloaded`)."""
+        (`trainplan.costmodels.step.offload.offloaded`)."""
         entry = c.entry(policy)
         m = self._mem(self.region_for(c, self.blocks[i], entry), c.micro_batch,
                       c.seq_len // c.sp_degree, entry, c.sp_degree)
         return offloaded(m, self.hw) if c.offload and entry.checkpointed else m
 
     def offload_block_s(self, c: Choice, i: int, policy: str | CheckpointSet) -> float:
-        """Seconds block i's offloaded input adds to a micro-step (`costmodels.step.offload.exposed_s`,
+        """Seconds block i's offloaded input adds to a micro-step (`trainplan.costmodels.step.offload.exposed_s`,
         overlapped with its own forward and backward); 0 without offload or checkpointing."""
         entry = c.entry(policy)
         if not (c.offload and entry.checkpointed):
@@ -257,13 +258,13 @@ class StepModel:
         tail = self.tail_memory(c)
         blocks = [self.block_memory(c, i, p) for i, p in enumerate(c.policies)]
         held = states.grads if c.grad_accum > 1 else 0.0
-        memory = step_peak(head, blocks, tail, states, fsdp=fsdp, held_grad_bytes=held)
+        memory = region_memory.step_peak(head, blocks, tail, states, fsdp=fsdp, held_grad_bytes=held)
         return replace(self._with_runtime(c, memory), host_bytes=sum(m.offloaded_bytes for m in blocks))
 
     def tail_memory(self, c: Choice) -> RegionMemory:
         """Lifetime summary of the tail (final norm, LM head, loss) at `c`'s shape; with ZeRO-3
         over more than one device it includes FSDP2's root group, resharded during the loss
-        and all-gathered again for the backward (`costmodels.step.fsdp.root_gather_events`)."""
+        and all-gathered again for the backward (`trainplan.costmodels.step.fsdp.root_gather_events`)."""
         b, s = c.micro_batch, c.seq_len // c.sp_degree
         fsdp = self.fsdp_layout(c)
         name = self.region_for(c, "tail")
@@ -333,7 +334,7 @@ class StepModel:
         The collectives: Ulysses' all-to-alls inside each block's attention (forward and
         backward, `comm.ULYSSES_PER_STEP_FACTOR`), on the critical path; the ZeRO stage's
         all-gathers and reduce-scatters (FSDP2) or all-reduces (DDP) per block and root group,
-        overlapped with compute as the executor issues them (`costmodels.step.overlap`); ZeRO-1's
+        overlapped with compute as the executor issues them (`trainplan.costmodels.step.overlap`); ZeRO-1's
         parameter broadcast after the optimizer step, exposed. Gathered parameters are at the
         precision's gather width (`gather_bytes_per_param`), reduced gradients at its reduce
         width (`reduce_bytes_per_param`)."""
@@ -379,7 +380,7 @@ class StepModel:
 
     def mixed_precision_policy(self, c: Choice) -> bool:
         """Whether `c` runs FSDP2 with `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`:
-        bf16-mixed at ZeRO 2/3 over more than one device, as `executor.parallel.zero.apply_zero`
+        bf16-mixed at ZeRO 2/3 over more than one device, as `trainplan.executor.parallel.zero.apply_zero`
         does (and torchtitan's FSDP2 setup). Parameters are all-gathered and computed in bf16
         (no autocast), gradients reduce-scattered and kept in fp32."""
         return c.precision == "bf16-mixed" and c.zero_stage >= 2 and c.devices > 1

@@ -1,5 +1,5 @@
 """Activation offload: checkpointed blocks' inputs held in host memory between their forward and
-their backward, as `modeling.offload` runs it (ALST's activation checkpoint offload, Bekman et al.
+their backward, as `trainplan.modeling.offload` runs it (ALST's activation checkpoint offload, Bekman et al.
 2025, arXiv:2506.13996).
 
 A fully checkpointed block keeps only its input (the hidden states, b x s x h) from its forward
@@ -27,8 +27,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from costmodels.step.memory import MemoryBreakdown, RegionMemory
-from hardware_profiles import HardwareProfile
+from trainplan.costmodels.step.memory import MemoryBreakdown, RegionMemory
+from trainplan.hardware_profiles import HardwareProfile
 
 
 def offloaded(m: RegionMemory, hw: HardwareProfile) -> RegionMemory:
@@ -71,7 +71,7 @@ def exposed_s(nbytes: float, fwd_s: float, bwd_s: float, hw: HardwareProfile) ->
     """Seconds one offloaded block adds to a micro-step: its copy out beyond the next block's
     forward (`fwd_s`) and its copy in beyond the later block's backward it overlaps (`bwd_s`),
     each on a side stream; on a unified-memory device the copies run on the compute stream
-    (`modeling.offload` copies synchronously there), all exposed."""
+    (`trainplan.modeling.offload` copies synchronously there), all exposed."""
     t = copy_s(nbytes, hw)
     if hw.unified_memory:
         return 2 * t

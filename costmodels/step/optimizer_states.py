@@ -1,19 +1,19 @@
-"""Optimizer states and the optimizer step as the executor runs them (`executor.optimizers`):
+"""Optimizer states and the optimizer step as the executor runs them (`trainplan.executor.optimizers`):
 bytes of Adam's moments at each state width, the scratch torch's AdamW allocates during its
 step, and the bytes one step moves (its roofline time, `optimizer_step_s`)."""
 
 from __future__ import annotations
 
-from trainplan_errors import TrainplanError
+from trainplan.errors import TrainplanError
 
 ADAMW_IMPLEMENTATION = "fused"
-"""The torch AdamW implementation `executor.optimizers.build_optimizer` runs for 32- and 16-bit
+"""The torch AdamW implementation `trainplan.executor.optimizers.build_optimizer` runs for 32- and 16-bit
 states on every device (CPU, CUDA, ROCm): `fused=True`, the fastest on each (on one CPU thread 3x
 the per-tensor loop's speed over a tiny Llama's tensors, measured) and without step temporaries
 (`adamw_step_temp_bytes`)."""
 
 # Bytes per parameter of Adam's two moments at each optimizer-state width, as the libraries
-# `executor.optimizers` runs hold them. 8 bits: bitsandbytes `AdamW8bit`, block-wise uint8 codes
+# `trainplan.executor.optimizers` runs hold them. 8 bits: bitsandbytes `AdamW8bit`, block-wise uint8 codes
 # with one fp32 absmax per 256-element block (Dettmers et al. 2022, Sec. 2.1; `blocksize=256` in
 # bitsandbytes >= 0.43), tensors under `min_8bit_size` = 4096 elements kept in fp32, the step
 # count a Python int. 4 bits: torchao `AdamW4bit` (Li et al. 2023), 4-bit codes packed two per

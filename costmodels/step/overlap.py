@@ -13,7 +13,7 @@ nothing, the rest is on the critical path. This is the overlap model of Calculon
 models", SC23, Sec. 3: per-block communication overlapped with the block's compute, the
 remainder exposed), applied to the schedule below.
 
-The schedule as each ZeRO stage runs (`executor.parallel.zero.apply_zero`):
+The schedule as each ZeRO stage runs (`trainplan.executor.parallel.zero.apply_zero`):
 
 - FSDP2 (ZeRO 2/3; torch 2.13 `torch/distributed/fsdp/_fully_shard/`, and torchtitan's FSDP2
   notes): the root group is all-gathered before the head runs; block i+1's
@@ -47,7 +47,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from trainplan_errors import TrainplanError
+from trainplan.errors import TrainplanError
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -221,11 +221,11 @@ __all__ = ["Phase", "StepTimes", "Timeline", "ddp_program", "fsdp_program", "sch
 
 def fwd_stream_s(x, op_overhead_s: float) -> float:
     """Seconds of a region's forward on the compute stream: its ops (`x`, a
-    `costmodels.step.roofline.RegionCost`) and their per-op overhead."""
+    `trainplan.costmodels.step.roofline.RegionCost`) and their per-op overhead."""
     return x.fwd_s + x.n_fwd_ops * op_overhead_s
 
 
 def bwd_stream_s(x, op_overhead_s: float) -> float:
     """Seconds of a region's backward on the compute stream: its recompute, backward ops and
-    their per-op overhead (`x`, a `costmodels.step.roofline.RegionCost`)."""
+    their per-op overhead (`x`, a `trainplan.costmodels.step.roofline.RegionCost`)."""
     return x.bwd_s + x.recompute_s + (x.n_ops - x.n_fwd_ops) * op_overhead_s

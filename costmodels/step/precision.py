@@ -3,7 +3,7 @@ parameter the memory model charges, and the checks of a plan's `optimizer_bits`.
 
 from __future__ import annotations
 
-from trainplan_errors import TrainplanError
+from trainplan.errors import TrainplanError
 
 PRECISIONS = {
     # name: (weight bytes, grad bytes, master bytes, compute dtype for the profile's peak)
@@ -18,7 +18,7 @@ PRECISIONS = {
 
 def optimizer_bits_for(precision: str) -> tuple[int, ...]:
     """Adam-state widths the executor runs with parameters of `precision`
-    (`executor.optimizers`): torch's AdamW keeps states in the parameter dtype, so 32 bits
+    (`trainplan.executor.optimizers`): torch's AdamW keeps states in the parameter dtype, so 32 bits
     needs fp32 parameters (fp32, bf16-mixed) and 16 bits pure-bf16 ones; 8 (bitsandbytes) and 4
     (torchao) run with either."""
     return (16, 8, 4) if precision == "bf16" else (32, 8, 4)

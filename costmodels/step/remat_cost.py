@@ -1,20 +1,20 @@
 """One block's rematerialization problem and the exact cost of a checkpoint set on it.
 
 `BlockCase` is a captured transformer block at one shape on one device; `evaluate` replays a
-checkpoint set's storage lifetimes (`costmodels.step.memory.simulate_region`) and sums the
-roofline time of every forward op the replay recomputes (`costmodels.step.roofline.node_s` plus the
-profile's per-op overhead). It is the referee of `planner.joint.remat_solver`'s CP-SAT model and its menus.
+checkpoint set's storage lifetimes (`trainplan.costmodels.step.memory.simulate_region`) and sums the
+roofline time of every forward op the replay recomputes (`trainplan.costmodels.step.roofline.node_s` plus the
+profile's per-op overhead). It is the referee of `trainplan.planner.joint.remat_solver`'s CP-SAT model and its menus.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from costmodels.checkpoint_sets import CheckpointSet, saved_nodes
-from costmodels.graph import Region
-from costmodels.step.memory import simulate_region
-from costmodels.step.roofline import node_s
-from hardware_profiles import HardwareProfile
+from trainplan.costmodels.checkpoint_sets import CheckpointSet, saved_nodes
+from trainplan.costmodels.graph import Region
+from trainplan.costmodels.step.memory import simulate_region
+from trainplan.costmodels.step.roofline import node_s
+from trainplan.hardware_profiles import HardwareProfile
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -54,7 +54,7 @@ class SetCost:
 def forward_node_times(case: BlockCase) -> dict[str, tuple[float, float]]:
     """(FLOPs, roofline seconds) of each forward node of `case`'s block at its shape, per-op
     overhead not included: what replaying that node costs (`evaluate`, and the per-block CP-SAT
-    model of `planner.joint.remat_solver`)."""
+    model of `trainplan.planner.joint.remat_solver`)."""
     g, hw = case.region.graph, case.hw
     return {n: node_s(g.nodes[n], case.b, case.s, case.sp, hw, case.dtype) for n in case.region.fwd_nodes()}
 

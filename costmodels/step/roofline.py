@@ -1,12 +1,12 @@
 """The per-op roofline: FLOPs and seconds of each captured op, and their sums over a region.
 
 Each op's FLOPs come from torch's `flop_counter` formulas, captured as polynomials in micro-batch
-and sequence length (`costmodels.graph.Poly`); its time is the roofline over the hardware
+and sequence length (`trainplan.costmodels.graph.Poly`); its time is the roofline over the hardware
 profile (Williams et al. 2009, "Roofline: an insightful visual performance model for multicore
 architectures", CACM 52(4)): the larger of compute time at the profile's peak scaled by its
 matmul efficiency curve (efficiency curves as data, as Calculon does, Isaev et al. 2023) and
-memory time at its HBM bandwidth. Shared by the step model (`costmodels.step.model`) and the
-exact cost of a checkpoint set (`costmodels.step.remat_cost`).
+memory time at its HBM bandwidth. Shared by the step model (`trainplan.costmodels.step.model`) and the
+exact cost of a checkpoint set (`trainplan.costmodels.step.remat_cost`).
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from costmodels.checkpoint_sets import CheckpointSet, resolve, saved_nodes
-from costmodels.graph import Poly, Region
-from hardware_profiles import HardwareProfile
+from trainplan.costmodels.checkpoint_sets import CheckpointSet, resolve, saved_nodes
+from trainplan.costmodels.graph import Poly, Region
+from trainplan.hardware_profiles import HardwareProfile
 
 
 def flops_at(p: Poly, b: float, s_local: float, sp: int) -> float:
@@ -53,7 +53,7 @@ def node_s(attrs: Mapping, b: float, s: float, sp: int, hw: HardwareProfile, dty
     bytes read + written / (HBM bandwidth x memory efficiency)) (Williams et al. 2009).
 
     Args: attrs: the op's node attributes in the captured graph (`flops`, `in_bytes`,
-    `out_bytes` as `costmodels.graph.Poly`); hw: the profile; dtype: compute dtype of the
+    `out_bytes` as `trainplan.costmodels.graph.Poly`); hw: the profile; dtype: compute dtype of the
     peak (`bf16`, `fp32`).
     Returns: (FLOPs, seconds); 0 compute time for an op without FLOPs.
     """

@@ -1,8 +1,8 @@
 """What Ulysses sequence parallelism adds to a transformer block's tensor lifetimes, as
-`costmodels.step.memory.simulate_region(extra=...)` events on the block's captured (single-process)
+`trainplan.costmodels.step.memory.simulate_region(extra=...)` events on the block's captured (single-process)
 graph.
 
-The block is captured with plain SDPA. `executor.parallel.ulysses.ulysses_attention_forward` (SP
+The block is captured with plain SDPA. `trainplan.executor.parallel.ulysses.ulysses_attention_forward` (SP
 degree P > 1) runs the same ops plus, around attention, the copies and buffers below; sizes at
 micro-batch b and per-rank sequence s (the captured storages' bytes), heads h, kv heads h_kv
 (replicated `rep = lcm(h_kv, P) / h_kv` times first when P does not divide h_kv), h/P heads (`hp`)
@@ -46,14 +46,14 @@ from __future__ import annotations
 
 import math
 
-from costmodels.checkpoint_sets import ATTENTION, MATMUL_OPS, canonical_op
-from costmodels.graph import Region, StorageRecord, poly_at
+from trainplan.costmodels.checkpoint_sets import ATTENTION, MATMUL_OPS, canonical_op
+from trainplan.costmodels.graph import Region, StorageRecord, poly_at
 
 Event = tuple[float, float, float, str]
 
 
 def kv_replication(n_kv_heads: int, sp_degree: int) -> int:
-    """Times `executor.parallel.ulysses.ulysses_attention_forward` repeats each kv head before the
+    """Times `trainplan.executor.parallel.ulysses.ulysses_attention_forward` repeats each kv head before the
     exchange: 1 when P divides h_kv, else lcm(h_kv, P) / h_kv."""
     return 1 if n_kv_heads % sp_degree == 0 else math.lcm(n_kv_heads, sp_degree) // n_kv_heads
 

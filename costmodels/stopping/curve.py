@@ -1,11 +1,11 @@
 """Learning-curve math for the compute governor: the online fit and the gain it predicts.
 
-Pure numpy/scipy: no torch, no planner, no executor. The governor (`costmodels.stopping.rule.
-Governor`, run in the loop by `executor.governor`) fits the held-out loss of a running job with
+Pure numpy/scipy: no torch, no planner, no executor. The governor (`trainplan.costmodels.stopping.rule.
+Governor`, run in the loop by `trainplan.executor.governor`) fits the held-out loss of a running job with
 `fit_curve` and stops it when `marginal_gain` (or `trend_gain`) says the next steps are no
 longer worth their cost. The price of a step and the stop a fitted curve implies are in
-`costmodels.stopping.prediction`; the planner's curve before a run is
-`costmodels.stopping.heldout_curve`.
+`trainplan.costmodels.stopping.prediction`; the planner's curve before a run is
+`trainplan.costmodels.stopping.heldout_curve`.
 
 The curve is a power law in steps plus a floor,
 
@@ -31,7 +31,7 @@ from numpy.typing import ArrayLike
 from scipy.optimize import OptimizeWarning, least_squares
 from scipy.special import ndtri
 
-from trainplan_errors import TrainplanError
+from trainplan.errors import TrainplanError
 
 #: Exponents tried as starting points (for each the model is linear in E and D).
 ALPHA_STARTS = (0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.5, 2.0)

@@ -8,7 +8,7 @@ seen) and U unique tokens (the kept subset), the held-out loss is modelled as
 
 in nats/token, with
 - E + B (D / D_ref)^-beta: the data term of Hoffmann et al. 2022 eq. 2 along a run on fresh
-  data (`costmodels.loss.law.learning_curve` without a data limit; one model size, so A / N^alpha is
+  data (`trainplan.costmodels.loss.law.learning_curve` without a data limit; one model size, so A / N^alpha is
   folded into E, as `trainplan calibrate` fits it); D_ref is a reference token count (the
   largest the fit saw), so B is the excess over E there, in nats;
 - gamma (U / U_ref)^zeta R^kappa, R = t tau / U - 1 the repeats beyond the first epoch: an
@@ -27,7 +27,7 @@ passes a minimum and rises, and the governor (its straight-line check) stops it 
 minimum, a step the Muennighoff law cannot place. In (1) the fresh term keeps falling and the
 penalty keeps growing; their sum has that minimum.
 
-Calibration (`costmodels.stopping.heldout_fit.fit_heldout_curve`): least squares over the held-out points
+Calibration (`trainplan.costmodels.stopping.heldout_fit.fit_heldout_curve`): least squares over the held-out points
 of pilot runs, each with its own tau and U: a fresh-data run over the plan's step range (no
 repeats: the penalty is 0; it fixes E, B, beta, the local law `trainplan calibrate` fits) and
 runs on smaller subsets for as many epochs as the plan (they fix gamma, kappa and, from two or
@@ -51,8 +51,8 @@ from numpy.typing import ArrayLike
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from scipy.special import ndtri
 
-from trainplan_errors import TrainplanError
-from trainplan_errors.validation import one_line
+from trainplan.errors import TrainplanError
+from trainplan.errors.validation import one_line
 
 Param = Literal["E", "B", "beta", "gamma", "kappa", "zeta"]
 PARAMS: tuple[Param, ...] = get_args(Param)
@@ -71,7 +71,7 @@ up to 0.6 nats at the end of warm-up, where eq. (1) extrapolated backwards overs
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PilotCurve:
     """The held-out points of one pilot run that the curve is fitted to (constant learning rate:
-    after warm-up, before the run's cooldown; see `executor.governor.pilot_curve`)."""
+    after warm-up, before the run's cooldown; see `trainplan.executor.governor.pilot_curve`)."""
 
     steps: tuple[float, ...]
     """Steps done at each evaluation."""
@@ -146,7 +146,7 @@ class HeldoutCurve:
     model: str = ""
     """The model the pilots trained ("" when not recorded, e.g. a curve file written before this
     field): the constants belong to one model, and losses are nats per token of one tokenizer,
-    so `planner.governor.with_governor` refuses a curve of another model or vocabulary."""
+    so `trainplan.planner.governor.with_governor` refuses a curve of another model or vocabulary."""
     vocab_size: int = 0
     """The pilots' tokenizer vocabulary size (0 when not recorded)."""
     source: str = ""
@@ -188,7 +188,7 @@ class HeldoutCurve:
         return np.where(inside, np.interp(s, at, off), 0.0)
 
     def loss_with_early(self, steps) -> np.ndarray:
-        """The held-out loss the planner simulates the governor over (`planner.governor.
+        """The held-out loss the planner simulates the governor over (`trainplan.planner.governor.
         with_governor`): eq. (1) plus `early_offset` (the pilots' measured start, before their
         fitted range), nats/token. Equal to `loss_at` from the nearest pilot's first fitted
         evaluation on. Why: the governor fits evaluations from a quarter of its steps done on,
@@ -268,9 +268,9 @@ COOLDOWN_GAIN_MAX_NATS = 1.0
 class HeldoutCurveSchema(BaseModel):
     """The held-out curve file (`HeldoutCurve.to_dict`, e.g. `benchmarks/governor.py`'s
     governor_curve.json), declared once: the fields of `HeldoutCurve` (documented there), each
-    constant within the fit's own bounds (`costmodels.stopping.heldout_fit.fit_heldout_curve`);
+    constant within the fit's own bounds (`trainplan.costmodels.stopping.heldout_fit.fit_heldout_curve`);
     strict (no bool or string for a number, no NaN or infinity but in `cov`). Its JSON Schema is
-    `docs/schemas/heldout_curve.schema.json`; why pydantic: `trainplan_errors.validation`."""
+    `docs/schemas/heldout_curve.schema.json`; why pydantic: `trainplan.errors.validation`."""
 
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, frozen=True,
                               title="trainplan held-out curve")

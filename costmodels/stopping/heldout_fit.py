@@ -1,4 +1,4 @@
-"""Calibrating the planner's held-out curve (`costmodels.stopping.heldout_curve`, eq. 1) on pilot runs.
+"""Calibrating the planner's held-out curve (`trainplan.costmodels.stopping.heldout_curve`, eq. 1) on pilot runs.
 
 Pure (numpy/scipy). `fit_heldout_curve` is what `benchmarks/governor.py` and
 `trainplan solve --heldout-curve`'s curve files come from.
@@ -14,8 +14,8 @@ from collections.abc import Sequence
 import numpy as np
 from scipy.optimize import OptimizeWarning, least_squares, nnls
 
-from costmodels.stopping.curve import MIN_NOISE_NATS, noise_scale
-from costmodels.stopping.heldout_curve import (
+from trainplan.costmodels.stopping.curve import MIN_NOISE_NATS, noise_scale
+from trainplan.costmodels.stopping.heldout_curve import (
     BETA_BOUNDS,
     EARLY_OFFSET_MAX_NATS,
     KAPPA_BOUNDS,
@@ -26,7 +26,7 @@ from costmodels.stopping.heldout_curve import (
     central_jacobian,
     heldout_loss,
 )
-from trainplan_errors import TrainplanError
+from trainplan.errors import TrainplanError
 
 _BETA_STARTS = (0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.5)
 _KAPPA_STARTS = (0.5, 1.0, 1.5, 2.0, 3.0)

@@ -2,12 +2,12 @@
 
 Pure (no torch). The threshold comes from a price (`threshold_from_value`); the predicted
 stop is where a predicted curve's drop per step crosses the threshold (`predict_stop_step` for
-a `costmodels.stopping.curve.CurveFit`, `predict_stop_step_from_curve` for any curve,
+a `trainplan.costmodels.stopping.curve.CurveFit`, `predict_stop_step_from_curve` for any curve,
 `predict_stop_from_law` for the planner's loss law). The governor waits for an upper
 confidence bound, so it decides later than the mean curve crosses: where its own rule decides
 over a predicted curve with the evaluation noise to expect is
-`costmodels.stopping.simulation.simulated_stop_step`, which builds on the rule
-(`costmodels.stopping.rule`) that builds on this module.
+`trainplan.costmodels.stopping.simulation.simulated_stop_step`, which builds on the rule
+(`trainplan.costmodels.stopping.rule`) that builds on this module.
 
 Economics (`threshold_from_value`): one more step costs `cost_per_step` (device-seconds,
 dollars, ...), one nat of loss is worth `value_per_nat` of the same unit; a step is worth taking
@@ -15,7 +15,7 @@ while (expected loss drop per step) x value_per_nat >= cost_per_step, i.e. while
 step is at least threshold = cost_per_step / value_per_nat nats per step. Loss is in nats per
 token of the run's tokenizer, so a threshold does not transfer across tokenizers.
 
-Steps are *steps done* (1 after the first optimizer step), as in `costmodels.stopping.rule`.
+Steps are *steps done* (1 after the first optimizer step), as in `trainplan.costmodels.stopping.rule`.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from costmodels.loss.law import LossLaw, learning_curve
-from costmodels.stopping.curve import CurveFit
-from costmodels.stopping.schedule import COOLDOWN_FRACTION, cooldown_steps, governed_stop_step
-from trainplan_errors import TrainplanError
+from trainplan.costmodels.loss.law import LossLaw, learning_curve
+from trainplan.costmodels.stopping.curve import CurveFit
+from trainplan.costmodels.stopping.schedule import COOLDOWN_FRACTION, cooldown_steps, governed_stop_step
+from trainplan.errors import TrainplanError
 
 
 def threshold_from_value(value_per_nat: float, cost_per_step: float) -> float:
@@ -127,17 +127,17 @@ def predict_stop_from_law(law: LossLaw, *, n_params: float, tokens_per_step: flo
 
     falls below `threshold` (per unit `cost_per_step`; `predict_stop_step_from_curve`), with the
     governor's rule that a stop whose cooldown reaches the budget is not taken
-    (`costmodels.stopping.schedule.governed_stop_step`). Repeated data makes the drop per step
+    (`trainplan.costmodels.stopping.schedule.governed_stop_step`). Repeated data makes the drop per step
     fall off exponentially after the first epoch (the effective tokens' growth decays as
     exp(-repeats / R_D*)): the law predicts the stop of a data-constrained run from the unique
     tokens alone.
 
-    `law`: a `costmodels.loss.law.LossLaw`; `offset_nats` is added to the loss (e.g. the optimizer
+    `law`: a `trainplan.costmodels.loss.law.LossLaw`; `offset_nats` is added to the loss (e.g. the optimizer
     bits penalty): it moves the curve, not its slope.
 
     Returns: (predicted stop step = the step the governor decides at, in steps done; the
     step the run ends, its cooldown included: stop + `cooldown_steps(stop)`
-    (`costmodels.stopping.schedule`), `max_steps` when the budget binds; the law's loss there +
+    (`trainplan.costmodels.stopping.schedule`), `max_steps` when the budget binds; the law's loss there +
     offset_nats: the governed run's final loss, the law being a curve of end-of-run losses,
     cooldown included).
     Raises: TrainplanError on bad counts, a negative threshold or a non-positive cost.

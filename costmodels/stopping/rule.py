@@ -1,7 +1,7 @@
 """The compute governor's stopping rule: fit the learning curve online, stop when the next
-steps are no longer worth their cost. Pure (numpy/scipy, no torch): `executor.governor` runs it
+steps are no longer worth their cost. Pure (numpy/scipy, no torch): `trainplan.executor.governor` runs it
 inside the training loop (`GovernedLoop`), `Governor.replay` runs it over a record, and the
-planner runs it over its predicted curve (`costmodels.stopping.simulation.simulated_stop_step`)
+planner runs it over its predicted curve (`trainplan.costmodels.stopping.simulation.simulated_stop_step`)
 to predict where it will stop.
 
 It stops a run for one of four reasons (`Decision.reason`, also the record's `stop_reason`):
@@ -10,7 +10,7 @@ It stops a run for one of four reasons (`Decision.reason`, also the record's `st
 - `diverged`: the smoothed train loss (EMA over `window` steps) stays above `divergence_factor`
   times its running minimum for `patience` consecutive steps;
 - `marginal_gain`: a learning curve L(t) = E + A (t + t0)^-alpha fitted to the held-out losses
-  (`costmodels.stopping.curve.fit_curve`, refitted at most every `refit_every` steps, once
+  (`trainplan.costmodels.stopping.curve.fit_curve`, refitted at most every `refit_every` steps, once
   `min_points` evaluations exist and a new one has arrived since the last fit) predicts that
   the next `horizon_steps` steps lower the loss by less than `threshold_nats_per_step` each,
   *even at the upper `confidence` bound* (conservative: a noisy fit delays the stop, it does
@@ -20,8 +20,8 @@ It stops a run for one of four reasons (`Decision.reason`, also the record's `st
   rises (overfitting on repeated data) is caught by the trend. A stop whose cooldown would
   reach the budget is not taken (it would save nothing). The run then cools down: the learning
   rate decays linearly to 5% over `cooldown_steps(s)` more steps (`cooldown_fraction` of the
-  final run, 20% as `executor.apply.applied.lr_at`'s warmup-stable-decay schedule;
-  `costmodels.stopping.schedule`) and ends at
+  final run, 20% as `trainplan.executor.apply.applied.lr_at`'s warmup-stable-decay schedule;
+  `trainplan.costmodels.stopping.schedule`) and ends at
   `Decision.final_step`. Unless the held-out loss has stopped falling: when the trend's mean
   drop per step is <= 0 at the decision (`skip_cooldown_when_rising`), the run ends at once,
   as classic early stopping does (Prechelt 1998, "Early stopping - but when?"): a cooldown
@@ -32,7 +32,7 @@ It stops a run for one of four reasons (`Decision.reason`, also the record's `st
 - `budget`: `max_steps` steps are done.
 
 Steps are counted as *steps done* (the record's `rec.steps`, 1 after the first optimizer step),
-the same axis as `RunRecord.heldout_loss`. The loop that calls it: `executor.governor`.
+the same axis as `RunRecord.heldout_loss`. The loop that calls it: `trainplan.executor.governor`.
 """
 
 from __future__ import annotations
@@ -44,10 +44,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from costmodels.stopping.curve import CurveFit, fit_curve, marginal_gain, trend_gain
-from costmodels.stopping.prediction import predict_stop_step
-from costmodels.stopping.schedule import COOLDOWN_FRACTION, cooldown_steps, lr_multiplier
-from trainplan_errors import TrainplanError
+from trainplan.costmodels.stopping.curve import CurveFit, fit_curve, marginal_gain, trend_gain
+from trainplan.costmodels.stopping.prediction import predict_stop_step
+from trainplan.costmodels.stopping.schedule import COOLDOWN_FRACTION, cooldown_steps, lr_multiplier
+from trainplan.errors import TrainplanError
 
 REASONS = ("", "budget", "marginal_gain", "nan", "diverged")
 """Values of `Decision.reason` (and the record's `stop_reason`): "" while the run goes on."""
@@ -100,7 +100,7 @@ class Governor:
     threshold_nats_per_step: float
     """Stop when the predicted held-out loss drop per step (upper bound) is below this,
     nats/token per step (`Decisions.governor_threshold`); 0 disables the marginal-gain rule.
-    From economics: `costmodels.stopping.prediction.threshold_from_value(value_per_nat, cost_per_step)`."""
+    From economics: `trainplan.costmodels.stopping.prediction.threshold_from_value(value_per_nat, cost_per_step)`."""
     max_steps: int
     """Step budget: the run ends with reason `budget` when this many steps are done."""
     refit_every: int = 10
@@ -301,7 +301,7 @@ class Governor:
     def lr_multiplier(self, step: int) -> float:
         """Multiplier of the planned learning rate for the step with 0-based index `step`: 1
         until a marginal-gain stop, then linear from 1 down to `LR_FLOOR` over the cooldown (the
-        shape of `lr_at`'s own decay; `costmodels.stopping.schedule.lr_multiplier`). Use as
+        shape of `lr_at`'s own decay; `trainplan.costmodels.stopping.schedule.lr_multiplier`). Use as
         `lr_at(step, plan) * gov.lr_multiplier(step)`."""
         return lr_multiplier(step, self.state)
 

@@ -1,24 +1,24 @@
 """A governed run's schedule around the stopping rule: the cooldown after a stop and how often
 the held-out loss is evaluated.
 
-Pure Python. After a stop on marginal gain (`costmodels.stopping.rule.Governor`) the
+Pure Python. After a stop on marginal gain (`trainplan.costmodels.stopping.rule.Governor`) the
 run cools down, warmup-stable-decay as in Hu et al. 2024 (MiniCPM): the
 learning rate decays linearly to `LR_FLOOR` of the stable rate over the last
 `COOLDOWN_FRACTION` of the final run (`cooldown_steps`, `lr_multiplier`), the same shape as
-`executor.apply.applied.lr_at`'s planned decay; a stop whose cooldown would reach the budget is not
+`trainplan.executor.apply.applied.lr_at`'s planned decay; a stop whose cooldown would reach the budget is not
 taken (`governed_stop_step`). A governed run evaluates the held-out loss `GOVERNED_EVALS` times
 (`default_eval_every`) so that the curve fit has points early.
 
-Steps are *steps done* (1 after the first optimizer step), as in `costmodels.stopping.rule`.
+Steps are *steps done* (1 after the first optimizer step), as in `trainplan.costmodels.stopping.rule`.
 """
 
 from __future__ import annotations
 
 import math
 
-from trainplan_errors import TrainplanError
+from trainplan.errors import TrainplanError
 
-#: Share of the final run spent in the cooldown, as `executor.apply.applied.lr_at` (last 20% of steps;
+#: Share of the final run spent in the cooldown, as `trainplan.executor.apply.applied.lr_at` (last 20% of steps;
 #: Hu et al. 2024, MiniCPM, warmup-stable-decay).
 COOLDOWN_FRACTION = 0.2
 #: The cooldown ends at this fraction of the stable learning rate, as `lr_at`.

@@ -1,13 +1,13 @@
 """Where the governor is expected to stop a run whose held-out loss follows a predicted curve:
-its own rule (`costmodels.stopping.rule.Governor`) replayed over simulated noisy evaluations.
+its own rule (`trainplan.costmodels.stopping.rule.Governor`) replayed over simulated noisy evaluations.
 
-Pure (numpy). The curve's own crossing (`costmodels.stopping.prediction`) is where the *mean*
+Pure (numpy). The curve's own crossing (`trainplan.costmodels.stopping.prediction`) is where the *mean*
 drop per step falls below the threshold; the governor waits for the *upper* confidence bound,
 so it decides later, by an amount set by the evaluation noise, the evaluation period and the
-curve's shape. The planner (`planner.governor`) predicts its stop with `simulated_stops` over
-the held-out curve calibrated on pilot runs (`costmodels.stopping.heldout_curve`).
+curve's shape. The planner (`trainplan.planner.governor`) predicts its stop with `simulated_stops` over
+the held-out curve calibrated on pilot runs (`trainplan.costmodels.stopping.heldout_curve`).
 
-Steps are *steps done* (1 after the first optimizer step), as in `costmodels.stopping.rule`.
+Steps are *steps done* (1 after the first optimizer step), as in `trainplan.costmodels.stopping.rule`.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from costmodels.stopping.rule import Governor
-from costmodels.stopping.schedule import default_eval_every
-from trainplan_errors import TrainplanError
+from trainplan.costmodels.stopping.rule import Governor
+from trainplan.costmodels.stopping.schedule import default_eval_every
+from trainplan.errors import TrainplanError
 
 
 def simulated_stop_step(loss_at: Callable[[int], float], **kw: Any) -> tuple[int, list[int]]:
@@ -37,14 +37,14 @@ def simulated_stops(loss_at: Callable[[int], float], *, threshold_nats_per_step:
                     **settings: Any) -> list[tuple[int, int]]:
     """Where the governor is expected to decide to stop a run whose held-out loss follows
     `loss_at(steps done)` (nats/token), measured every `eval_every` steps (default
-    `costmodels.stopping.schedule.default_eval_every`) with independent Gaussian noise of
-    `noise_nats`: the median decision of `costmodels.stopping.rule.Governor.replay` over `runs`
+    `trainplan.costmodels.stopping.schedule.default_eval_every`) with independent Gaussian noise of
+    `noise_nats`: the median decision of `trainplan.costmodels.stopping.rule.Governor.replay` over `runs`
     simulated evaluation series (one when the noise is 0). Independent noise understates how
     far one real run's decision scatters: a real held-out curve also wanders over several
     evaluations (`benchmarks/governor.py`: the quartiles were 210-210 where the run decided at
     180).
 
-    Why not the curve's own crossing (`costmodels.stopping.prediction.predict_stop_step_from_curve`):
+    Why not the curve's own crossing (`trainplan.costmodels.stopping.prediction.predict_stop_step_from_curve`):
     the governor waits for the *upper* confidence bound of its fit's gain (and of the trend's) to
     fall below the threshold, so it decides later than the mean curve crosses, by an amount set
     by the evaluation noise, the evaluation period and the curve's shape. Simulating the rule

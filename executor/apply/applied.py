@@ -1,25 +1,25 @@
 """`apply_plan`: a Plan applied to the user's own model, for the user's own training loop; the
 `AppliedPlan` it returns (model, optimizer, LR schedule, batch counts, loss, measurements).
 
-    >>> applied = executor.apply_plan(plan, model)       # checkpoint sets, DDP/ZeRO/FSDP2, SP
+    >>> applied = trainplan.executor.apply_plan(plan, model)       # checkpoint sets, DDP/ZeRO/FSDP2, SP
     >>> with applied.measure("runs/mine") as m:          # plan.json + record.json for `trainplan report`
     ...     for step in range(applied.max_steps):
     ...         m.step(train_step)                       # the user's step: micro-steps, optimizer, scheduler
 
-What is applied, in order (`executor.train.run` trains through the same function):
+What is applied, in order (`trainplan.executor.train.run` trains through the same function):
 1. the blocks: the model's one `nn.ModuleList` of `plan.model_n_layers` modules
-   (`executor.apply.checkpointing.find_blocks`), its parameter count the plan's;
+   (`trainplan.executor.apply.checkpointing.find_blocks`), its parameter count the plan's;
 2. the op check: each checkpointed block's forward, traced on fake tensors, runs the ops the plan
-   captured (`executor.apply.checkpointing.check_block_ops`), else `PlanMismatchError`;
-3. the checkpoint sets (`executor.apply.checkpointing.apply_checkpointing`);
+   captured (`trainplan.executor.apply.checkpointing.check_block_ops`), else `PlanMismatchError`;
+3. the checkpoint sets (`trainplan.executor.apply.checkpointing.apply_checkpointing`);
 4. over more than one process (torch.distributed, initialised here from torchrun's environment
-   when it is not yet): the SP groups and Ulysses attention (`executor.parallel.ulysses`), then
-   DDP, ZeRO-1 or FSDP2 with the plan's mixed precision (`executor.parallel.zero.apply_zero`),
+   when it is not yet): the SP groups and Ulysses attention (`trainplan.executor.parallel.ulysses`), then
+   DDP, ZeRO-1 or FSDP2 with the plan's mixed precision (`trainplan.executor.parallel.zero.apply_zero`),
    which also builds the optimizer;
-5. the optimizer of the plan's state width (`executor.optimizers.build_optimizer`) and a
+5. the optimizer of the plan's state width (`trainplan.executor.optimizers.build_optimizer`) and a
    `LambdaLR` with the plan's warmup-stable-decay schedule (`lr_at`), its learning rate `lr_at(0)`.
 
-`executor.parallel.ulysses` and `executor.parallel.zero` are imported by multi-device runs only:
+`trainplan.executor.parallel.ulysses` and `trainplan.executor.parallel.zero` are imported by multi-device runs only:
 they load transformers' attention interface and FSDP2's internals (seconds), which torch builds
 without distributed support do not have.
 """
@@ -37,20 +37,20 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
-from costmodels.checkpoint_sets import resolve, sets_from_mapping
-from executor.accumulation import accumulation_sync, reset_memory_tracker_modules
-from executor.apply.checkpointing import apply_checkpointing, block_ops, check_block_ops, find_blocks
-from executor.apply.measuring import Measurement
-from executor.optimizers import build_optimizer
-from executor.parallel.launch import init_distributed
-from hardware_profiles import load as load_profile
-from modeling.activation_compression import compress_saved_activations
-from modeling.loss import lm_loss
-from modeling.model_call import accepts_position_ids, forward_logits
-from modeling.offload import OffloadStats, offload_block
-from modeling.tiling import IGNORE_INDEX, TiledHead, find_mlp, tile_mlp
-from planner.plan import Plan
-from trainplan_errors import PlanMismatchError, TrainplanError, UnknownNameError
+from trainplan.costmodels.checkpoint_sets import resolve, sets_from_mapping
+from trainplan.errors import PlanMismatchError, TrainplanError, UnknownNameError
+from trainplan.executor.accumulation import accumulation_sync, reset_memory_tracker_modules
+from trainplan.executor.apply.checkpointing import apply_checkpointing, block_ops, check_block_ops, find_blocks
+from trainplan.executor.apply.measuring import Measurement
+from trainplan.executor.optimizers import build_optimizer
+from trainplan.executor.parallel.launch import init_distributed
+from trainplan.hardware_profiles import load as load_profile
+from trainplan.modeling.activation_compression import compress_saved_activations
+from trainplan.modeling.loss import lm_loss
+from trainplan.modeling.model_call import accepts_position_ids, forward_logits
+from trainplan.modeling.offload import OffloadStats, offload_block
+from trainplan.modeling.tiling import IGNORE_INDEX, TiledHead, find_mlp, tile_mlp
+from trainplan.planner.plan import Plan
 
 
 def resolve_device(plan: Plan, override: str | torch.device | None = None) -> torch.device:
@@ -115,22 +115,22 @@ def micro_batch_loss(model, dev, sp: int, sp_rank: int, world: int, x, y, *,
                      head: TiledHead | None = None) -> torch.Tensor:
     """Loss of one micro-batch (nats/token, a scalar): x, y (b, s) token ids and next-token
     targets, `model` on device `dev`, called as its forward accepts
-    (`modeling.model_call.forward_logits`: the logits as a tensor, `.logits`, a dict or a tuple).
+    (`trainplan.modeling.model_call.forward_logits`: the logits as a tensor, `.logits`, a dict or a tuple).
     Under Ulysses SP (`sp` ranks per sequence, this one `sp_rank`, `world` ranks in all) each rank
-    feeds its contiguous sequence shard with global positions; `executor.parallel.ulysses.sp_loss`
+    feeds its contiguous sequence shard with global positions; `trainplan.executor.parallel.ulysses.sp_loss`
     makes the averaged gradients equal the single-process ones. No KV cache (`use_cache=False`
     where the forward takes it): a training forward of a model whose config enables it would
     otherwise fill one, ops the plan did not capture. `head` (a tiled loss,
-    `modeling.tiling.TiledHead`): the model's logits are then the summed cross-entropy of its
+    `trainplan.modeling.tiling.TiledHead`): the model's logits are then the summed cross-entropy of its
     tokens, computed in `head.chunks` token chunks inside the forward, divided here by the tokens
-    that take part (`modeling.tiling.tiled_lm_loss`'s value)."""
+    that take part (`trainplan.modeling.tiling.tiled_lm_loss`'s value)."""
     if world == 1:
         if head is None:
             return lm_loss(forward_logits(model, x.to(dev)), y.to(dev))
         with head.labels(y):
             total = forward_logits(model, x.to(dev), allow_scalar=True)
         return total / (y != IGNORE_INDEX).sum().to(total.device)
-    from executor.parallel.ulysses import sp_loss  # multi-device only: see the module docstring
+    from trainplan.executor.parallel.ulysses import sp_loss  # multi-device only: see the module docstring
 
     sl = x.shape[1] // sp
     lo, hi = sp_rank * sl, (sp_rank + 1) * sl
@@ -155,7 +155,7 @@ class AppliedPlan:
     """The model to train: the user's, checkpointed per the plan; over several processes wrapped
     by DDP (ZeRO 0/1; `model.module` is the user's) or sharded in place by FSDP2 (ZeRO 2/3)."""
     optimizer: torch.optim.Optimizer
-    """AdamW with the plan's state width (`executor.optimizers.build_optimizer`); ZeRO-1's
+    """AdamW with the plan's state width (`trainplan.executor.optimizers.build_optimizer`); ZeRO-1's
     `ZeroRedundancyOptimizer` around it."""
     device: torch.device
     """Where the model trains (`resolve_device`)."""
@@ -168,7 +168,7 @@ class AppliedPlan:
     lr_scheduler: LambdaLR | None = field(default=None, repr=False)
     """`scheduler`, or None for `apply_plan(..., lr_scheduler=False)`."""
     head: TiledHead | None = field(default=None, repr=False)
-    """The LM head made a tiled loss inside the forward (`modeling.tiling.TiledHead`), else None."""
+    """The LM head made a tiled loss inside the forward (`trainplan.modeling.tiling.TiledHead`), else None."""
     offload_stats: OffloadStats | None = field(default=None, repr=False)
     """What activation offload moved to host memory in the last step (`Decisions.offload`)."""
 
@@ -229,7 +229,7 @@ class AppliedPlan:
         """Training loss of one micro-batch (nats/token, a scalar with its graph): `x`, `y` (b, s)
         token ids and next-token targets on any device, b = `micro_batch`, s = `seq_len`; this rank
         feeds its SP shard. The forward runs under `autocast()` and the plan's saved-activation
-        compression (`modeling.activation_compression`); call `.backward()` on it (divided by
+        compression (`trainplan.modeling.activation_compression`); call `.backward()` on it (divided by
         `grad_accum` when accumulating) inside `accumulating(j)`.
 
         Raises:
@@ -245,14 +245,14 @@ class AppliedPlan:
 
     def accumulating(self, j: int) -> AbstractContextManager:
         """The context of micro-step `j`'s (0-based) forward and backward: DDP's `no_sync()` for
-        every micro-step but the last of an optimizer step (`executor.accumulation`)."""
+        every micro-step but the last of an optimizer step (`trainplan.executor.accumulation`)."""
         d = self.plan.decisions
         return accumulation_sync(self.model, zero_stage=d.zero_stage, world=self.world,
                                  last=j == d.grad_accum - 1)
 
     def measure(self, out: str | Path) -> Measurement:
         """A context manager recording this run for trainplan's report into the folder `out`
-        (`executor.apply.measuring.Measurement`): `with applied.measure(out) as m: ... m.step(fn)`."""
+        (`trainplan.executor.apply.measuring.Measurement`): `with applied.measure(out) as m: ... m.step(fn)`."""
         return Measurement(self, out)
 
 
@@ -263,7 +263,7 @@ def _lr_factor(step: int, plan: Plan) -> float:
 def apply_plan(plan: Plan, model: nn.Module, *, device_mesh=None, device: str | torch.device | None = None,
                check_ops: bool = True, lr_scheduler: bool = True) -> AppliedPlan:
     """Apply `plan` to `model` (a causal LM: its forward takes token ids and returns the logits,
-    `modeling.model_call.forward_logits`) for the caller's own training loop; the steps are the
+    `trainplan.modeling.model_call.forward_logits`) for the caller's own training loop; the steps are the
     module docstring's.
 
     device: where to train (None: the plan's profile's device type, `resolve_device`); the model
@@ -275,7 +275,7 @@ def apply_plan(plan: Plan, model: nn.Module, *, device_mesh=None, device: str | 
     check_ops: compare the checkpointed blocks' ops with the plan's (step 2); False skips it (the
         checkpoint sets' node keys then name whatever ops the model runs at those positions).
     lr_scheduler: make `scheduler` (its learning rate `lr_at(0)` from now); False: none, the
-        caller sets the learning rate (`executor.train.run`, whose checkpoints then keep the
+        caller sets the learning rate (`trainplan.executor.train.run`, whose checkpoints then keep the
         optimizer's param groups without LambdaLR's `initial_lr`, as before).
 
     Raises:
@@ -302,7 +302,7 @@ def apply_plan(plan: Plan, model: nn.Module, *, device_mesh=None, device: str | 
     model = model.to(dev)
     mp = None
     if world > 1:
-        from executor.parallel.zero import mixed_precision_policy  # see the module docstring
+        from trainplan.executor.parallel.zero import mixed_precision_policy  # see the module docstring
 
         mp = mixed_precision_policy(d)
     if d.mlp_chunks > 1:  # before the op check: the plan captured the tiled MLP's ops
@@ -318,8 +318,8 @@ def apply_plan(plan: Plan, model: nn.Module, *, device_mesh=None, device: str | 
     if world == 1:
         return _with_scheduler(AppliedPlan(plan=plan, model=model, optimizer=factory(model.parameters()),
                                            device=dev, head=head, offload_stats=stats), lr_scheduler)
-    from executor.parallel.ulysses import enable_ulysses  # see the module docstring
-    from executor.parallel.zero import apply_zero
+    from trainplan.executor.parallel.ulysses import enable_ulysses  # see the module docstring
+    from trainplan.executor.parallel.zero import apply_zero
 
     _sequence_parallel_group(d.sp_degree, world, device_mesh)
     enable_ulysses(model, seq_len=d.seq_len)
@@ -331,7 +331,7 @@ def apply_plan(plan: Plan, model: nn.Module, *, device_mesh=None, device: str | 
 
 
 def _offload(d, blocks: nn.ModuleList) -> OffloadStats:
-    """Activation offload on the checkpointed blocks (`modeling.offload.offload_block`, outside
+    """Activation offload on the checkpointed blocks (`trainplan.modeling.offload.offload_block`, outside
     their checkpoint, so only the checkpoint's saved input moves), one `OffloadStats` shared so
     the backward prefetches block i-1's input while block i runs."""
     stats = OffloadStats()
@@ -372,7 +372,7 @@ def _sequence_parallel_group(sp_degree: int, world: int, device_mesh) -> None:
 
     Raises:
         TrainplanError: a mesh whose size is not `world`, or whose SP size is not `sp_degree`."""
-    from executor.parallel.ulysses import new_sequence_parallel_group, set_sequence_parallel_group
+    from trainplan.executor.parallel.ulysses import new_sequence_parallel_group, set_sequence_parallel_group
 
     if device_mesh is None:
         new_sequence_parallel_group(sp_degree)

@@ -2,7 +2,7 @@
 ops checked against the plan's captured ones (`check_block_ops`), and each checkpointed block's
 forward run under torch's selective activation checkpointing (`apply_checkpointing`, `sac_forward`).
 
-Checkpoint sets name op calls by position in a block's forward (`costmodels.checkpoint_sets`:
+Checkpoint sets name op calls by position in a block's forward (`trainplan.costmodels.checkpoint_sets`:
 `aten.mm.default#3` is the fourth `aten.mm` call), which names the intended ops only in the model
 the plan captured. So before any block is wrapped, `check_block_ops` runs one forward of the
 whole model on fake tensors (`FakeTensorMode`: no memory, no compute) with the parameter dtype and
@@ -32,7 +32,7 @@ from torch.utils.checkpoint import (
     set_checkpoint_early_stop,
 )
 
-from costmodels.checkpoint_sets import (
+from trainplan.costmodels.checkpoint_sets import (
     UNCOUNTED_OPS,
     CheckpointSet,
     KeyCounter,
@@ -40,9 +40,9 @@ from costmodels.checkpoint_sets import (
     resolve,
     sets_from_mapping,
 )
-from modeling.fake_run import as_run
-from modeling.model_call import forward_call
-from trainplan_errors import PlanMismatchError, TrainplanError
+from trainplan.errors import PlanMismatchError, TrainplanError
+from trainplan.modeling.fake_run import as_run
+from trainplan.modeling.model_call import forward_call
 
 
 def find_blocks(model: nn.Module, n_layers: int) -> tuple[str, nn.ModuleList]:
@@ -55,7 +55,7 @@ def find_blocks(model: nn.Module, n_layers: int) -> tuple[str, nn.ModuleList]:
     """
     lists = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList)]
     found = [(name, m) for name, m in lists if len(m) == n_layers]
-    if len(found) > 1:  # the capture's rule (`planner.capture.layout.find_blocks`): the most parameters
+    if len(found) > 1:  # the capture's rule (`trainplan.planner.capture.layout.find_blocks`): the most parameters
         most = max(sum(p.numel() for p in m.parameters()) for _, m in found)
         found = [(n, m) for n, m in found if sum(p.numel() for p in m.parameters()) == most]
     if len(found) == 1:
@@ -65,14 +65,14 @@ def find_blocks(model: nn.Module, n_layers: int) -> tuple[str, nn.ModuleList]:
     raise PlanMismatchError(
         f"the plan has {n_layers} layers but {type(model).__name__} has {why} nn.ModuleList of {n_layers} "
         f"blocks (its module lists and lengths: {have}); apply the plan to the model it was made for, "
-        "or solve one for this model (planner.api.solve(model, ...))")
+        "or solve one for this model (trainplan.planner.api.solve(model, ...))")
 
 
 def sac_forward(orig, entry: CheckpointSet, *args, early_stop: bool = True, **kwargs):
     """Run `orig` under torch's selective activation checkpointing with `entry`'s saved set.
 
     The policy function names each op call of this forward by its node key (`KeyCounter`: the
-    overload and its call count, as `costmodels.checkpoint_sets.node_keys` names the captured forward's
+    overload and its call count, as `trainplan.costmodels.checkpoint_sets.node_keys` names the captured forward's
     nodes) and answers MUST_SAVE for the keys `entry` keeps, MUST_RECOMPUTE otherwise (views
     and other ops that make no storage are never kept). torch calls the policy in the forward
     only and replays by call index, so a fresh counter per forward is the whole state."""
@@ -98,7 +98,7 @@ def apply_checkpointing(model: nn.Module, policies: Sequence[str], sets: Mapping
     plan's `Decisions.checkpoint_sets`, the saved node keys of each solved entry (`remat:k`) that
     `policies` names; `blocks`: the blocks (None: `find_blocks(model, len(policies))`).
     `early_stop=False`: the recompute runs the whole forward (`set_checkpoint_early_stop`), as a
-    block with a tiled MLP is modelled (`costmodels.graph.Region.recompute_to_end`).
+    block with a tiled MLP is modelled (`trainplan.costmodels.graph.Region.recompute_to_end`).
 
     Raises:
         PlanMismatchError: the model has no list of as many blocks as `policies` (or `blocks`
@@ -137,11 +137,11 @@ def block_ops(model: nn.Module, blocks: nn.ModuleList, layers: Sequence[int], *,
     """The ops each of `layers` (indices into `blocks`) runs in one forward of `model` on token
     ids of shape (`micro_batch`, `seq_len`) without a KV cache (the run's: a reshape that is a view
     at one batch size copies at another), in order, as the SAC policy function sees them (canonical op
-    names, `costmodels.checkpoint_sets.canonical_op`). Runs on fake tensors on `device`
+    names, `trainplan.costmodels.checkpoint_sets.canonical_op`). Runs on fake tensors on `device`
     (`FakeTensorMode`: nothing allocated, nothing computed), floating parameters at `param_dtype`
     (None: their own), under `torch.autocast(device.type, autocast_dtype)` when given. A layer
     the forward does not reach maps to []. Masks are made as a training step makes them
-    (`modeling.fake_run.as_run`), as the capture makes them (`planner.capture.layout`)."""
+    (`trainplan.modeling.fake_run.as_run`), as the capture makes them (`trainplan.planner.capture.layout`)."""
     recorder = _OpRecorder()
     got: dict[int, list[str]] = {i: [] for i in layers}
 
@@ -207,4 +207,4 @@ def check_block_ops(expected: Mapping[str, Mapping[str, Any]], got: Mapping[int,
                 f"{blocks_name}.{i} is not the block the plan was captured from ({kind}, "
                 f"{len(want)} ops): compute op {k} of its forward is {found}, the plan expects {exp}; its "
                 "checkpoint set would save other ops than planned: solve the plan for this model "
-                "(planner.api.solve(model, ...))")
+                "(trainplan.planner.api.solve(model, ...))")

@@ -1,5 +1,5 @@
 """`Measurement`: what a user's own training loop records for trainplan's report, the same
-measurements `executor.train.run` makes (`executor.measure.measured_step`): peak tensor memory by
+measurements `trainplan.executor.train.run` makes (`trainplan.executor.measure.measured_step`): peak tensor memory by
 category (MemTracker, the third step), FLOPs of one step (FlopCounterMode, the fourth), the wall
 and CPU time of every other step, on an accelerator the allocator's peaks and kernel split; each
 step's train loss and, when the loop asks, held-out losses.
@@ -8,9 +8,9 @@ step's train loss and, when the loop asks, held-out losses.
     ...     for step in range(applied.max_steps):
     ...         m.step(train_step)                   # train_step() -> its loss, a float
     ...     m.evaluate(heldout_batches)              # optional: held-out loss (nats/token)
-    >>> # runs/mine/record.json: `trainplan report runs/mine`, `executor.report(plan, record, out=...)`
+    >>> # runs/mine/record.json: `trainplan report runs/mine`, `trainplan.executor.report(plan, record, out=...)`
 
-The record (`executor.record.RunRecord`) is written when the block ends, however it ends, by rank 0
+The record (`trainplan.executor.record.RunRecord`) is written when the block ends, however it ends, by rank 0
 (a failed rank also writes `record-rank{r}.json`); on a normal end every rank must leave the
 block (the per-rank peaks are gathered).
 """
@@ -25,14 +25,14 @@ from typing import Any, Protocol
 
 import torch
 
-from executor.checkpoint import is_out_of_memory
-from executor.measure import device_name, gather_floats, heldout_loss, measured_step
-from executor.record import RunRecord, same_hardware
-from planner.plan import Plan
+from trainplan.executor.checkpoint import is_out_of_memory
+from trainplan.executor.measure import device_name, gather_floats, heldout_loss, measured_step
+from trainplan.executor.record import RunRecord, same_hardware
+from trainplan.planner.plan import Plan
 
 
 class Applied(Protocol):
-    """What a `Measurement` reads of the plan applied (`executor.apply.applied.AppliedPlan`)."""
+    """What a `Measurement` reads of the plan applied (`trainplan.executor.apply.applied.AppliedPlan`)."""
 
     plan: Plan
     model: torch.nn.Module
@@ -64,8 +64,8 @@ class Measurement:
 
     def step(self, train_step: Callable[[], float]) -> float:
         """Run one optimizer step, `train_step()` (the caller's micro-steps, optimizer step and
-        scheduler step; returns the step's loss, nats/token), measured as `executor.train.run`
-        measures its steps (`executor.measure.measured_step`, by the step's 0-based index).
+        scheduler step; returns the step's loss, nats/token), measured as `trainplan.executor.train.run`
+        measures its steps (`trainplan.executor.measure.measured_step`, by the step's 0-based index).
         Records its loss and the tokens trained (all ranks); returns the loss."""
         a, rec = self.applied, self.record
         loss = float(measured_step(rec.steps, lambda _step: train_step(), rec, a.device, a.model, a.optimizer))
@@ -78,7 +78,7 @@ class Measurement:
     def evaluate(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> float:
         """Held-out loss (nats/token) over (x, y) micro-batches, each (b, s) token ids and
         next-token targets (every rank the same ones), recorded at the steps done so far
-        (`executor.measure.heldout_loss` through `AppliedPlan.forward_loss`)."""
+        (`trainplan.executor.measure.heldout_loss` through `AppliedPlan.forward_loss`)."""
         rec = self.record
         loss = heldout_loss(self.applied.model, list(batches), self.applied.forward_loss)
         rec.heldout_loss.append((rec.steps, rec.tokens, loss))
@@ -99,6 +99,6 @@ class Measurement:
             if rec.steps < max_steps:
                 rec.notes.append(f"the loop ended after {rec.steps} of {max_steps} steps")
             rec.per_rank_peak_bytes = gather_floats(rec.peak_memory_bytes.get("total", 0.0), a.world)
-        rec.notes.append("measured in the user's own loop (executor.apply.measuring.Measurement)")
+        rec.notes.append("measured in the user's own loop (trainplan.executor.apply.measuring.Measurement)")
         if a.rank == 0 or exc is not None:
             rec.to_json(self.out / ("record.json" if a.rank == 0 else f"record-rank{a.rank}.json"))

@@ -1,9 +1,9 @@
-"""Refit the bits loss penalties (`costmodels.loss.bits.BitsPenalty`) from runs that differ only in
-their bits; part of `trainplan calibrate` (`executor.calibrate.calibration`).
+"""Refit the bits loss penalties (`trainplan.costmodels.loss.bits.BitsPenalty`) from runs that differ only in
+their bits; part of `trainplan calibrate` (`trainplan.executor.calibrate.calibration`).
 
 Runs are grouped by everything that moves the loss besides bits (model, vocabulary, sequence,
 micro-batch, steps, data fraction and method, seed, learning rate, devices). In a group with a
-full-width run (no penalty component on: `costmodels.loss.bits.components`), each other run's final
+full-width run (no penalty component on: `trainplan.costmodels.loss.bits.components`), each other run's final
 held-out loss minus the full-width one's (the mean, when several) is one observation of the sum
 of its components' penalties; the components seen are fitted by non-negative least squares
 (`scipy.optimize.nnls`, Lawson & Hanson 1974: penalties cannot be negative) after taking the
@@ -19,7 +19,7 @@ import dataclasses
 import numpy as np
 from scipy.optimize import nnls
 
-from costmodels.loss.bits import COMPONENTS, DEFAULT_BITS_PENALTY, BitsPenalty, components
+from trainplan.costmodels.loss.bits import COMPONENTS, DEFAULT_BITS_PENALTY, BitsPenalty, components
 
 
 def _group_key(run) -> tuple:

@@ -1,24 +1,24 @@
 """`trainplan calibrate RUN_DIR...`: refit the local cpu profile, an accelerator's profile and
 the loss law from real runs.
 
-Four refits, each from what `executor.train.run` wrote into a run folder (`plan.json`,
-`record.json`, loaded and checked by `executor.calibrate.runs`):
+Four refits, each from what `trainplan.executor.train.run` wrote into a run folder (`plan.json`,
+`record.json`, loaded and checked by `trainplan.executor.calibrate.runs`):
 
 **Step time** (runs with `record.same_hardware` planned for `cpu` only): see
-`executor.calibrate.step_time` (ratio or two-factor fit of the cpu profile's throughput).
+`trainplan.executor.calibrate.step_time` (ratio or two-factor fit of the cpu profile's throughput).
 
 **Accelerator profile** (runs on CUDA/ROCm with a kernel time split): see
-`executor.calibrate.gpu` (matmul, memory and network efficiencies, per-op overhead and memory
+`trainplan.executor.calibrate.gpu` (matmul, memory and network efficiencies, per-op overhead and memory
 reserve). The profile refit is the runs' plan's (`--hw` to name another, or a profile file);
-it is written as a profile file (`hardware_profiles.profile_file`), by default
+it is written as a profile file (`trainplan.hardware_profiles.profile_file`), by default
 `<first such run>/<name>-calibrated.toml`, for `--hw FILE`.
 
 **Loss law** per (model, vocabulary size): L(D) = E + B / D**beta fitted to the runs' held-out
-curves, see `executor.calibrate.law`. The law is written to `<cache>/laws/<model>-v<vocab_size>.json`
-with its points and residuals (`costmodels.loss.cache`); `planner.api.solve` uses it for the cpu
+curves, see `trainplan.executor.calibrate.law`. The law is written to `<cache>/laws/<model>-v<vocab_size>.json`
+with its points and residuals (`trainplan.costmodels.loss.cache`); `trainplan.planner.api.solve` uses it for the cpu
 profile.
 
-**Bits penalties** (`executor.calibrate.bits`): runs that differ only in their bits refit the
+**Bits penalties** (`trainplan.executor.calibrate.bits`): runs that differ only in their bits refit the
 loss penalties of the lower-precision settings, stored with the law (`LossLaw.bits`); the law
 itself is then fitted to the full-width runs.
 
@@ -38,19 +38,19 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from costmodels.loss.bits import COMPONENTS, components
-from costmodels.loss.cache import save_local_law
-from executor.calibrate.bits import fit_bits_penalty
-from executor.calibrate.gpu import GpuFit, fit_gpu_profile, format_gpu_fit, observations_from_runs
-from executor.calibrate.law import LawFit, fit_law
-from executor.calibrate.runs import Run, check_timed_steps, load_run_folder
-from executor.calibrate.step_time import CaptureModel, StepTimeRow, calibrate_step_time
-from executor.reporting.figures import append_calibration_history
-from hardware_profiles import HardwareProfile
-from hardware_profiles import load as load_profile
-from hardware_profiles.cpu import save_profile
-from hardware_profiles.profile_file import write_profile_file
-from trainplan_errors import TrainplanError, UnknownNameError
+from trainplan.costmodels.loss.bits import COMPONENTS, components
+from trainplan.costmodels.loss.cache import save_local_law
+from trainplan.errors import TrainplanError, UnknownNameError
+from trainplan.executor.calibrate.bits import fit_bits_penalty
+from trainplan.executor.calibrate.gpu import GpuFit, fit_gpu_profile, format_gpu_fit, observations_from_runs
+from trainplan.executor.calibrate.law import LawFit, fit_law
+from trainplan.executor.calibrate.runs import Run, check_timed_steps, load_run_folder
+from trainplan.executor.calibrate.step_time import CaptureModel, StepTimeRow, calibrate_step_time
+from trainplan.executor.reporting.figures import append_calibration_history
+from trainplan.hardware_profiles import HardwareProfile
+from trainplan.hardware_profiles import load as load_profile
+from trainplan.hardware_profiles.cpu import save_profile
+from trainplan.hardware_profiles.profile_file import write_profile_file
 
 __all__ = ["CalibrationResult", "calibrate", "format_result"]
 
@@ -82,7 +82,7 @@ class CalibrationResult:
     notes: tuple[str, ...]
     """Lines on runs left out of the step-time fit and on fits to doubt."""
     gpu: GpuFit | None = None
-    """The accelerator profile's refit (`executor.calibrate.gpu`); None when no run qualified."""
+    """The accelerator profile's refit (`trainplan.executor.calibrate.gpu`); None when no run qualified."""
     gpu_profile_path: Path | None = None
     """Where the refit accelerator profile was written (None when none was)."""
 
@@ -111,7 +111,7 @@ def _gpu_base(runs: list[Run], hw: str | HardwareProfile | None) -> HardwareProf
 
     Raises:
         TrainplanError: those runs were planned for different profiles, or for one read from a
-            file (`hardware_profiles.load` does not know its name): give `hw`.
+            file (`trainplan.hardware_profiles.load` does not know its name): give `hw`.
     """
     if hw is not None:
         return load_profile(hw)
@@ -137,10 +137,10 @@ def calibrate(run_dirs: list[str | Path], *, capture_model: CaptureModel, cache_
     Args:
         run_dirs: run folders, each with `plan.json` and `record.json`.
         capture_model: captures a preset's model to re-predict its step time
-            (`executor.calibrate.step_time.CaptureModel`; the command line passes
-            `planner.capture.setup.capture_model`).
+            (`trainplan.executor.calibrate.step_time.CaptureModel`; the command line passes
+            `trainplan.planner.capture.setup.capture_model`).
         cache_dir: trainplan cache root for this call (cpu profile and laws); default
-            `hardware_profiles.cache.cache_root()`.
+            `trainplan.hardware_profiles.cache.cache_root()`.
         verbose: print a before/after table.
         time_basis: "wall" (default: the median step's wall time) or "cpu" (its process CPU
             time, `RunRecord.step_cpu_times_s`: for one-thread runs on a machine other jobs
@@ -150,15 +150,15 @@ def calibrate(run_dirs: list[str | Path], *, capture_model: CaptureModel, cache_
         profile_out: where to write the refit accelerator profile (TOML); default
             `<first run used>/<name>-calibrated.toml`.
 
-    Writes the calibrated cpu profile (`hardware_profiles.cpu.save_profile`, when some run was a
-    cpu run on this cpu) and one law file per (model, vocab_size) (`costmodels.loss.cache`).
+    Writes the calibrated cpu profile (`trainplan.hardware_profiles.cpu.save_profile`, when some run was a
+    cpu run on this cpu) and one law file per (model, vocab_size) (`trainplan.costmodels.loss.cache`).
     Loading the cpu profile measures the machine first if it has no cached profile (seconds).
 
     Raises:
         TrainplanError: no run folders; a folder missing, without plan.json/record.json or
-            unreadable (named); fewer than `executor.calibrate.law.MIN_POINTS` usable held-out
+            unreadable (named); fewer than `trainplan.executor.calibrate.law.MIN_POINTS` usable held-out
             points for a law (the message gives the count found and the count needed); a cpu run
-            with fewer than `executor.calibrate.runs.MIN_TIMED_STEPS` timed steps; accelerator
+            with fewer than `trainplan.executor.calibrate.runs.MIN_TIMED_STEPS` timed steps; accelerator
             runs planned for several profiles, or for a profile file, without `hw`; an unknown
             `hw` or a bad profile file. Nothing is written then.
         OutputPathError: the refit accelerator profile cannot be written to `profile_out`.

@@ -1,13 +1,13 @@
 """Refit an accelerator's hardware profile from runs recorded on it; part of `trainplan calibrate`
-(`executor.calibrate.calibration`). The result is a profile file the planner takes back with
-`--hw FILE` (`hardware_profiles.profile_file.write_profile_file`).
+(`trainplan.executor.calibrate.calibration`). The result is a profile file the planner takes back with
+`--hw FILE` (`trainplan.hardware_profiles.profile_file.write_profile_file`).
 
-Measured, per run (`executor.record.RunRecord` on CUDA/ROCm): device seconds per step by kind
+Measured, per run (`trainplan.executor.record.RunRecord` on CUDA/ROCm): device seconds per step by kind
 (`kernel_time_s`: matmul, other, communication and busy, from torch.profiler,
-`executor.kernels`), the median step's wall time (`median_step_time_s`), the allocator's peaks
+`trainplan.executor.kernels`), the median step's wall time (`median_step_time_s`), the allocator's peaks
 over the timed steps (`max_allocated_bytes`, `max_reserved_bytes`) and the device's memory
 (`device_memory_bytes`). Predicted: the same split of the run's step re-predicted on the profile
-being refit (`executor.calibrate.gpu_parts.PartsPredictor`), so calibrating twice on the same
+being refit (`trainplan.executor.calibrate.gpu_parts.PartsPredictor`), so calibrating twice on the same
 runs does not compound. Each factor is fitted over all runs at once, summed measured against
 summed predicted seconds:
 
@@ -19,7 +19,7 @@ summed predicted seconds:
    whole `matmul_efficiency` curve is multiplied by c (its shape, the Calculon-style small-op
    fall-off, is kept; its plateau moves);
 3. network n: the root of predicted communication seconds (every collective, latency + bytes /
-   (bandwidth x `network_efficiency`), `costmodels.step.comm`) = measured NCCL/RCCL kernel
+   (bandwidth x `network_efficiency`), `trainplan.costmodels.step.comm`) = measured NCCL/RCCL kernel
    seconds; only from runs with communication (more than one device). NCCL kernels also spin
    while they wait for the slowest rank, so n is a lower bound of the links' efficiency;
 4. `op_overhead_s` = sum of (wall - busy) / sum of ops: the host time the device sat idle
@@ -32,7 +32,7 @@ summed predicted seconds:
 
 A factor that would push an efficiency above 1 goes onto the peaks or bandwidths instead, which
 predicts the same (only their products enter the model), as the cpu refit does
-(`executor.calibrate.step_time`).
+(`trainplan.executor.calibrate.step_time`).
 """
 
 from __future__ import annotations
@@ -46,11 +46,11 @@ from typing import Any
 
 from scipy.optimize import brentq
 
-from executor.calibrate.gpu_parts import PartsPredictor, PredictedParts
-from executor.calibrate.step_time import scaled_profile
-from executor.record import RunRecord
-from hardware_profiles import HardwareProfile
-from trainplan_errors import TrainplanError
+from trainplan.errors import TrainplanError
+from trainplan.executor.calibrate.gpu_parts import PartsPredictor, PredictedParts
+from trainplan.executor.calibrate.step_time import scaled_profile
+from trainplan.executor.record import RunRecord
+from trainplan.hardware_profiles import HardwareProfile
 
 __all__ = ["GpuFit", "GpuObservation", "GpuRow", "fit_gpu_profile", "format_gpu_fit", "observations_from_runs"]
 
@@ -67,7 +67,7 @@ class GpuObservation:
     record: RunRecord
 
     def measured(self, kind: str) -> float:
-        """Measured device seconds per step of `kind` (`executor.kernels.KINDS`, or `busy`)."""
+        """Measured device seconds per step of `kind` (`trainplan.executor.kernels.KINDS`, or `busy`)."""
         return float((self.record.kernel_time_s or {}).get(kind, math.nan))
 
 
@@ -267,18 +267,18 @@ def format_gpu_fit(fit: GpuFit, path: Any = None) -> str:
 
 def observations_from_runs(runs: list[Any], hw: HardwareProfile, capture_model: Any, notes: list[str]
                            ) -> list[GpuObservation]:
-    """The runs (`executor.calibrate.runs.Run`) that can refit `hw`: run on an accelerator of its
+    """The runs (`trainplan.executor.calibrate.runs.Run`) that can refit `hw`: run on an accelerator of its
     device type, with a kernel time split, their model a preset `capture_model` captures again
-    (`executor.calibrate.step_time.CaptureModel`). The others get a line in `notes` (appended to),
-    except runs on a cpu (the cpu refit's, `executor.calibrate.step_time`, notes those)."""
-    from executor.calibrate.step_time import StepTimePredictor
+    (`trainplan.executor.calibrate.step_time.CaptureModel`). The others get a line in `notes` (appended to),
+    except runs on a cpu (the cpu refit's, `trainplan.executor.calibrate.step_time`, notes those)."""
+    from trainplan.executor.calibrate.step_time import StepTimePredictor
 
     captures: dict = {}
     out = []
     for run in runs:
         rec = run.record
         kind = rec.device.split(" ")[0].split(":")[0]
-        if kind == "cpu":  # the cpu refit's (executor.calibrate.step_time), which notes the others
+        if kind == "cpu":  # the cpu refit's (trainplan.executor.calibrate.step_time), which notes the others
             continue
         if kind != hw.device_type:
             notes.append(f"{run.dir}: ran on {rec.device!r}, not a {hw.device_type!r} device like {hw.name!r}; "

@@ -1,10 +1,10 @@
 """A step's predicted time split the way `torch.profiler` splits a measured one on an
-accelerator (`executor.kernels`): matmul, other (memory-bound) and communication seconds, for
-the GPU refit of `trainplan calibrate` (`executor.calibrate.gpu`).
+accelerator (`trainplan.executor.kernels`): matmul, other (memory-bound) and communication seconds, for
+the GPU refit of `trainplan calibrate` (`trainplan.executor.calibrate.gpu`).
 
-The step model (`costmodels.step.model.StepModel`) prices every captured op by its roofline
-(`costmodels.step.roofline.node_s`); the ops with FLOPs (matmuls, attention) are the kernels
-`executor.kernels.kernel_kind` calls matmul, the others are elementwise, reductions and copies.
+The step model (`trainplan.costmodels.step.model.StepModel`) prices every captured op by its roofline
+(`trainplan.costmodels.step.roofline.node_s`); the ops with FLOPs (matmuls, attention) are the kernels
+`trainplan.executor.kernels.kernel_kind` calls matmul, the others are elementwise, reductions and copies.
 `PartsPredictor.parts` walks the step's regions as `StepModel` runs them (head, blocks under
 their checkpoint entries with the recomputed forward ops, tail), sums each kind's roofline
 seconds, and scales both sums so that they add up to the model's `compute_s + recompute_s`
@@ -18,11 +18,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from costmodels.checkpoint_sets import saved_nodes
-from costmodels.step.model import Choice, StepModel
-from costmodels.step.precision import PRECISIONS
-from costmodels.step.roofline import node_s
-from hardware_profiles import HardwareProfile
+from trainplan.costmodels.checkpoint_sets import saved_nodes
+from trainplan.costmodels.step.model import Choice, StepModel
+from trainplan.costmodels.step.precision import PRECISIONS
+from trainplan.costmodels.step.roofline import node_s
+from trainplan.hardware_profiles import HardwareProfile
 
 __all__ = ["PartsPredictor", "PredictedParts"]
 
@@ -47,7 +47,7 @@ class PredictedParts:
 
 class PartsPredictor:
     """Predicts one run's `PredictedParts` under any profile: `graph` is a captured model
-    (`planner.capture.graph.ModelGraph`: regions, blocks, heads), `numels` its parameter sizes,
+    (`trainplan.planner.capture.graph.ModelGraph`: regions, blocks, heads), `numels` its parameter sizes,
     `choice` the plan's knobs (`Choice.from_decisions`)."""
 
     def __init__(self, graph: Any, numels: tuple[int, ...], choice: Choice):
@@ -61,7 +61,7 @@ class PartsPredictor:
 
     def roofline_split(self, sm: StepModel) -> tuple[float, float]:
         """(ops with FLOPs, ops without) roofline seconds of one micro-step on `sm`'s profile,
-        recompute included: the walk of `costmodels.step.roofline.region_cost`, split by kind."""
+        recompute included: the walk of `trainplan.costmodels.step.roofline.region_cost`, split by kind."""
         c = self.choice
         b, s, sp = c.micro_batch, c.seq_len // c.sp_degree, c.sp_degree
         dtype = PRECISIONS[c.precision][3]

@@ -7,8 +7,8 @@ first `SKIP_FRACTION` (warm-up), tokens converted to effective tokens (Muennigho
 eq. 5) against the run's unique data (`plan.data_tokens * data_fraction`), so a run that repeats
 data gives the law `solve` applies. Caveat: points along one run are not ends of runs of that
 length (the learning-rate schedule differs), the usual approximation of a law fitted to one
-curve. Nothing is written here: `executor.calibrate.calibration` writes the law to
-`<cache>/laws/<model>-v<vocab_size>.json` with its points and residuals (`costmodels.loss.cache`).
+curve. Nothing is written here: `trainplan.executor.calibrate.calibration` writes the law to
+`<cache>/laws/<model>-v<vocab_size>.json` with its points and residuals (`trainplan.costmodels.loss.cache`).
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from pathlib import Path
 
 import numpy as np
 
-from costmodels.loss.cache import load_local_law
-from costmodels.loss.law import LossLaw, effective_tokens
-from executor.calibrate.runs import Run, rms
-from trainplan_errors import TrainplanError
+from trainplan.costmodels.loss.cache import load_local_law
+from trainplan.costmodels.loss.law import LossLaw, effective_tokens
+from trainplan.errors import TrainplanError
+from trainplan.executor.calibrate.runs import Run, rms
 
 __all__ = ["MIN_POINTS", "SKIP_FRACTION", "LawFit", "fit_law", "law_points"]
 

@@ -1,8 +1,8 @@
 """The runs `trainplan calibrate` refits from: loading and checking run folders.
 
-A run folder is what `executor.train.run` wrote: `plan.json` and `record.json`, read by
-`executor.reporting.report.load_run`. The refits (`executor.calibrate.law`,
-`executor.calibrate.step_time`, `executor.calibrate.bits`) take the loaded `Run`s.
+A run folder is what `trainplan.executor.train.run` wrote: `plan.json` and `record.json`, read by
+`trainplan.executor.reporting.report.load_run`. The refits (`trainplan.executor.calibrate.law`,
+`trainplan.executor.calibrate.step_time`, `trainplan.executor.calibrate.bits`) take the loaded `Run`s.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from pathlib import Path
 
 import numpy as np
 
-from executor.record import RunRecord
-from executor.reporting.report import load_run
-from planner.plan import Plan
-from trainplan_errors import TrainplanError
+from trainplan.errors import TrainplanError
+from trainplan.executor.record import RunRecord
+from trainplan.executor.reporting.report import load_run
+from trainplan.planner.plan import Plan
 
 __all__ = ["MIN_TIMED_STEPS", "Run", "check_timed_steps", "load_run_folder", "rms"]
 

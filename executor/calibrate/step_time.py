@@ -1,14 +1,14 @@
-"""Step-time calibration of the local cpu profile (`trainplan calibrate`, `executor.calibrate.calibration`).
+"""Step-time calibration of the local cpu profile (`trainplan calibrate`, `trainplan.executor.calibrate.calibration`).
 
 Fits throughput factors (dimensionless) that scale the cpu `HardwareProfile` so predicted
 step times (seconds per optimizer step, wall or process CPU time) match the measured
 median step times of real runs. Sources: each run folder's `plan.json` / `record.json`
 (`RunRecord.median_step_time_s`, `RunRecord.median_step_cpu_time_s`) and the current cpu
-profile (`hardware_profiles.load("cpu")`); nothing is written here.
+profile (`trainplan.hardware_profiles.load("cpu")`); nothing is written here.
 
 The model of a preset is captured by the function the caller passes in (`CaptureModel`: the
-planner's `planner.capture.setup.capture_model`, which the command line hands over), since the
-executor imports no planner code but `planner.plan`.
+planner's `trainplan.planner.capture.setup.capture_model`, which the command line hands over), since the
+executor imports no planner code but `trainplan.planner.plan`.
 
 **Step time** (runs with `record.same_hardware` planned for `cpu` only). Each run's step is
 re-predicted with the *current* cpu profile (the model re-captured from its preset, the plan's
@@ -41,11 +41,11 @@ from typing import Any, Protocol
 import numpy as np
 from scipy.optimize import least_squares
 
-from costmodels.step.model import Choice, StepModel
-from executor.calibrate.runs import Run, rms
-from hardware_profiles import HardwareProfile
-from hardware_profiles import load as load_profile
-from trainplan_errors import TrainplanError, UnknownNameError
+from trainplan.costmodels.step.model import Choice, StepModel
+from trainplan.errors import TrainplanError, UnknownNameError
+from trainplan.executor.calibrate.runs import Run, rms
+from trainplan.hardware_profiles import HardwareProfile
+from trainplan.hardware_profiles import load as load_profile
 
 __all__ = ["LSQ_MIN_GAIN", "PRIOR_WEIGHT", "CaptureModel", "StepTimeFit", "StepTimePredictor", "StepTimeRow",
            "calibrate_step_time", "scaled_profile"]
@@ -63,7 +63,7 @@ sizes) or None (not a preset), kept for the process: capturing a model takes abo
 
 
 class CaptureModel(Protocol):
-    """How calibration captures a preset's model: `planner.capture.setup.capture_model`'s
+    """How calibration captures a preset's model: `trainplan.planner.capture.setup.capture_model`'s
     signature. Returns (graph, model name, parameter tensor sizes); the graph has the `regions`,
     `blocks`, `n_heads`, `n_kv_heads` and `head_dim` a `StepModel` is built from.
 
@@ -243,7 +243,7 @@ def calibrate_step_time(runs: list[Run], notes: list[str], capture_model: Captur
     """Fit the cpu profile to the runs' measured step times (median wall or process CPU
     seconds, `time_basis`: "wall" or "cpu"); nothing written. Runs not planned for cpu or not
     run on it, and runs without timed steps, are left out with a line in `notes` (appended to),
-    but for runs on an accelerator planned for one (the GPU refit's, `executor.calibrate.gpu`);
+    but for runs on an accelerator planned for one (the GPU refit's, `trainplan.executor.calibrate.gpu`);
     `capture_model` re-captures each preset (`CaptureModel`).
 
     Raises:
@@ -253,7 +253,7 @@ def calibrate_step_time(runs: list[Run], notes: list[str], capture_model: Captur
     for run in runs:
         rec = run.record
         if run.plan.hw != "cpu" and not rec.device.startswith("cpu"):
-            continue  # an accelerator run: the GPU refit's (executor.calibrate.gpu), which notes it
+            continue  # an accelerator run: the GPU refit's (trainplan.executor.calibrate.gpu), which notes it
         if not (rec.same_hardware and run.plan.hw == "cpu"):
             notes.append(f"{run.dir}: step time not used (planned for {run.plan.hw!r}, ran on "
                          f"{rec.device!r}; only cpu runs on the cpu calibrate the cpu profile)")

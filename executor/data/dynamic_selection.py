@@ -1,9 +1,9 @@
 """Data selection during a run: `DynamicSelector` (re-scores the kept windows every K steps with
-the model being trained) and `PlannedBatches` (a plan's data subset for `executor.train.run`),
+the model being trained) and `PlannedBatches` (a plan's data subset for `trainplan.executor.train.run`),
 with the held-out target slice (`target_slice`) and the dynamic-selection log
-(`SELECTION_FILE`). Scoring, the score cache and `select` are in `executor.data.selection`.
+(`SELECTION_FILE`). Scoring, the score cache and `select` are in `trainplan.executor.data.selection`.
 
-In a run (`executor.train.run` -> `PlannedBatches`): the plan's `data_method` scores every training
+In a run (`trainplan.executor.train.run` -> `PlannedBatches`): the plan's `data_method` scores every training
 window (static: once before training, keeping exactly `data_fraction` of them; dynamic, when
 `selection_every_steps` = K > 0: a seeded random subset first, re-scored every K steps with the
 model being trained); influence and DSIR take as target a held-out slice after the run's
@@ -21,13 +21,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from executor.data import scorers
-from executor.data.batches import TokenBatches
-from executor.data.corpus import atomic_write
-from executor.data.dsir import DSIR_BUCKETS, score_dsir
-from executor.data.scorers import as_numpy_tokens, check_tokens
-from executor.data.selection import CRITERIA, DEFAULT_RANK, METHODS, apply_criterion, score_windows, select
-from trainplan_errors import TrainplanError
+from trainplan.errors import TrainplanError
+from trainplan.executor.data import scorers
+from trainplan.executor.data.batches import TokenBatches
+from trainplan.executor.data.corpus import atomic_write
+from trainplan.executor.data.dsir import DSIR_BUCKETS, score_dsir
+from trainplan.executor.data.scorers import as_numpy_tokens, check_tokens
+from trainplan.executor.data.selection import CRITERIA, DEFAULT_RANK, METHODS, apply_criterion, score_windows, select
 
 __all__ = ["DynamicSelector", "PlannedBatches", "SELECTION_FILE", "TARGET_WINDOWS", "target_slice"]
 
@@ -182,7 +182,7 @@ def target_slice(heldout_tokens: torch.Tensor | np.ndarray, *, seq_len: int, ski
 
 
 class PlannedBatches:
-    """The training batches of a plan's data subset, for `executor.train.run`.
+    """The training batches of a plan's data subset, for `trainplan.executor.train.run`.
 
     `batch(step)` as `TokenBatches.batch`; `update(step)` before each step (dynamic selection
     re-scores there, outside the measured step). Per the plan's decisions:

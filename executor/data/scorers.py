@@ -1,9 +1,9 @@
-"""The scoring methods behind `executor.data.selection`: a reference model, per-window loss, LESS-style
+"""The scoring methods behind `trainplan.executor.data.selection`: a reference model, per-window loss, LESS-style
 gradient influence, DSIR n-gram importance, random. Each returns one raw number per window and the
-FLOPs it spent (FlopCounterMode on the first batch, scaled by the windows; `costmodels.data.scoring.
+FLOPs it spent (FlopCounterMode on the first batch, scaled by the windows; `trainplan.costmodels.data.scoring.
 scoring_flops` is the analytic counterpart).
 
-Windows follow `executor.data.batches.TokenBatches`: window i is tokens[i*seq_len : i*seq_len+seq_len+1],
+Windows follow `trainplan.executor.data.batches.TokenBatches`: window i is tokens[i*seq_len : i*seq_len+seq_len+1],
 inputs window[:-1], labels window[1:].
 """
 
@@ -22,11 +22,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from executor.data.batches import TokenBatches, check_window_args, gather_windows
-from executor.data.dsir import score_dsir
-from modeling.flop_counting import EXTRA_FLOP_FORMULAS
-from modeling.model_call import forward_logits
-from trainplan_errors import TrainplanError, require_extra
+from trainplan.errors import TrainplanError, require_extra
+from trainplan.executor.data.batches import TokenBatches, check_window_args, gather_windows
+from trainplan.executor.data.dsir import score_dsir
+from trainplan.modeling.flop_counting import EXTRA_FLOP_FORMULAS
+from trainplan.modeling.model_call import forward_logits
 
 T = TypeVar("T")
 
@@ -340,7 +340,7 @@ def score_influence(tokens, starts: np.ndarray, *, seq_len: int, model: nn.Modul
 
 SCORERS: dict[str, Callable[..., tuple[np.ndarray, float]]] = {
     "random": score_random, "loss": score_loss, "influence": score_influence, "dsir": score_dsir}
-"""Scoring method name -> scorer; `executor.data.selection.score_windows` looks the method up here at
+"""Scoring method name -> scorer; `trainplan.executor.data.selection.score_windows` looks the method up here at
 call time (tests patch entries to count calls)."""
 
 

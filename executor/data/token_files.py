@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from trainplan_errors import DataError
+from trainplan.errors import DataError
 
 TOKEN_DTYPES = ("uint16", "uint32")
 FINGERPRINT_WHOLE_BYTES = 64 * 2**20

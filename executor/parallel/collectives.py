@@ -16,7 +16,7 @@ with other jobs on the cores.
 The helpers below issue the collective, wait for it, and then wait until the backend has let go
 of the tensors (their TensorImpl use counts are back to what the caller holds), so that every
 buffer is freed where the calling thread drops it: the same place on every rank and every run.
-`costmodels.step.fsdp` and `costmodels.step.ulysses` model those places.
+`trainplan.costmodels.step.fsdp` and `trainplan.costmodels.step.ulysses` model those places.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def all_to_all_single(out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGro
 class ReleasingAllGather(DefaultAllGather):
     """FSDP2's default all-gather (`torch.distributed.all_gather_single` into a fresh buffer),
     synchronous and returning once the backend has released the buffers (module docstring).
-    Installed by `executor.parallel.zero.apply_zero` with `FSDPModule.set_custom_all_gather` on CPU
+    Installed by `trainplan.executor.parallel.zero.apply_zero` with `FSDPModule.set_custom_all_gather` on CPU
     (gloo). With ``async_op=True`` (explicit async unshards, which `apply_zero` does not use)
     it is the default all-gather."""
 
@@ -86,7 +86,7 @@ class ReleasingAllGather(DefaultAllGather):
 class ReleasingReduceScatter(DefaultReduceScatter):
     """FSDP2's default reduce-scatter, synchronous and returning once the backend has released
     its input and output (and with them its own copies; module docstring). Installed by
-    `executor.parallel.zero.apply_zero` with `FSDPModule.set_custom_reduce_scatter` on CPU (gloo)."""
+    `trainplan.executor.parallel.zero.apply_zero` with `FSDPModule.set_custom_reduce_scatter` on CPU (gloo)."""
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
         if async_op:

@@ -22,10 +22,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from trainplan_errors import TrainplanError
+from trainplan.errors import TrainplanError
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-"""Prepended to the workers' PYTHONPATH so that ``-m executor...`` / ``-m tests...`` resolve."""
+REPO_ROOT = Path(sys.modules["trainplan"].__file__ or ".").parent.parent
+"""The folder that holds the `trainplan` package (a checkout's root, or site-packages), prepended to
+the workers' PYTHONPATH so that ``-m trainplan...`` (and, in a checkout, ``-m tests...``) resolve.
+Taken from the package as imported, not from this file's resolved path: in a checkout
+`trainplan/executor` is a link to the top-level `executor/` folder."""
 
 STDERR_TAIL_LINES = 20
 """Lines of the failed rank's stderr quoted in a WorkerFailedError."""
@@ -113,7 +116,7 @@ def init_distributed(device: torch.device, timeout_s: float = 120) -> tuple[int,
     if missing:
         raise TrainplanError(
             f"WORLD_SIZE={world} but {', '.join(missing)} not set; launch with torchrun "
-            "(executor.parallel.launch.run_torchrun)"
+            "(trainplan.executor.parallel.launch.run_torchrun)"
         )
     backend = dist.Backend.default_device_backend_map.get(device.type)
     if backend is None:

@@ -1,4 +1,5 @@
-"""Ulysses sequence parallelism for HF Llama-family models (ZeRO / FSDP2 sharding beside it: `executor.parallel.zero`).
+"""Ulysses sequence parallelism for HF Llama-family models (ZeRO / FSDP2 sharding beside it:
+`trainplan.executor.parallel.zero`).
 
 Layout: world = dp x sp. Rank ``r`` is SP rank ``r % sp`` of data-parallel replica ``r // sp``; the
 SP groups are the contiguous blocks ``[k*sp, (k+1)*sp)``. Gradients are averaged over the whole
@@ -9,10 +10,11 @@ sequence shard of ``s/P`` tokens for all layers except attention. Around attenti
 turns the shard into a head shard (all ``s`` tokens, ``h/P`` heads), attention runs unchanged, and a
 second all-to-all turns it back. Communication per layer: 4 all-to-alls of ``b*s*h*d/P`` elements
 forward (q, k, v, out), the same backward. The all-to-alls return once the backend has released
-their buffers (`executor.parallel.collectives`); the copies and buffers each one makes, and what autograd
-keeps of them, are modelled in `costmodels.step.ulysses`. ZeRO stages: `executor.parallel.zero.apply_zero`.
+their buffers (`trainplan.executor.parallel.collectives`); the copies and buffers each one makes, and what autograd
+keeps of them, are modelled in `trainplan.costmodels.step.ulysses`. ZeRO stages:
+`trainplan.executor.parallel.zero.apply_zero`.
 
-How a training loop calls this module (after ``executor.parallel.launch.init_distributed``)::
+How a training loop calls this module (after ``trainplan.executor.parallel.launch.init_distributed``)::
 
     sp_group = new_sequence_parallel_group(sp_degree)      # all ranks, once; also sets the SP group
     model = LlamaForCausalLM(config)                        # same seed / weights on every rank
@@ -21,7 +23,7 @@ How a training loop calls this module (after ``executor.parallel.launch.init_dis
                                   stage=zero_stage, mesh_or_group=None, device=device)
     for input_ids, labels in replica_batches:               # replica = rank // sp_degree
         ids, tgt, pos = shard_sequence(input_ids, labels, rank % sp_degree, sp_degree)
-        logits = forward_logits(model, ids, position_ids=pos)   # modeling.model_call
+        logits = forward_logits(model, ids, position_ids=pos)   # trainplan.modeling.model_call
         loss = sp_loss(logits, tgt, None, group=None)      # value: global mean CE, all ranks
         loss.backward(); optimizer.step(); optimizer.zero_grad()
 """
@@ -37,8 +39,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AttentionInterface
 
-from executor.parallel import collectives
-from trainplan_errors import TrainplanError
+from trainplan.errors import TrainplanError
+from trainplan.executor.parallel import collectives
 
 ULYSSES = "ulysses"
 """Name of the Ulysses attention function in transformers' AttentionInterface."""
@@ -332,7 +334,7 @@ def sp_loss(
     After the average over W ranks the parameter gradient is ``sum_r dS_r / N``, the single-process
     gradient; under SP the all-to-all backward already routes each rank's attention gradients, so
     summing the per-rank parameter gradients is exact. Without a process group this is S / N.
-    ``local_sum``: S_r computed by the caller (a tiled loss, `modeling.tiling.tiled_ce_sum`, from the
+    ``local_sum``: S_r computed by the caller (a tiled loss, `trainplan.modeling.tiling.tiled_ce_sum`, from the
     hidden states, ``logits_shard`` then unused); None computes it from ``logits_shard``.
     """
     if local_sum is not None:

@@ -1,9 +1,9 @@
 """ZeRO stages 0-3 for the dp x sp world: DDP, DDP + ZeroRedundancyOptimizer, FSDP2 (`fully_shard`).
 
-Model states are sharded over the dp x sp world that `executor.parallel.ulysses` lays out (call
+Model states are sharded over the dp x sp world that `trainplan.executor.parallel.ulysses` lays out (call
 `apply_zero` after `enable_ulysses`). On CPU (gloo) FSDP2's all-gathers and reduce-scatters are
-`executor.parallel.collectives`' releasing variants, so that their buffers are freed at the same point
-on every rank and run (what `costmodels.step.fsdp` models).
+`trainplan.executor.parallel.collectives`' releasing variants, so that their buffers are freed at the same point
+on every rank and run (what `trainplan.costmodels.step.fsdp` models).
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from executor.parallel.collectives import ReleasingAllGather, ReleasingReduceScatter
-from trainplan_errors import TrainplanError
+from trainplan.errors import TrainplanError
+from trainplan.executor.parallel.collectives import ReleasingAllGather, ReleasingReduceScatter
 
 OptimizerFactory = Callable[[Iterable], torch.optim.Optimizer]
 """``optimizer_factory(params)``: the optimizer over an iterable of parameters or param-group dicts
-(e.g. ``functools.partial(executor.optimizers.build_optimizer, bits=..., lr=...)``)."""
+(e.g. ``functools.partial(trainplan.executor.optimizers.build_optimizer, bits=..., lr=...)``)."""
 
 
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -57,7 +57,7 @@ def mixed_precision_policy(d):
     computed in bf16, without autocast; gradients reduce-scattered and kept in fp32 beside the
     fp32 sharded parameters the optimizer steps. None otherwise (DDP and one device run
     bf16-mixed as `torch.autocast` over fp32 parameters). The step model prices the same
-    (`costmodels.step.model.StepModel.mixed_precision_policy`)."""
+    (`trainplan.costmodels.step.model.StepModel.mixed_precision_policy`)."""
     if d.precision != "bf16-mixed" or d.zero_stage < 2 or d.devices == 1:
         return None
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -99,7 +99,7 @@ def apply_zero(
     - stage 3: the same with ``reshard_after_forward=True``: parameters also sharded, re-gathered
       for backward.
 
-    On CPU (gloo) stages 2 and 3 use `executor.parallel.collectives`' all-gather and reduce-scatter:
+    On CPU (gloo) stages 2 and 3 use `trainplan.executor.parallel.collectives`' all-gather and reduce-scatter:
     FSDP2's own, returning only once gloo's worker thread has released the buffers, so that
     they are freed where FSDP2 drops them (without it, one rank of a loaded run now and then
     held the root group's all-gather buffer into the next block's backward prefetch).
@@ -147,7 +147,7 @@ def apply_zero(
     extra = {} if mp_policy is None else {"mp_policy": mp_policy}
     for module in [*layers, model]:
         sharded = fully_shard(module, mesh=mesh, reshard_after_forward=reshard, **extra)  # module itself
-        if device.type == "cpu":  # gloo: buffers freed where FSDP2 drops them (executor.parallel.collectives)
+        if device.type == "cpu":  # gloo: buffers freed where FSDP2 drops them (trainplan.executor.parallel.collectives)
             sharded.set_custom_all_gather(ReleasingAllGather())
             sharded.set_custom_reduce_scatter(ReleasingReduceScatter())
     return model, optimizer_factory(model.parameters())

@@ -7,7 +7,7 @@ NaN when the measurement is 0, NaN or missing.
 
 Times are compared only when the run's device is the plan's target (`RunRecord.same_hardware`);
 bytes, FLOPs, tokens and loss are hardware-independent and always compared (DESIGN.md, Measuring).
-Whether each prediction held is `executor.reporting.verdicts`.
+Whether each prediction held is `trainplan.executor.reporting.verdicts`.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import math
 
 import pandas as pd
 
-from executor.record import RunRecord
-from executor.reporting.frames import MEMORY_CATEGORIES, float_or_nan
-from planner.plan import Plan
+from trainplan.executor.record import RunRecord
+from trainplan.executor.reporting.frames import MEMORY_CATEGORIES, float_or_nan
+from trainplan.planner.plan import Plan
 
 __all__ = ["COLUMNS", "compare", "format_table", "format_value"]
 

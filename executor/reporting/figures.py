@@ -3,7 +3,7 @@ frames and the plotted data, not pixels), plus the few readers that find their i
 
 - `rank_memory_frame` / `rank_memory_figure`: peak memory per rank, predicted vs measured.
 - `predicted_loss_frame` (pure) and `plan_loss_curves` (reads the local law file): the predicted
-  loss curve with a band, drawn on the loss panel of `executor.reporting.plots`.
+  loss curve with a band, drawn on the loss panel of `trainplan.executor.reporting.plots`.
 - `read_governor_summary` / `governor_figure`: a governed run's held-out loss with the
   governor's fitted curve and band, the planned budget, the predicted and the actual stop.
 - `frontier_frame` / `frontier_figure`: the Pareto frontier of plans with the chosen one marked,
@@ -31,14 +31,14 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter
 
-from costmodels.loss.bits import bits_loss_penalty
-from costmodels.loss.cache import law_path, load_local_law, read_local_law_file
-from costmodels.loss.law import LossLaw, learning_curve
-from executor.record import RunRecord
-from executor.reporting.frames import MIB
-from executor.reporting.governor_panel import curve_frame, plot_governor
-from hardware_profiles.cache import cache_root
-from planner.plan import Plan
+from trainplan.costmodels.loss.bits import bits_loss_penalty
+from trainplan.costmodels.loss.cache import law_path, load_local_law, read_local_law_file
+from trainplan.costmodels.loss.law import LossLaw, learning_curve
+from trainplan.executor.record import RunRecord
+from trainplan.executor.reporting.frames import MIB
+from trainplan.executor.reporting.governor_panel import curve_frame, plot_governor
+from trainplan.hardware_profiles.cache import cache_root
+from trainplan.planner.plan import Plan
 
 __all__ = ["CALIBRATION_COLUMNS", "CALIBRATION_HISTORY", "LOSS_BAND_REL", "append_calibration_history",
            "calibration_figure", "calibration_history_path", "error_figure", "frontier_figure",
@@ -63,7 +63,7 @@ CALIBRATION_COLUMNS = ("date", "term", "rel_err_before", "rel_err_after")
 """Columns of the calibration history; rel_err = (predicted - measured) / measured."""
 
 PLAN_LAW_PREFIX = "loss law: "
-"""How `planner.api` names the plan's loss law in `Plan.notes`."""
+"""How `trainplan.planner.api` names the plan's loss law in `Plan.notes`."""
 
 
 def png_bytes(fig: Figure, dpi: int = 100) -> bytes:
@@ -142,7 +142,7 @@ def plan_loss_curves(plan: Plan, cache_dir: str | Path | None = None) -> pd.Data
     The plan stores its law's source, not its constants. When that source is one of the
     published laws (`LossLaw.besiroglu2024`, `hoffmann2022`) the plan's curve is redrawn exactly,
     +- `LOSS_BAND_REL`. When a local law exists for (model, vocab_size)
-    (`costmodels.loss.cache.load_local_law`) its curve is drawn too, +- its fit's RMS residual
+    (`trainplan.costmodels.loss.cache.load_local_law`) its curve is drawn too, +- its fit's RMS residual
     (else +- `LOSS_BAND_REL`), labelled as the plan's law or as one fitted after the plan.
     """
     source = _plan_law_source(plan)
@@ -176,7 +176,7 @@ def plan_loss_curves(plan: Plan, cache_dir: str | Path | None = None) -> pd.Data
 
 
 def read_governor_summary(run_dir: str | Path) -> dict | None:
-    """The run's `governor.json` (`executor.governor.GovernedLoop.write`), or None when the run
+    """The run's `governor.json` (`trainplan.executor.governor.GovernedLoop.write`), or None when the run
     had no governor or the file cannot be read."""
     try:
         summary = json.loads((Path(run_dir) / "governor.json").read_text())
@@ -268,7 +268,7 @@ def frontier_figure(frame: pd.DataFrame) -> Figure:
 
 def calibration_history_path(cache_dir: str | Path | None = None) -> Path:
     """`<cache root>/calibration_history.csv` (cache root: `cache_dir`, else
-    `hardware_profiles.cache.cache_root()`)."""
+    `trainplan.hardware_profiles.cache.cache_root()`)."""
     return cache_root(cache_dir) / CALIBRATION_HISTORY
 
 
@@ -278,7 +278,7 @@ def append_calibration_history(rows: Iterable[Mapping], cache_dir: str | Path | 
     Each row is a mapping with `term` (e.g. `step_time`, `final_loss`), `rel_err_before` and
     `rel_err_after` (prediction error of that term on the calibration runs with the old and the
     new constants, (predicted - measured) / measured) and optionally `date` (ISO 8601; default
-    now, UTC). For `executor.calibrate.calibration` to call after a refit.
+    now, UTC). For `trainplan.executor.calibrate.calibration` to call after a refit.
 
     Raises:
         ValueError: a row lacks `term`, `rel_err_before` or `rel_err_after`.
@@ -342,7 +342,7 @@ def error_figure(frame: pd.DataFrame) -> Figure:
     """Horizontal bars of rel_err (percent, symmetric-log axis) per term, one bar per run.
 
     `frame` has columns `run, term, label, rel_err, tolerance, verdict`
-    (`executor.reporting.verdicts.verdict_frame`). The green band around 0 is each term's tolerance.
+    (`trainplan.executor.reporting.verdicts.verdict_frame`). The green band around 0 is each term's tolerance.
     One run: bars green when held, red when not; several runs: one colour per run, not-held bars
     hatched. Each bar is annotated with its value; a term without a finite rel_err reads its
     verdict (`not measured`, or `exact (0)` for a held prediction of 0).

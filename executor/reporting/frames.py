@@ -1,6 +1,6 @@
 """The report figure's data: pure functions from a Plan and a RunRecord to DataFrames
 (`memory_frame`, `step_time_frame`, `loss_frame`), gathered with the figure's annotations into
-`ReportFrames` by `report_frames`. No I/O and no drawing (`executor.reporting.plots` draws them).
+`ReportFrames` by `report_frames`. No I/O and no drawing (`trainplan.executor.reporting.plots` draws them).
 
 Memory in MiB = 2**20 bytes per device, time in seconds, loss in nats/token.
 """
@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from executor.record import RunRecord
-from planner.plan import Plan
+from trainplan.executor.record import RunRecord
+from trainplan.planner.plan import Plan
 
 __all__ = ["CURVE_COLUMNS", "MEMORY_CATEGORIES", "MIB", "ReportFrames", "float_or_nan", "loss_frame",
            "memory_frame", "report_frames", "step_time_frame"]
@@ -25,7 +25,7 @@ MIB = 2**20
 """Bytes per MiB (figure unit for memory)."""
 
 CURVE_COLUMNS = ("curve", "step", "tokens", "loss", "lower", "upper")
-"""Columns of the predicted loss curves (`executor.reporting.figures.predicted_loss_frame`)."""
+"""Columns of the predicted loss curves (`trainplan.executor.reporting.figures.predicted_loss_frame`)."""
 
 
 def float_or_nan(x) -> float:
@@ -107,14 +107,14 @@ class ReportFrames:
     stop_reason: str
     predicted_loss: pd.DataFrame = field(
         default_factory=lambda: pd.DataFrame(columns=list(CURVE_COLUMNS)))
-    """Predicted loss curves (`executor.reporting.figures.predicted_loss_frame` rows): curve, step, tokens,
+    """Predicted loss curves (`trainplan.executor.reporting.figures.predicted_loss_frame` rows): curve, step, tokens,
     loss, lower, upper. Empty when the law behind the plan is not known."""
 
 
 def report_frames(plan: Plan, record: RunRecord, *,
                   predicted_loss: pd.DataFrame | None = None) -> ReportFrames:
     """The frames and annotations of the report figure (pure; no I/O). `predicted_loss`:
-    curves from `executor.reporting.figures.plan_loss_curves` (which reads the local law file)."""
+    curves from `trainplan.executor.reporting.figures.plan_loss_curves` (which reads the local law file)."""
     loss = loss_frame(record)
     stop_step = record.steps
     if stop_step <= 0 and not loss.empty:

@@ -1,6 +1,7 @@
 """The report's governor panel: the held-out loss a run measured beside the governor's last fit,
 its band and the stop (`curve_frame`, a DataFrame), drawn on a matplotlib Axes (`plot_governor`).
-The fit is `costmodels.stopping.curve.CurveFit`; the summary is `costmodels.stopping.rule.Governor.summary`."""
+The fit is `trainplan.costmodels.stopping.curve.CurveFit`; the summary is
+`trainplan.costmodels.stopping.rule.Governor.summary`."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from collections.abc import Iterable
 import numpy as np
 import pandas as pd
 
-from costmodels.stopping.curve import CurveFit
+from trainplan.costmodels.stopping.curve import CurveFit
 
 
 def curve_frame(heldout_loss: Iterable[tuple], summary: dict, *, max_steps: int,

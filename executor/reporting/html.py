@@ -9,7 +9,7 @@ autoescaping on. This module computes what they show: text and numbers formatted
 A page has no external reference: figures are PNGs inlined as `data:image/png;base64,...`, the
 style sheet is inline, there is no script. It opens offline in any browser.
 
-Each term of `executor.reporting.compare.compare` gets its verdict (`executor.reporting.verdicts`:
+Each term of `trainplan.executor.reporting.compare.compare` gets its verdict (`trainplan.executor.reporting.verdicts`:
 **held** when |rel_err| is within the term's tolerance, **not held** otherwise, **not measured**
 when the run has no measurement). The page opens with one line (`summary_line`), e.g. "7 of 8
 predictions held; step time off by +23%".
@@ -30,13 +30,13 @@ import jinja2
 import pandas as pd
 from matplotlib.figure import Figure
 
-from executor.record import RunRecord
-from executor.reporting import figures as F
-from executor.reporting.compare import compare, format_value
-from executor.reporting.frames import ReportFrames
-from executor.reporting.plots import plot_loss, plot_memory, plot_step_time
-from executor.reporting.verdicts import HELD, NOT_HELD, TOLERANCES, summary_line, verdict_frame
-from planner.plan import Plan
+from trainplan.executor.record import RunRecord
+from trainplan.executor.reporting import figures as F
+from trainplan.executor.reporting.compare import compare, format_value
+from trainplan.executor.reporting.frames import ReportFrames
+from trainplan.executor.reporting.plots import plot_loss, plot_memory, plot_step_time
+from trainplan.executor.reporting.verdicts import HELD, NOT_HELD, TOLERANCES, summary_line, verdict_frame
+from trainplan.planner.plan import Plan
 
 __all__ = ["environment", "render", "write_run_report", "write_runs_report"]
 
@@ -46,9 +46,9 @@ __all__ = ["environment", "render", "write_run_report", "write_runs_report"]
 
 @cache
 def environment() -> jinja2.Environment:
-    """The templates' jinja2 environment: package data of `executor.reporting`, autoescaped,
+    """The templates' jinja2 environment: package data of `trainplan.executor.reporting`, autoescaped,
     an undefined name an error (`jinja2.StrictUndefined`)."""
-    return jinja2.Environment(loader=jinja2.PackageLoader("executor.reporting", "templates"),
+    return jinja2.Environment(loader=jinja2.PackageLoader("trainplan.executor.reporting", "templates"),
                               autoescape=True, undefined=jinja2.StrictUndefined,
                               trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
 
@@ -182,8 +182,8 @@ def write_run_report(plan: Plan, record: RunRecord, out: str | Path, *, frames: 
                      cache_dir: str | Path | None = None) -> dict[str, Path]:
     """Write `report.html` (self-contained) and `summary.json` (verdicts) into `out`.
 
-    `frames`: `executor.reporting.frames.report_frames` of this plan and record. Returns the paths
-    under `html` and `summary`. Called by `executor.reporting.report.report`, which writes the other
+    `frames`: `trainplan.executor.reporting.frames.report_frames` of this plan and record. Returns the paths
+    under `html` and `summary`. Called by `trainplan.executor.reporting.report.report`, which writes the other
     files.
     """
     out = Path(out)
@@ -212,7 +212,7 @@ def write_runs_report(runs: list[tuple[str, Path, Plan, RunRecord, str]], verdic
 
     `runs`: per run (label, run folder, plan, record, its `summary_line`); `verdicts`: the runs'
     `verdict_frame`s concatenated (column `run` is the label). Each run's own `report.html` is
-    linked by its path relative to `out`. Called by `executor.reporting.report.compare_runs`,
+    linked by its path relative to `out`. Called by `trainplan.executor.reporting.report.compare_runs`,
     which writes the other files.
     """
     held = int((verdicts["verdict"] == HELD).sum())

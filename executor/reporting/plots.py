@@ -1,6 +1,6 @@
-"""The report figure: `plot_report` draws `ReportFrames` (`executor.reporting.frames`) as three
+"""The report figure: `plot_report` draws `ReportFrames` (`trainplan.executor.reporting.frames`) as three
 panels, memory by category (`plot_memory`), step time (`plot_step_time`) and the loss curve
-(`plot_loss`), on an unattached matplotlib Figure; the HTML report (`executor.reporting.html`) draws
+(`plot_loss`), on an unattached matplotlib Figure; the HTML report (`trainplan.executor.reporting.html`) draws
 each panel on its own. Tests check the frames, not pixels.
 """
 
@@ -11,7 +11,7 @@ import math
 import pandas as pd
 from matplotlib.figure import Figure
 
-from executor.reporting.frames import ReportFrames
+from trainplan.executor.reporting.frames import ReportFrames
 
 __all__ = ["LIMIT_SCALE", "STEP_TIME_NOTE", "plot_loss", "plot_memory", "plot_report", "plot_step_time"]
 

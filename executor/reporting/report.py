@@ -1,10 +1,10 @@
 """One run's report folder (`report`), a folder comparing runs (`compare_runs`), and reading a run
 folder back (`load_run`).
 
-`report` writes `compare`'s table (`executor.reporting.compare`), the plan and the record, the
-figure (`executor.reporting.frames` turns a Plan and a RunRecord into DataFrames,
-`executor.reporting.plots` draws them; tests check the frames, not pixels) and the self-contained
-`report.html` of `executor.reporting.html` with the verdicts of `executor.reporting.verdicts`.
+`report` writes `compare`'s table (`trainplan.executor.reporting.compare`), the plan and the record, the
+figure (`trainplan.executor.reporting.frames` turns a Plan and a RunRecord into DataFrames,
+`trainplan.executor.reporting.plots` draws them; tests check the frames, not pixels) and the self-contained
+`report.html` of `trainplan.executor.reporting.html` with the verdicts of `trainplan.executor.reporting.verdicts`.
 
 Units: memory in bytes (per device, tensor bytes at the peak; the figure shows MiB = 2**20 bytes),
 FLOPs per step per device, time in seconds, tokens over all ranks, loss in nats/token.
@@ -19,15 +19,15 @@ from pathlib import Path
 import matplotlib
 import pandas as pd
 
-from executor.record import RunRecord
-from executor.reporting.compare import compare
-from executor.reporting.figures import plan_loss_curves
-from executor.reporting.frames import report_frames
-from executor.reporting.html import write_run_report, write_runs_report
-from executor.reporting.plots import plot_report
-from executor.reporting.verdicts import TOLERANCES, summary_line, verdict_frame
-from planner.plan import Plan
-from trainplan_errors import PlanMismatchError
+from trainplan.errors import PlanMismatchError
+from trainplan.executor.record import RunRecord
+from trainplan.executor.reporting.compare import compare
+from trainplan.executor.reporting.figures import plan_loss_curves
+from trainplan.executor.reporting.frames import report_frames
+from trainplan.executor.reporting.html import write_run_report, write_runs_report
+from trainplan.executor.reporting.plots import plot_report
+from trainplan.executor.reporting.verdicts import TOLERANCES, summary_line, verdict_frame
+from trainplan.planner.plan import Plan
 
 __all__ = ["compare_runs", "load_run", "report"]
 
@@ -38,10 +38,10 @@ def report(plan: Plan, record: RunRecord, out: str | Path, *,
 
     Files: `comparison.csv` (`compare`'s table), `plan.json`, `record.json`, `report.png`
     (`plot_report`), `report.html` (self-contained: verdict per term, the plan's decisions and
-    every figure embedded; `executor.reporting.html`) and `summary.json` (the verdicts).
+    every figure embedded; `trainplan.executor.reporting.html`) and `summary.json` (the verdicts).
     Returns their paths under the keys `comparison`, `plan`, `record`, `figure`, `html`,
     `summary`. `cache_dir` is the trainplan cache root read for the local loss law and the
-    calibration history (default `hardware_profiles.cache.cache_root()`); a
+    calibration history (default `trainplan.hardware_profiles.cache.cache_root()`); a
     `frontier.csv` in `out` adds the Pareto frontier figure.
     Raises OSError when `out` cannot be written.
     """
@@ -101,7 +101,7 @@ def _run_labels(run_dirs: list[Path]) -> list[str]:
 
 def compare_runs(run_dirs: list[str | Path], out: str | Path, *, rebuild: bool = True,
                  cache_dir: str | Path | None = None) -> dict[str, Path]:
-    """A report comparing runs: `report.html` (`executor.reporting.html.write_runs_report`),
+    """A report comparing runs: `report.html` (`trainplan.executor.reporting.html.write_runs_report`),
     `comparison.csv` (one row per run and term, with tolerance and verdict) and `summary.json`
     (each run's verdict line) in `out`.
 

@@ -1,5 +1,5 @@
 """Experiment trackers: the scalars a run's `RunRecord` holds, reported to TensorBoard, wandb or
-trackio while it trains (`executor.train.run`'s `trackers`, `trainplan run --tensorboard DIR`).
+trackio while it trains (`trainplan.executor.train.run`'s `trackers`, `trainplan run --tensorboard DIR`).
 
 Which trackers a run reports to is a `TrackerSpec`; `open_trackers` opens them on rank 0 (other
 ranks report nothing) and returns a `RunTrackers`, which the run loop calls after every step
@@ -12,11 +12,11 @@ the 0-based step index, so its `(s, loss)` is logged at s + 1):
 
 - `train/loss_nats` every step; `train/tokens` (all ranks) every step;
 - `heldout/loss_nats` at each evaluation;
-- `time/step_s`, `time/step_cpu_s` for each timed step (`executor.measure.measured_step`);
+- `time/step_s`, `time/step_cpu_s` for each timed step (`trainplan.executor.measure.measured_step`);
 - `memory/peak_bytes` when the measured peak (`RunRecord.peak_memory_bytes["total"]`) changes; on
   an accelerator `memory/step_max_allocated_bytes`, `memory/step_max_reserved_bytes` per timed step;
 - predicted beside measured at each evaluation and at the end (`comparison_scalars`): for each
-  term of `executor.reporting.compare.compare`, `predicted/<term>` and `measured/<term>` (the
+  term of `trainplan.executor.reporting.compare.compare`, `predicted/<term>` and `measured/<term>` (the
   latter when measured) and `rel_err/<term>`, the term named with its unit (`peak_memory_bytes`,
   `step_time_s`, `final_loss_nats`, `flops_per_step`, `tokens`, ...).
 
@@ -38,15 +38,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from executor.record import RunRecord
-from executor.reporting.compare import compare
-from planner.plan import Plan
-from trainplan_errors import MissingExtraError, OutputPathError, TrainplanError, require_extra
+from trainplan.errors import MissingExtraError, OutputPathError, TrainplanError, require_extra
+from trainplan.executor.record import RunRecord
+from trainplan.executor.reporting.compare import compare
+from trainplan.planner.plan import Plan
 
 __all__ = ["Cursor", "RunTrackers", "TrackerSpec", "comparison_scalars", "open_trackers", "step_scalars"]
 
 FLAGS = {"tensorboard": "--tensorboard", "wandb": "--wandb-project", "trackio": "--trackio-project"}
-"""Each tracker's command-line flag (`trainplan run`, `trainplan demo`, `executor.worker`); the
+"""Each tracker's command-line flag (`trainplan run`, `trainplan demo`, `trainplan.executor.worker`); the
 tracker's name is also its package and its trainplan extra."""
 
 UNIT_SUFFIX = {"bytes": "_bytes", "s": "_s", "nats": "_nats"}
@@ -101,7 +101,7 @@ class TrackerSpec:
                                         f"'trainplan[{name}]' (or leave {FLAGS[name]} out)")
 
     def argv(self) -> list[str]:
-        """The same trackers as command-line flags (`executor.worker`'s), paths made absolute."""
+        """The same trackers as command-line flags (`trainplan.executor.worker`'s), paths made absolute."""
         values = self.given() | ({"tensorboard": str(Path(self.tensorboard).resolve())} if self.tensorboard else {})
         return [x for name, v in values.items() for x in (FLAGS[name], v)]
 
@@ -153,7 +153,7 @@ def step_scalars(rec: RunRecord, cursor: Cursor) -> dict[int, dict[str, float]]:
 
 
 def comparison_scalars(plan: Plan, rec: RunRecord) -> dict[str, float]:
-    """Predicted beside measured, the terms of `executor.reporting.compare.compare(plan, rec)`:
+    """Predicted beside measured, the terms of `trainplan.executor.reporting.compare.compare(plan, rec)`:
     `predicted/<term><unit>`, and where measured `measured/<term><unit>` and `rel_err/<term><unit>`
     ((predicted - measured) / measured). Unit suffixes: `UNIT_SUFFIX`."""
     out: dict[str, float] = {}

@@ -1,10 +1,10 @@
-"""Whether each prediction held: a verdict per term of `executor.reporting.compare.compare`, and the
+"""Whether each prediction held: a verdict per term of `trainplan.executor.reporting.compare.compare`, and the
 one line that sums them up (`summary_line`, e.g. "7 of 8 predictions held; step time off by +23%").
 
 A term is **held** when |rel_err| is within the term's tolerance (`TOLERANCES`), **not held**
 otherwise, **not measured** when the run has no measurement, **no prediction** when the plan has
 none. A measurement of 0 holds only a prediction of exactly 0. Pure: no I/O, no drawing (the HTML
-report, `executor.reporting.html`, and the command line print them).
+report, `trainplan.executor.reporting.html`, and the command line print them).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import math
 
 import pandas as pd
 
-from executor.reporting.compare import format_value
+from trainplan.executor.reporting.compare import format_value
 
 __all__ = ["HELD", "NOT_HELD", "NOT_MEASURED", "NO_PREDICTION", "TOLERANCES", "VERDICT_COLUMNS",
            "summary_line", "term_label", "tolerance", "verdict_frame"]

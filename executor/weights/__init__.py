@@ -1,2 +1,2 @@
 """Trained weights out of trainplan: a run's checkpoint as a Hugging Face model folder with its
-tokenizer (`executor.weights.export`)."""
+tokenizer (`trainplan.executor.weights.export`)."""

@@ -2,8 +2,8 @@
 the run's tokenizer, loadable with `transformers.AutoModelForCausalLM` / `AutoTokenizer`.
 
 `export_weights(run_dir, out_dir)` reads the run folder `trainplan run` wrote (`plan.json` and
-`checkpoint/latest` -> `checkpoint/step-N/`, `executor.checkpoint`), builds the plan's preset
-(`modeling.presets.build_model`, or `modeling.configs.build_from_config` for a plan holding a
+`checkpoint/latest` -> `checkpoint/step-N/`, `trainplan.executor.checkpoint`), builds the plan's preset
+(`trainplan.modeling.presets.build_model`, or `trainplan.modeling.configs.build_from_config` for a plan holding a
 config) on the CPU at the run's vocabulary, loads the checkpoint's model state into it and
 writes it with the model's own `save_pretrained` (safetensors; tied weights handled by
 transformers).
@@ -17,7 +17,7 @@ checkpoint is not read.
 Dtype: the checkpoint's own (what the parameters were trained in: bf16 for `precision="bf16"`,
 fp32 for fp32 and bf16-mixed, whose parameters are fp32), or the one asked for (`DTYPES`).
 
-Tokenizer: the copy the checkpoint keeps (`executor.checkpoint.TOKENIZER`), else the file its
+Tokenizer: the copy the checkpoint keeps (`trainplan.executor.checkpoint.TOKENIZER`), else the file its
 `trainplan.json` names (`corpus.tokenizer`), written as a `transformers.PreTrainedTokenizerFast`
 with the run's document separator (`<|endoftext|>` for trainplan's BPE) as its BOS/EOS token and
 the model config's.
@@ -42,11 +42,11 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import nn
 
-from executor.checkpoint import CHECKPOINT_DIR, LATEST, META, TOKENIZER, latest_checkpoint
-from executor.data.corpus import load_tokenizer, separator_id
-from modeling import configs, presets
-from planner.plan import Plan
-from trainplan_errors import DataError, OutputPathError, TrainplanError, UnknownNameError
+from trainplan.errors import DataError, OutputPathError, TrainplanError, UnknownNameError
+from trainplan.executor.checkpoint import CHECKPOINT_DIR, LATEST, META, TOKENIZER, latest_checkpoint
+from trainplan.executor.data.corpus import load_tokenizer, separator_id
+from trainplan.modeling import configs, presets
+from trainplan.planner.plan import Plan
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -59,7 +59,7 @@ logger = logging.getLogger(__name__)
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
 """The dtypes weights are exported in, by the command line's names."""
 MODEL_KEY = "model"
-"""The model's part of the checkpoint's state (`executor.checkpoint.save_checkpoint`)."""
+"""The model's part of the checkpoint's state (`trainplan.executor.checkpoint.save_checkpoint`)."""
 
 
 def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
@@ -101,8 +101,8 @@ def run_checkpoint(run_dir: str | Path) -> tuple[Plan, Path]:
     Raises:
         TrainplanError: `run_dir` is not a folder, holds no plan.json (not a run folder), or
             holds no complete checkpoint (the message says how a run writes one: `trainplan run`
-            for a preset, else the user's own loop or `executor.run`).
-        PlanMismatchError: its plan.json cannot be read (`planner.plan.Plan.from_json`).
+            for a preset, else the user's own loop or `trainplan.executor.run`).
+        PlanMismatchError: its plan.json cannot be read (`trainplan.planner.plan.Plan.from_json`).
     """
     run = Path(run_dir)
     if not str(run_dir).strip() or not run.is_dir():
@@ -116,8 +116,8 @@ def run_checkpoint(run_dir: str | Path) -> tuple[Plan, Path]:
         raise TrainplanError(
             f"run folder {str(run)!r} has no checkpoint (no {CHECKPOINT_DIR}/{LATEST}), and its model "
             f"{model!r} is not a preset, which `trainplan run` cannot build: a run of your own loop "
-            "(executor.apply_plan) keeps no checkpoint; save the weights in your loop (the model's "
-            "save_pretrained), or train with executor.run(plan, model, out=DIR) and load its checkpoint "
+            "(trainplan.executor.apply_plan) keeps no checkpoint; save the weights in your loop (the model's "
+            "save_pretrained), or train with trainplan.executor.run(plan, model, out=DIR) and load its checkpoint "
             "into your own model with torch.distributed.checkpoint")
     if ckpt is None:
         raise TrainplanError(
@@ -201,7 +201,7 @@ def run_tokenizer_path(ckpt: str | Path) -> Path | None:
 
 def hf_tokenizer(path: str | Path):
     """A `transformers.PreTrainedTokenizerFast` over the `tokenizers` JSON at `path`, with the
-    run's document separator (`executor.data.corpus.separator_id`: `<|endoftext|>` for trainplan's
+    run's document separator (`trainplan.executor.data.corpus.separator_id`: `<|endoftext|>` for trainplan's
     BPE) as its BOS and EOS token (GPT-2's convention: the token stream separates documents by
     it), none when the vocabulary has no separator. It encodes as the run did for trainplan's
     BPE (which has no post-processor adding tokens); a model's own tokenizer keeps its

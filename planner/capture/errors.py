@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch._subclasses import fake_tensor
 
-from trainplan_errors import CaptureError, TrainplanError
+from trainplan.errors import CaptureError, TrainplanError
 
 _DATA_DEPENDENT = (fake_tensor.DataDependentOutputException, fake_tensor.DynamicOutputShapeException)
 

@@ -5,7 +5,7 @@ sees ops *below* autograd (`aten.mm`, `aten._scaled_dot_product_flash_attention_
 so each region is traced with `make_fx` over a function that runs forward and backward
 (`torch.func.functional_call` + `torch.autograd.grad`) under `FakeTensorMode`: no memory is
 allocated, so a 405B model captures on a laptop. Any causal LM qualifies: the regions come from
-the model's own forward (`planner.capture.layout`), not from attribute names:
+the model's own forward (`trainplan.planner.capture.layout`), not from attribute names:
 
 - `head`: the forward up to the first block (embeddings, learned or rotary positions, an
   embedding scale, the masks the model builds);
@@ -18,7 +18,7 @@ the model's own forward (`planner.capture.layout`), not from attribute names:
 Shapes are made symbolic by tracing at sentinel sizes (micro-batch `B0`, sequence `S0`, primes
 that divide no model dimension): every tensor dimension factors into powers of B0 and S0 and a
 model constant, so `b*heads`, `b*s*top_k` and `s*s` all become polynomials in (b, s)
-(`planner.capture.trace._symbolize`), evaluated by the cost models for any micro-batch and
+(`trainplan.planner.capture.trace._symbolize`), evaluated by the cost models for any micro-batch and
 sequence length. FLOPs per node use torch's own formulas
 (`torch.utils.flop_counter.flop_registry`), the same that `FlopCounterMode` applies at run time.
 
@@ -40,12 +40,13 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
-from costmodels.graph import Region, variant_key
-from modeling.activation_compression import check_activation_bits
-from modeling.loss import lm_loss
-from modeling.tiling import TiledHead, find_mlp, tile_mlp, untile_mlp
-from planner.capture.errors import capture_errors
-from planner.capture.layout import (
+from trainplan.costmodels.graph import Region, variant_key
+from trainplan.errors import CaptureError, TrainplanError
+from trainplan.modeling.activation_compression import check_activation_bits
+from trainplan.modeling.loss import lm_loss
+from trainplan.modeling.tiling import TiledHead, find_mlp, tile_mlp, untile_mlp
+from trainplan.planner.capture.errors import capture_errors
+from trainplan.planner.capture.layout import (
     BlockCall,
     Stop,
     as_run,
@@ -61,10 +62,9 @@ from planner.capture.layout import (
     record_layout,
     with_hidden,
 )
-from planner.capture.regions import RegionTable
-from planner.capture.sentinels import pick_sentinels
-from planner.capture.trace import trace_region
-from trainplan_errors import CaptureError, TrainplanError
+from trainplan.planner.capture.regions import RegionTable
+from trainplan.planner.capture.sentinels import pick_sentinels
+from trainplan.planner.capture.trace import trace_region
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -81,7 +81,7 @@ class ModelGraph:
     param_bytes: int
     """Bytes of the parameters at the capture dtype."""
     regions: RegionTable
-    """Regions by key (`costmodels.graph.variant_key`); tiled variants traced on first use."""
+    """Regions by key (`trainplan.costmodels.graph.variant_key`); tiled variants traced on first use."""
     blocks: tuple[str, ...]
     n_heads: int
     n_kv_heads: int
@@ -92,7 +92,7 @@ class ModelGraph:
     """The blocks' MLP width (the config's `intermediate_size`; 0 when it has none)."""
     features: tuple[str, ...] = ()
     """What the model's attention does beyond plain causal attention, as `name=value`
-    (`planner.capture.layout.attention_features`: a sliding window, softcapping, experts)."""
+    (`trainplan.planner.capture.layout.attention_features`: a sliding window, softcapping, experts)."""
     n_layers: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -122,7 +122,7 @@ def capture(model: nn.Module, *, dtype: torch.dtype | None = None, name: str | N
             seq_len: int | None = None) -> ModelGraph:
     """Capture `model` as a ModelGraph, on fake tensors: any causal LM whose forward takes token
     ids and returns logits (a tensor, `.logits` or `(logits, ...)`) and runs its repeated
-    blocks from an `nn.ModuleList` (`planner.capture.layout`).
+    blocks from an `nn.ModuleList` (`trainplan.planner.capture.layout`).
 
     `dtype` is the dtype of parameters (default: the model's). `autocast_dtype` traces under
     `torch.autocast` (mixed precision: fp32 parameters, bf16 matmuls), so the casts autocast
@@ -130,14 +130,14 @@ def capture(model: nn.Module, *, dtype: torch.dtype | None = None, name: str | N
     stand in for CUDA's (both run matmuls and attention in bf16, reductions in fp32).
     `activation_bits`: saved-activation widths below 32 to capture as well: each region is
     traced again under that compression and stored as `{region}@a{bits}` (e.g. `block0@a8`),
-    which `costmodels.step.model.StepModel.region_name` picks for blocks that are not checkpointed.
+    which `trainplan.costmodels.step.model.StepModel.region_name` picks for blocks that are not checkpointed.
     `device_type`: the target device's attention and dropout kernels
-    (`planner.capture.device_kernels`; "cuda" for CUDA and ROCm profiles). `seq_len`: the
+    (`trainplan.planner.capture.device_kernels`; "cuda" for CUDA and ROCm profiles). `seq_len`: the
     sequence the plans will train at, when known: a model with a sliding window is traced with
-    the window mask exactly when a run at that length builds one (`planner.capture.sentinels.pick_sentinels`).
+    the window mask exactly when a run at that length builds one (`trainplan.planner.capture.sentinels.pick_sentinels`).
 
-    Sequence-tiled variants (`modeling.tiling`: a block's MLP or the tail's LM head and loss
-    over `k` sequence chunks, keys `block0@m{k}`, `tail@l{k}`, `planner.capture.regions`) are
+    Sequence-tiled variants (`trainplan.modeling.tiling`: a block's MLP or the tail's LM head and loss
+    over `k` sequence chunks, keys `block0@m{k}`, `tail@l{k}`, `trainplan.planner.capture.regions`) are
     traced on first use, not here: `ModelGraph.regions` is a `RegionTable`.
 
     Raises:
@@ -169,14 +169,14 @@ def capture(model: nn.Module, *, dtype: torch.dtype | None = None, name: str | N
 class RegionTracer:
     """Traces the regions of one causal LM (head, each distinct block, tail) on fake tensors, at
     any saved-activation width and sequence tiling (`trace`), through the model's own forward
-    (`planner.capture.layout`); `capture` keeps one for the variants traced on first use
-    (`planner.capture.regions.RegionTable`).
+    (`trainplan.planner.capture.layout`); `capture` keeps one for the variants traced on first use
+    (`trainplan.planner.capture.regions.RegionTable`).
 
     - `head`: the model's forward up to its first block: what it hands the blocks (the hidden
       states, and rotary tables, masks, positions it builds once) and its backward;
     - a block region: one layer, called with what the model's forward called it with;
     - `tail`: the model's forward after its last block (final norm, LM head, logit softcapping,
-      whatever the model does there) and the loss (`modeling.loss.lm_loss`), forward and backward.
+      whatever the model does there) and the loss (`trainplan.modeling.loss.lm_loss`), forward and backward.
 
     Raises (constructor):
         CaptureError: no blocks, no logits, or the model's forward fails on fake tensors."""
@@ -223,7 +223,7 @@ class RegionTracer:
 
     def trace(self, region: str, activation_bits: int = 32, chunks: int = 1) -> Region:
         """The region `region` (`head`, `tail` or a block region name) traced with saved
-        activations at `activation_bits`; `chunks` > 1 tiles the sequence (`modeling.tiling`):
+        activations at `activation_bits`; `chunks` > 1 tiles the sequence (`trainplan.modeling.tiling`):
         a block's MLP or the tail's LM head and loss over that many chunks.
 
         Raises:

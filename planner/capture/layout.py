@@ -8,9 +8,9 @@ the hidden states, and whatever the model builds for it (rotary cos/sin, an atte
 sliding-window mask, position ids). Layers that differ in parameters, in the structure of what
 they are called with (Gemma-2's sliding and global layers receive different masks) or in a
 scalar setting of a submodule (a layer's window) are different regions; identical layers are
-traced once. `planner.capture.graph` traces the regions from this record.
+traced once. `trainplan.planner.capture.graph` traces the regions from this record.
 
-The record's forward runs the model as a training step runs it (`modeling.fake_run.as_run`).
+The record's forward runs the model as a training step runs it (`trainplan.modeling.fake_run.as_run`).
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from modeling.fake_run import as_run
-from modeling.model_call import accepts_position_ids, forward_call
-from trainplan_errors import CaptureError
+from trainplan.errors import CaptureError
+from trainplan.modeling.fake_run import as_run
+from trainplan.modeling.model_call import accepts_position_ids, forward_call
 
 _SCALARS = (bool, int, float, str, type(None))
 
@@ -59,7 +59,7 @@ def find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
 
 def call_model(model: nn.Module, ids: torch.Tensor) -> Any:
     """`model`'s forward on token ids (b, s), called as the executor calls it
-    (`modeling.model_call.forward_call`: `input_ids=` or positionally, `use_cache=False` where
+    (`trainplan.modeling.model_call.forward_call`: `input_ids=` or positionally, `use_cache=False` where
     the forward names it)."""
     args, kwargs = forward_call(model, ids)
     return model(*args, **kwargs)
@@ -330,7 +330,7 @@ def module_int(model: nn.Module, *names: str) -> int | None:
 
 
 SP_BLOCKING_FEATURES = ("sliding_window", "attn_logit_softcapping", "attention", "positions")
-"""Features of `attention_features` that Ulysses attention (`executor.parallel.ulysses`) cannot
+"""Features of `attention_features` that Ulysses attention (`trainplan.executor.parallel.ulysses`) cannot
 run: a sliding window and softcapped scores (SDPA has neither), and attention the model computes
 itself rather than through transformers' AttentionInterface (nothing to swap for Ulysses)."""
 

@@ -1,16 +1,16 @@
 """The captured regions of a model by key, sequence-tiled variants traced on first use.
 
-A region key (`costmodels.graph.variant_key`) is `{region}[@mp][@m{k}|@l{k}][@a{bits}]`:
+A region key (`trainplan.costmodels.graph.variant_key`) is `{region}[@mp][@m{k}|@l{k}][@a{bits}]`:
 
 - `region`: `head`, `tail` or a block region (`block0`, ...);
 - `@mp`: traced under FSDP2's mixed-precision policy (bf16 parameters, no autocast,
-  `planner.capture.setup.with_mixed_precision_variants`);
+  `trainplan.planner.capture.setup.with_mixed_precision_variants`);
 - `@m{k}`: a block whose MLP runs over `k` sequence chunks; `@l{k}`: the tail's LM head and loss
-  over `k` chunks (`modeling.tiling`, ALST's tiled MLP and tiled loss, Bekman et al. 2025,
+  over `k` chunks (`trainplan.modeling.tiling`, ALST's tiled MLP and tiled loss, Bekman et al. 2025,
   arXiv:2506.13996);
-- `@a{bits}`: saved activations compressed to `bits` (`modeling.activation_compression`).
+- `@a{bits}`: saved activations compressed to `bits` (`trainplan.modeling.activation_compression`).
 
-The untiled regions are traced by `planner.capture.graph.capture`. A tiled variant is one trace
+The untiled regions are traced by `trainplan.planner.capture.graph.capture`. A tiled variant is one trace
 per chunk count (the trace unrolls its chunks), so `RegionTable` traces it when a cost model
 first asks for it: a plan that never considers tiling never pays for it, and one that does pays
 only for the counts it prices.
@@ -22,8 +22,8 @@ import dataclasses
 import re
 from collections.abc import Callable, Iterator, Mapping
 
-from costmodels.graph import Region
-from trainplan_errors import TrainplanError
+from trainplan.costmodels.graph import Region
+from trainplan.errors import TrainplanError
 
 Tracer = Callable[[str, int, int], Region]
 """(region, activation_bits, chunks) -> the region traced so (`RegionTracer.trace`)."""
@@ -85,7 +85,7 @@ class RegionTable(Mapping[str, Region]):
 
     def with_variants(self, other: RegionTable, rename: Callable[[str], str], tracer_key: str) -> RegionTable:
         """This table plus `other`'s regions under `rename(key)`, and `other`'s tracer for the
-        variants of `tracer_key` (`"mp"`: `planner.capture.setup.with_mixed_precision_variants`)."""
+        variants of `tracer_key` (`"mp"`: `trainplan.planner.capture.setup.with_mixed_precision_variants`)."""
         extra = {rename(k): dataclasses.replace(r, name=rename(k)) for k, r in other._regions.items()}
         return RegionTable({**self._regions, **extra},
                            {**self._tracers, tracer_key: other._tracers[""]})

@@ -1,5 +1,5 @@
 """Trace sizes: the (micro-batch, sequence) primes a model is traced at, chosen so that every
-traced size factors into its batch, sequence and model parts (`planner.capture.trace._symbolize`)
+traced size factors into its batch, sequence and model parts (`trainplan.planner.capture.trace._symbolize`)
 and the trace takes the branches a run at the plan's sequence takes (a sliding window's mask)."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from __future__ import annotations
 import sympy
 from torch import nn
 
-from planner.capture.layout import config_int, module_int
-from trainplan_errors import CaptureError
+from trainplan.errors import CaptureError
+from trainplan.planner.capture.layout import config_int, module_int
 
 SENTINELS = [(7, 113), (11, 127), (13, 131), (5, 139), (17, 151), (19, 157), (23, 163), (29, 167)]
 """(micro-batch, sequence) primes to trace at, in order of preference (`pick_sentinels`)."""
@@ -37,7 +37,7 @@ def window_of(model: nn.Module) -> int | None:
 
 def pick_sentinels(model: nn.Module, seq_len: int | None = None) -> tuple[int, int]:
     """(micro-batch, sequence) to trace at: two primes that divide no model dimension, so every
-    traced size factors into its batch, sequence and model parts (`planner.capture.trace._symbolize`).
+    traced size factors into its batch, sequence and model parts (`trainplan.planner.capture.trace._symbolize`).
 
     The sequence prime sits on the side of the model's sliding window that `seq_len` (the plan's,
     when known) is on, so the trace builds a window mask exactly when the run does (transformers

@@ -1,4 +1,4 @@
-"""Model setup for `planner.api` and `planner.joint.problem`: the default precision, the model's
+"""Model setup for `trainplan.planner.api` and `trainplan.planner.joint.problem`: the default precision, the model's
 capture on the meta device (`capture_model`), the step model on a hardware profile
 (`setup_model`) and the loss law a plan predicts with (`loss_law_for`)."""
 
@@ -10,16 +10,16 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from costmodels.loss.cache import load_local_law
-from costmodels.loss.law import LossLaw
-from costmodels.loss.transfer import carry_law
-from costmodels.step.model import StepModel
-from hardware_profiles import HardwareProfile
-from hardware_profiles import load as load_profile
-from modeling.activation_compression import check_activation_bits
-from modeling.presets import build_model, get_preset
-from planner.capture.graph import ModelGraph, capture
-from trainplan_errors import CaptureError, TrainplanError
+from trainplan.costmodels.loss.cache import load_local_law
+from trainplan.costmodels.loss.law import LossLaw
+from trainplan.costmodels.loss.transfer import carry_law
+from trainplan.costmodels.step.model import StepModel
+from trainplan.errors import CaptureError, TrainplanError
+from trainplan.hardware_profiles import HardwareProfile
+from trainplan.hardware_profiles import load as load_profile
+from trainplan.modeling.activation_compression import check_activation_bits
+from trainplan.modeling.presets import build_model, get_preset
+from trainplan.planner.capture.graph import ModelGraph, capture
 
 PRECISION_DTYPE = {"fp32": "fp32", "bf16-mixed": "bf16", "bf16": "bf16"}
 """Training precision -> the dtype of the profile's peak FLOP rate its matmuls run at."""
@@ -34,7 +34,7 @@ def capture_model(model: nn.Module | str, precision: str, *, vocab_size: int | N
                   activation_bits: tuple[int, ...] = (),
                   device_type: str = "cpu", seq_len: int | None = None) -> tuple[ModelGraph, str, tuple[int, ...]]:
     """Build (if a preset name) and capture `model` on the meta device, with the regions of
-    each saved-activation width in `activation_bits` (`planner.capture.graph.capture`), with
+    each saved-activation width in `activation_bits` (`trainplan.planner.capture.graph.capture`), with
     the attention and dropout kernels of `device_type` (a profile's: `cpu` or `cuda`).
 
     Returns the graph, the model's name and its parameter tensor sizes.
@@ -76,7 +76,7 @@ def capture_model(model: nn.Module | str, precision: str, *, vocab_size: int | N
 
 def mixed_precision_key(key: str) -> str:
     """Region key of `key` traced under FSDP2's mixed-precision policy: `block0` -> `block0@mp`,
-    `block0@a8` -> `block0@mp@a8` (`costmodels.step.model.StepModel.region_name`)."""
+    `block0@a8` -> `block0@mp@a8` (`trainplan.costmodels.step.model.StepModel.region_name`)."""
     base, sep, rest = key.partition("@")
     return f"{base}@mp{sep}{rest}"
 
@@ -86,7 +86,7 @@ def with_mixed_precision_variants(graph: ModelGraph, mp: ModelGraph) -> ModelGra
     `mp` (the same model traced with bf16 parameters and no autocast: what FSDP2 runs under
     `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`) added under
     `mixed_precision_key`, and its tracer for their sequence-tiled variants
-    (`planner.capture.regions.RegionTable`)."""
+    (`trainplan.planner.capture.regions.RegionTable`)."""
     return dataclasses.replace(graph, regions=graph.regions.with_variants(mp.regions, mixed_precision_key, "mp"))
 
 
@@ -95,8 +95,8 @@ def setup_model(model: nn.Module | str, hw: str | HardwareProfile, *, precision:
                 seq_len: int | None = None) -> tuple[HardwareProfile, str, ModelGraph, str, StepModel]:
     """Load `hw`, settle the precision (None: `default_precision`), check the saved-activation
     widths (`check_activation_bits_options`), capture `model` (with `hw`'s attention and dropout
-    kernels, `planner.capture.device_kernels`; `overlap=False`: the step model adds every
-    collective to compute, `costmodels.step.model.StepModel`) (`capture_model`; `seq_len`: the
+    kernels, `trainplan.planner.capture.device_kernels`; `overlap=False`: the step model adds every
+    collective to compute, `trainplan.costmodels.step.model.StepModel`) (`capture_model`; `seq_len`: the
     plans' sequence when known, for a sliding window's mask) and build its step model on the
     profile.
 
@@ -122,9 +122,9 @@ def loss_law_for(law: LossLaw | None, profile: HardwareProfile, name: str, graph
                  bytes_per_token: float | None = None) -> LossLaw:
     """The loss law a plan of model `name` on `profile` predicts with, bounded by ln(vocabulary):
     `law` when given; on the cpu profile the law `trainplan calibrate` fitted for (model,
-    vocabulary), if one is cached (`costmodels.loss.cache.load_local_law`); else Besiroglu et
+    vocabulary), if one is cached (`trainplan.costmodels.loss.cache.load_local_law`); else Besiroglu et
     al. 2024's, carried per byte to the corpus's `bytes_per_token` when it is known
-    (`costmodels.loss.transfer.carry_law`)."""
+    (`trainplan.costmodels.loss.transfer.carry_law`)."""
     if law is None and profile.name == "cpu":  # a law fitted by `trainplan calibrate`, if any
         law = load_local_law(name, graph.vocab_size)
     if law is None:
@@ -140,7 +140,7 @@ def check_activation_bits_options(activation_bits: object) -> tuple[int, ...]:
     """Saved-activation widths to choose from (one width or several) as a tuple, each checked.
 
     Raises:
-        TrainplanError: an unknown width (`modeling.activation_compression.check_activation_bits`),
+        TrainplanError: an unknown width (`trainplan.modeling.activation_compression.check_activation_bits`),
             or none at all."""
     widths = (activation_bits if isinstance(activation_bits, Iterable) and not isinstance(activation_bits, int)
               else (activation_bits,))

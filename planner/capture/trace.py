@@ -1,6 +1,6 @@
 """Tracing one region of a model: a `make_fx` trace of its forward+backward on fake tensors,
-summarised as a `costmodels.graph.Region` (op graph in networkx, storages with lifetimes, sizes
-as polynomials in micro-batch `b` and sequence `s`). `planner.capture.graph` decides the regions."""
+summarised as a `trainplan.costmodels.graph.Region` (op graph in networkx, storages with lifetimes, sizes
+as polynomials in micro-batch `b` and sequence `s`). `trainplan.planner.capture.graph` decides the regions."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from costmodels.graph import Poly, Region, StorageRecord
-from modeling.activation_compression import compress_saved_activations
-from modeling.flop_counting import FLOP_FORMULAS as _FLOP_FORMULAS
-from planner.capture.device_kernels import target_kernels
+from trainplan.costmodels.graph import Poly, Region, StorageRecord
+from trainplan.modeling.activation_compression import compress_saved_activations
+from trainplan.modeling.flop_counting import FLOP_FORMULAS as _FLOP_FORMULAS
+from trainplan.planner.capture.device_kernels import target_kernels
 
 B_SYM, S_SYM = sympy.symbols("b s", positive=True, integer=True)
 
@@ -33,7 +33,7 @@ def _power(d: int, p: int) -> tuple[int, int]:
 def _symbolize(shape: tuple[int, ...], b0: int, s0: int, chunks: int = 1):
     """Symbolic shape and numel of `shape` traced at micro-batch `b0`, sequence `s0`.
 
-    `b0` and `s0 / chunks` are primes that divide no model dimension (`planner.capture.graph`
+    `b0` and `s0 / chunks` are primes that divide no model dimension (`trainplan.planner.capture.graph`
     picks them so), so a dimension's factors of them are exactly its dependence on the batch
     and the sequence: d = b0**i * (s0/chunks)**j * c is `b**i * (s/chunks)**j * c`, whatever
     the product (b*s tokens, b*heads in an eager attention's bmm, b*s*top_k routed rows, s*s
@@ -89,7 +89,7 @@ def trace_region(name: str, fn, inputs: dict, *, kinds: dict[str, str], b0: int,
 
     `kinds` maps each input name to "param", "act" (activation input, e.g. hidden states),
     "grad" (the incoming gradient) or "const" (e.g. token ids). `activation_bits` < 32 traces
-    under the executor's saved-activation compression (`modeling.activation_compression`):
+    under the executor's saved-activation compression (`trainplan.modeling.activation_compression`):
     its quantize and dequantize ops and compressed copies become part of the region.
     `held_to_output`: ops (e.g. `aten._log_softmax.default`) whose inputs stay referenced until
     the forward output is made, as the arguments of a composite op the trace decomposes do
@@ -97,8 +97,8 @@ def trace_region(name: str, fn, inputs: dict, *, kinds: dict[str, str], b0: int,
     to that its Python frame keeps until the forward output is made (the logits `lm_loss`
     receives, bf16 under autocast, beside the fp32 copy cross-entropy makes of them).
     `device_type`: trace attention and dropout as that device runs them
-    (`planner.capture.device_kernels.target_kernels`). `chunks` > 1: `fn` tiles the sequence
-    into that many chunks (`modeling.tiling`) and `s0` is a multiple of it; a chunk's dimensions
+    (`trainplan.planner.capture.device_kernels.target_kernels`). `chunks` > 1: `fn` tiles the sequence
+    into that many chunks (`trainplan.modeling.tiling`) and `s0` is a multiple of it; a chunk's dimensions
     become `s/chunks` (`_symbolize`). `keep_from`: input names; when given, the region is the
     ops that depend on them and the ops those depend on, and the rest of the trace is left out
     (the tail's trace runs the model's whole forward and keeps what follows the last block).

@@ -1,8 +1,8 @@
 """The listing commands of the `trainplan` command line: `trainplan presets` (the model presets
 `--model` accepts) and `trainplan profiles` (the hardware profiles `--hw` accepts), each a table
-on stdout; called by `planner.cli.main.main` with the parsed arguments.
+on stdout; called by `trainplan.planner.cli.main.main` with the parsed arguments.
 
-pandas, torch and the presets are imported inside the commands (`planner.cli.commands` says why).
+pandas, torch and the presets are imported inside the commands (`trainplan.planner.cli.commands` says why).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ def preset_rows() -> list[dict[str, object]]:
     preset's vocabulary), layers, hidden, heads, kv_heads, vocab, max_seq_len (tokens), source."""
     import importlib
 
-    importlib.import_module("hardware_profiles")  # first: it quiets optional kernels' import-time warnings
-    from modeling.presets import get_preset, known_presets, preset_n_params
+    importlib.import_module("trainplan.hardware_profiles")  # first: it quiets optional kernels' import-time warnings
+    from trainplan.modeling.presets import get_preset, known_presets, preset_n_params
 
     rows = []
     for name in known_presets():
@@ -51,11 +51,11 @@ def cmd_profiles(args) -> int:
         TrainplanError: --template's profile file is invalid."""
     import pandas as pd
 
-    from hardware_profiles import describe_profiles
+    from trainplan.hardware_profiles import describe_profiles
 
     if args.template is not None:
-        from hardware_profiles import load
-        from hardware_profiles.profile_file import template_toml
+        from trainplan.hardware_profiles import load
+        from trainplan.hardware_profiles.profile_file import template_toml
 
         print(template_toml(load(args.template)), end="")
         return 0

@@ -1,10 +1,10 @@
-"""Checks behind the `trainplan` command line (`planner.cli.main`): output paths, `--device`
+"""Checks behind the `trainplan` command line (`trainplan.planner.cli.main`): output paths, `--device`
 names, loaded plan files and the flags that change a plan (`--lr`, `--warmup-steps`), each
 raising one `TrainplanError` subclass with a message that names the bad value and what is
 valid; run before anything is written or trained.
 
 torch, the executor and the model presets are imported inside the checks that need them: the
-`trainplan` command starts without torch (`planner.cli.commands`).
+`trainplan` command starts without torch (`trainplan.planner.cli.commands`).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from planner.plan import Plan
-from trainplan_errors import DeviceError, OutputPathError, PlanMismatchError, TrainplanError, UnknownNameError
+from trainplan.errors import DeviceError, OutputPathError, PlanMismatchError, TrainplanError, UnknownNameError
+from trainplan.planner.plan import Plan
 
 __all__ = ["check_device", "check_json_path", "check_loss_value", "check_out_dir", "check_plan_model",
            "check_schedule", "plan_from_data", "valid_devices", "with_schedule"]
@@ -52,7 +52,7 @@ def check_out_dir(out: str | Path, *, option: str = "--out", resume: bool = Fals
         OutputPathError: the path or a folder above it is a regular file; a run is there and
             neither --resume nor --overwrite was given; or the folder cannot be created.
     """
-    from executor.checkpoint import CHECKPOINT_DIR
+    from trainplan.executor.checkpoint import CHECKPOINT_DIR
 
     if not str(out):
         raise OutputPathError(f"{option} is empty; give a folder path (it is created if missing)")
@@ -188,10 +188,10 @@ def check_plan_model(plan) -> None:
         PlanMismatchError: the plan's model is neither a preset nor a config it holds, or has
             another parameter count, or its config cannot be built (the message says why).
     """
-    from modeling.presets import known_presets, preset_n_params
+    from trainplan.modeling.presets import known_presets, preset_n_params
 
     if plan.hf_config is not None:
-        from modeling.configs import config_n_params
+        from trainplan.modeling.configs import config_n_params
 
         try:
             n = config_n_params(plan.hf_config, vocab_size=plan.vocab_size)
@@ -210,7 +210,7 @@ def check_plan_model(plan) -> None:
         raise PlanMismatchError(
             f"plan was made for model {plan.model!r}, which is not a preset ({', '.join(known_presets())}); "
             "`trainplan run` builds presets, and models from the config a plan holds (`trainplan solve --model "
-            "config.json`), only: run it from Python with executor.run(plan, model, data)") from None
+            "config.json`), only: run it from Python with trainplan.executor.run(plan, model, data)") from None
     if n != plan.model_n_params:
         raise PlanMismatchError(
             f"plan says model {plan.model} has {plan.model_n_params:,} parameters but preset "

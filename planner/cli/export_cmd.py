@@ -3,7 +3,7 @@ framework's native config, and what it cannot express.
 
 Without `--out` the config goes to stdout alone (to pipe or redirect) and the unexpressed
 decisions to stderr; with `--out` the file is written and stdout names it and lists them. The
-mapping is `planner.export`'s; this module parses, checks the output path, and prints.
+mapping is `trainplan.planner.export`'s; this module parses, checks the output path, and prints.
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from planner.cli.checks import check_json_path
-from planner.export.common import Export
-from planner.export.targets import SUFFIXES, export_plan
-from planner.plan import Plan
-from trainplan_errors import OutputPathError
+from trainplan.errors import OutputPathError
+from trainplan.planner.cli.checks import check_json_path
+from trainplan.planner.export.common import Export
+from trainplan.planner.export.targets import SUFFIXES, export_plan
+from trainplan.planner.plan import Plan
 
 __all__ = ["check_export_out", "cmd_export", "terminal_lines"]
 
@@ -44,7 +44,7 @@ def cmd_export(args) -> int:
     Raises:
         PlanMismatchError: the plan file cannot be read or is not a valid plan.
         OutputPathError: `--out` is not a writable file path.
-        TrainplanError: the target cannot express the plan at all (`planner.export.targets.export_plan`).
+        TrainplanError: the target cannot express the plan at all (`trainplan.planner.export.targets.export_plan`).
     """
     out = check_export_out(args.out, args.to) if args.out is not None else None
     e = export_plan(Plan.from_json(args.plan), args.to)

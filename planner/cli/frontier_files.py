@@ -1,6 +1,6 @@
 """The Pareto frontier's files for the command line: `frontier.csv` (the table of
-`planner.joint.frontier`, read by `executor.reporting.figures.frontier_frame` and the run report)
-and `frontier.png` (`executor.reporting.figures.frontier_figure`), written by `trainplan solve
+`trainplan.planner.joint.frontier`, read by `trainplan.executor.reporting.figures.frontier_frame` and the run report)
+and `frontier.png` (`trainplan.executor.reporting.figures.frontier_figure`), written by `trainplan solve
 --frontier` and `trainplan demo` and copied into a run's folder by `trainplan run`.
 """
 
@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pandas as pd
 
-from planner.joint.frontier import Frontier, format_frontier
-from trainplan_errors import OutputPathError
+from trainplan.errors import OutputPathError
+from trainplan.planner.joint.frontier import Frontier, format_frontier
 
 
 def write_frontier(fr: Frontier | pd.DataFrame, out: str | Path) -> dict[str, Path]:
-    """Write `frontier.csv` and `frontier.png` (`executor.reporting.figures.frontier_figure`) into the
+    """Write `frontier.csv` and `frontier.png` (`trainplan.executor.reporting.figures.frontier_figure`) into the
     folder `out` (created). Returns their paths under `csv` and `png`.
 
     Raises:
@@ -28,7 +28,7 @@ def write_frontier(fr: Frontier | pd.DataFrame, out: str | Path) -> dict[str, Pa
     if "matplotlib.pyplot" not in sys.modules:  # switching under a live pyplot closes its figures
         matplotlib.use("Agg")
     # imported once the backend is chosen (the figures module draws with matplotlib)
-    from executor.reporting.figures import frontier_figure
+    from trainplan.executor.reporting.figures import frontier_figure
 
     table = fr.table if isinstance(fr, Frontier) else fr
     out = Path(out)

@@ -2,14 +2,14 @@
 launcher, or under torchrun on this node (alone, or one of `--nnodes` nodes at a rendezvous).
 
 - In this process: a one-device plan, and every rank of a job the user launched
-  (`torchrun ... -m planner run PLAN ...`, or SLURM with torchrun's variables exported: WORLD_SIZE
+  (`torchrun ... -m trainplan run PLAN ...`, or SLURM with torchrun's variables exported: WORLD_SIZE
   set). Such a rank is a worker: it launches nothing, WORLD_SIZE must equal the plan's devices,
   and only global rank 0 writes the record, plan and report; the others print errors only.
 - Under torchrun: `--nnodes`, `--node-rank`, `--rdzv-endpoint` and `--rdzv-id` have torchrun's
   names and meanings (c10d rendezvous); each node starts `decisions.devices / nnodes` processes
-  (`executor.worker.launch`), and the node that got global rank 0 reports.
+  (`trainplan.executor.worker.launch`), and the node that got global rank 0 reports.
 
-Nothing here imports torch at import time: `planner.cli.main` asks `is_other_rank` before any
+Nothing here imports torch at import time: `trainplan.planner.cli.main` asks `is_other_rank` before any
 command runs.
 """
 
@@ -20,7 +20,7 @@ import logging
 import os
 from dataclasses import dataclass
 
-from trainplan_errors import PlanMismatchError, TrainplanError
+from trainplan.errors import PlanMismatchError, TrainplanError
 
 logger = logging.getLogger(__name__)
 
@@ -164,7 +164,7 @@ def check_world(env: EnvRank | None, devices: int, nnodes: int) -> None:
         PlanMismatchError: WORLD_SIZE differs from the plan's devices; `nnodes` does not
             divide them (the values named)."""
     if env is None:
-        from executor.worker import processes_per_node
+        from trainplan.executor.worker import processes_per_node
 
         processes_per_node(devices, nnodes)
         return
@@ -176,29 +176,29 @@ def check_world(env: EnvRank | None, devices: int, nnodes: int) -> None:
 
 
 def rendezvous(args):
-    """This node's `executor.parallel.launch.Rendezvous` from the checked flags (None: one
+    """This node's `trainplan.executor.parallel.launch.Rendezvous` from the checked flags (None: one
     node without an endpoint, torchrun `--standalone`)."""
     if args.nnodes == 1 and args.rdzv_endpoint is None:
         return None
-    from executor.parallel.launch import Rendezvous
+    from trainplan.executor.parallel.launch import Rendezvous
 
     return Rendezvous(nnodes=args.nnodes, node_rank=args.node_rank, endpoint=args.rdzv_endpoint,
                       run_id=args.rdzv_id or "none")
 
 
 def run_processes(plan, plan_path, data, out, args, env: EnvRank | None, **opts):
-    """Run `plan` (`data`: its corpus, `opts`: `executor.train.run`'s resume, checkpoint_every,
+    """Run `plan` (`data`: its corpus, `opts`: `trainplan.executor.train.run`'s resume, checkpoint_every,
     trackers) in this process (one device, or this rank `env` of the user's launcher) or under
     torchrun on this node (`launch_plan`; `plan_path` as there).
 
     Returns (plan, record) where global rank 0 ran (its node, under torchrun), else the exit
     status of this process: 0, or 130 for an interrupted run (rank 0 says how to continue).
 
-    Raises: what `executor.train.run` and `launch_plan` raise."""
+    Raises: what `trainplan.executor.train.run` and `launch_plan` raise."""
     if env is None and plan.decisions.devices > 1:
         ran = launch_plan(plan, plan_path, out, args, **opts)
         return 0 if ran is None else ran
-    from executor.train import run
+    from trainplan.executor.train import run
 
     record = run(plan, data=data, out=out, device=args.device, progress=not args.quiet, **opts)
     if env is not None and env.rank:
@@ -208,7 +208,7 @@ def run_processes(plan, plan_path, data, out, args, env: EnvRank | None, **opts)
 
 def launch_plan(plan, plan_path, out, args, **opts):
     """Run `plan` under torchrun on this node (`args`' node flags; `opts` as
-    `executor.worker.launch` takes them). `plan_path`: its file; None: `plan` differs from the
+    `trainplan.executor.worker.launch` takes them). `plan_path`: its file; None: `plan` differs from the
     solved file (the flags' schedule) and is written for the workers first, to `out/plan.json`
     on one node, else into this node's log folder (nodes sharing `out` do not write one file).
 
@@ -218,10 +218,10 @@ def launch_plan(plan, plan_path, out, args, **opts):
     Raises:
         KeyboardInterrupt: the job was interrupted on a node without rank 0 (exit 130; the record
             is rank 0's node's).
-        what `executor.worker.launch` raises (WorkerFailedError names the failed rank)."""
-    from executor.data.sources import DataOptions
-    from executor.reporting.report import load_run
-    from executor.worker import hosted_rank0, launch, node_log_dir, processes_per_node
+        what `trainplan.executor.worker.launch` raises (WorkerFailedError names the failed rank)."""
+    from trainplan.executor.data.sources import DataOptions
+    from trainplan.executor.reporting.report import load_run
+    from trainplan.executor.worker import hosted_rank0, launch, node_log_dir, processes_per_node
 
     nodes = rendezvous(args)
     if plan_path is None:

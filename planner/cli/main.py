@@ -19,8 +19,9 @@ import textwrap
 import warnings
 from collections.abc import Iterable
 
-from planner.cli.catalog import cmd_presets, cmd_profiles
-from planner.cli.commands import (
+from trainplan.errors import InfeasibleError, TrainplanError
+from trainplan.planner.cli.catalog import cmd_presets, cmd_profiles
+from trainplan.planner.cli.commands import (
     DATA_METHODS_HELP,
     DEFAULT_DATA_METHODS,
     DEMO_BUDGET_FLOPS,
@@ -31,11 +32,10 @@ from planner.cli.commands import (
     cmd_run,
     cmd_solve,
 )
-from planner.cli.export_cmd import cmd_export
-from planner.cli.help_text import HelpFormatter, epilog
-from planner.cli.launching import add_launch_flags, is_other_rank
-from planner.cli.weights_cmd import cmd_export_weights
-from trainplan_errors import InfeasibleError, TrainplanError
+from trainplan.planner.cli.export_cmd import cmd_export
+from trainplan.planner.cli.help_text import HelpFormatter, epilog
+from trainplan.planner.cli.launching import add_launch_flags, is_other_rank
+from trainplan.planner.cli.weights_cmd import cmd_export_weights
 
 EXIT_CODES: dict[int, str] = {
     0: "success",
@@ -49,14 +49,14 @@ EXIT_CODES: dict[int, str] = {
 }
 """Exit status -> what it means; the one table of them (the README's is this one)."""
 
-RUN_FAILURES = ("trainplan_errors:TrainingDivergedError", "executor.checkpoint:OutOfMemoryRunError",
-                "executor.parallel.launch:WorkerFailedError")
+RUN_FAILURES = ("trainplan.errors:TrainingDivergedError", "trainplan.executor.checkpoint:OutOfMemoryRunError",
+                "trainplan.executor.parallel.launch:WorkerFailedError")
 """`module:class` of the errors that mean a run failed (exit 1). Looked up in `sys.modules`: an
 error of a class is raised only once its module is imported, and `trainplan` starts without
 torch (the executor's modules import it)."""
 
-LOGGERS = ("planner", "executor", "modeling", "costmodels", "hardware_profiles", "trainplan_errors")
-"""trainplan's top-level loggers (`logging.getLogger(__name__)` in every module falls under one):
+LOGGERS = ("trainplan",)
+"""trainplan's top-level logger (`logging.getLogger(__name__)` in every module falls under it):
 `-v`/`-q` set their level; other libraries' loggers keep theirs."""
 
 
@@ -172,7 +172,7 @@ def _sub(sub, name: str, help: str, description: str | None = None) -> argparse.
 
 def _tracker_flags(p: argparse.ArgumentParser) -> None:
     """`--tensorboard DIR`, `--wandb-project NAME`, `--trackio-project NAME` of the commands that
-    train (`executor.reporting.trackers.TrackerSpec.from_args` reads them)."""
+    train (`trainplan.executor.reporting.trackers.TrackerSpec.from_args` reads them)."""
     g = p.add_argument_group("trackers", "report the run's scalars while it trains, from rank 0: loss, "
                                          "held-out loss, step time, memory, tokens, predicted beside measured")
     g.add_argument("--tensorboard", metavar="DIR",

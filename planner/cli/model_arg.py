@@ -1,11 +1,11 @@
 """The `--model` of `trainplan solve`: a preset name, or a transformers config (a `config.json`
-file or a folder holding one) built on the meta device by `modeling.configs`; and the
+file or a folder holding one) built on the meta device by `trainplan.modeling.configs`; and the
 sequence-parallel hint of an infeasible plan, from the model's heads.
 
 A value is a config when it is not a preset name and ends in `.json`, names a path (has a `/`)
 or exists; so a folder named like a preset (e.g. one `trainplan export-weights` wrote) is taken
 as a config only when written as a path: `./tiny-llama`. torch and transformers are imported by
-the functions that build (`planner.cli.commands` says why).
+the functions that build (`trainplan.planner.cli.commands` says why).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ __all__ = ["is_config_path", "solve_model", "sp_note"]
 
 def is_config_path(value: str) -> bool:
     """Whether `--model VALUE` names a transformers config rather than a preset (see above)."""
-    from modeling.presets import known_presets
+    from trainplan.modeling.presets import known_presets
 
     text = str(value).strip()
     if text.lower() in known_presets():
@@ -29,16 +29,16 @@ def is_config_path(value: str) -> bool:
 
 def solve_model(value: str):
     """The model `trainplan solve --model VALUE` plans: the preset name as given, or the causal LM
-    of the config VALUE names, built on the meta device (`modeling.configs.build_from_config`,
-    named by `modeling.configs.config_name`).
+    of the config VALUE names, built on the meta device (`trainplan.modeling.configs.build_from_config`,
+    named by `trainplan.modeling.configs.config_name`).
 
     Raises:
         UnknownNameError: neither a preset nor a config path; the message lists the presets and
             says a config.json is valid too.
-        ModelConfigError: a config that cannot be read or built (`modeling.configs.load_config`).
+        ModelConfigError: a config that cannot be read or built (`trainplan.modeling.configs.load_config`).
     """
-    from modeling.presets import get_preset
-    from trainplan_errors import UnknownNameError
+    from trainplan.errors import UnknownNameError
+    from trainplan.modeling.presets import get_preset
 
     if not is_config_path(value):
         try:
@@ -47,7 +47,7 @@ def solve_model(value: str):
             raise UnknownNameError(f"{e}; or give a transformers config.json (a file, or a folder holding "
                                    "one)") from None
         return value
-    from modeling.configs import build_from_config, config_name, load_config
+    from trainplan.modeling.configs import build_from_config, config_name, load_config
 
     cfg = load_config(value)
     return build_from_config(cfg, device="meta", name=config_name(cfg, value))
@@ -55,10 +55,10 @@ def solve_model(value: str):
 
 def sp_note(model, *, devices: int, seq_len: int) -> str:
     """A hint when `seq_len` rules out SP degrees that the devices and `model`'s heads (a preset
-    name, or a module with a transformers config) would allow (`modeling.presets.sp_degree_note`),
+    name, or a module with a transformers config) would allow (`trainplan.modeling.presets.sp_degree_note`),
     else ""."""
-    from modeling.presets import get_preset, sp_degree_note
-    from trainplan_errors import UnknownNameError
+    from trainplan.errors import UnknownNameError
+    from trainplan.modeling.presets import get_preset, sp_degree_note
 
     heads: object = None
     kv: object = None

@@ -5,7 +5,7 @@ run, governor, solver and warnings, one block of lines on stdout, by `trainplan 
 
 from __future__ import annotations
 
-from planner.plan import Plan
+from trainplan.planner.plan import Plan
 
 __all__ = ["print_plan"]
 

@@ -1,8 +1,8 @@
 """`trainplan export-weights RUN_DIR --out DIR`: a run's trained weights as a Hugging Face model
-folder (safetensors) with its tokenizer (when the run had one), called by `planner.cli.main.main`
+folder (safetensors) with its tokenizer (when the run had one), called by `trainplan.planner.cli.main.main`
 with the parsed arguments; prints the folder and how to load it on stdout.
 
-The executor (torch, transformers) is imported inside the command (`planner.cli.commands` says why).
+The executor (torch, transformers) is imported inside the command (`trainplan.planner.cli.commands` says why).
 """
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ __all__ = ["cmd_export_weights"]
 
 
 def cmd_export_weights(args) -> int:
-    """`executor.weights.export.export_weights(args.run_dir, args.out, dtype=args.dtype)`.
+    """`trainplan.executor.weights.export.export_weights(args.run_dir, args.out, dtype=args.dtype)`.
 
     Raises:
         OutputPathError: --out is a file or a folder that is not empty.
         TrainplanError: RUN_DIR is not a run folder or has no checkpoint.
         UnknownNameError: an unknown --dtype, or a checkpoint of a model that is not a preset.
     """
-    from executor.weights.export import export_weights
+    from trainplan.executor.weights.export import export_weights
 
     out = export_weights(args.run_dir, args.out, dtype=args.dtype, progress=not getattr(args, "quiet", False))
     files = sorted(p.name for p in out.iterdir())

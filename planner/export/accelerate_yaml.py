@@ -34,7 +34,7 @@ from typing import Any
 
 import yaml
 
-from planner.export.common import (
+from trainplan.planner.export.common import (
     ADAMW_BETAS,
     ADAMW_WEIGHT_DECAY,
     COOLDOWN_FLOOR,
@@ -46,7 +46,7 @@ from planner.export.common import (
     not_expressed_lines,
     schedule,
 )
-from planner.plan import Decisions, Plan
+from trainplan.planner.plan import Decisions, Plan
 
 VERSION = "accelerate 1.15.0"
 """The accelerate release whose config keys this writes."""
@@ -158,7 +158,7 @@ def _kwargs(values: dict[str, Any]) -> str:
 
 def python_settings(plan: Plan, s: AccelerateSettings) -> list[str]:
     """The training script's lines for what the YAML cannot hold: the plugins, the precision,
-    the optimizer and the warmup-stable-decay schedule (`executor.apply.applied.lr_at`), the checkpointing
+    the optimizer and the warmup-stable-decay schedule (`trainplan.executor.apply.applied.lr_at`), the checkpointing
     of a DDP or DeepSpeed run, the seed and the step budget."""
     d, sch = plan.decisions, schedule(plan.decisions)
     lines = ["import torch", "from accelerate import Accelerator",

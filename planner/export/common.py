@@ -12,22 +12,22 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from planner.plan import Decisions, Plan
+from trainplan.planner.plan import Decisions, Plan
 
 ADAMW_BETAS = (0.9, 0.95)
-"""AdamW's (beta1, beta2): the executor's `executor.optimizers.BETAS` (planner cannot import the
+"""AdamW's (beta1, beta2): the executor's `trainplan.executor.optimizers.BETAS` (planner cannot import the
 executor; `tests/unit/planner/test_export.py` checks they agree)."""
 ADAMW_WEIGHT_DECAY = 0.1
-"""AdamW's decoupled weight decay: the executor's `executor.optimizers.WEIGHT_DECAY`."""
+"""AdamW's decoupled weight decay: the executor's `trainplan.executor.optimizers.WEIGHT_DECAY`."""
 ADAMW_EPS = 1e-8
 """AdamW's eps: torch.optim.AdamW's default, which the executor keeps."""
 COOLDOWN_FRACTION = 0.2
 """The warmup-stable-decay schedule's cooldown: the last 20% of the planned steps
-(`executor.apply.applied.lr_at`)."""
+(`trainplan.executor.apply.applied.lr_at`)."""
 COOLDOWN_FLOOR = 0.05
-"""`executor.apply.applied.lr_at` never goes below 5% of the peak during the cooldown."""
+"""`trainplan.executor.apply.applied.lr_at` never goes below 5% of the peak during the cooldown."""
 OPTIMIZER_STATE_BYTES = {32: 8.0, 16: 4.0, 8: 2.0, 4: 1.0}
-"""Adam's two states, bytes per parameter, by `optimizer_bits` (`costmodels.step.memory`)."""
+"""Adam's two states, bytes per parameter, by `optimizer_bits` (`trainplan.costmodels.step.memory`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +61,7 @@ class Export:
 
 @dataclass(frozen=True, slots=True)
 class Schedule:
-    """The plan's warmup-stable-decay learning rate (`executor.apply.applied.lr_at`), in optimizer steps:
+    """The plan's warmup-stable-decay learning rate (`trainplan.executor.apply.applied.lr_at`), in optimizer steps:
     step t < warmup_steps: peak x (t + 1) / warmup_steps; then the peak until
     total_steps - cooldown_steps; then peak x max(0.05, (total_steps - t) / cooldown_steps)."""
 
@@ -72,7 +72,7 @@ class Schedule:
 
 
 def schedule(d: Decisions) -> Schedule:
-    """The schedule `executor.apply.applied.lr_at` runs for decisions `d` (cooldown: max(1, int(0.2 x
+    """The schedule `trainplan.executor.apply.applied.lr_at` runs for decisions `d` (cooldown: max(1, int(0.2 x
     max_steps)) steps)."""
     return Schedule(peak_lr=d.lr, warmup_steps=d.warmup_steps,
                     cooldown_steps=max(1, int(COOLDOWN_FRACTION * d.max_steps)), total_steps=d.max_steps)
@@ -110,7 +110,7 @@ def data_and_stop(d: Decisions, framework: str) -> list[NotExpressed]:
         out.append(NotExpressed(
             "data_fraction", f"{d.data_fraction:g} ({d.data_method})",
             f"{framework} reads the whole dataset; select the kept windows beforehand "
-            "(`executor.data.selection`) and point the data path at that subset"))
+            "(`trainplan.executor.data.selection`) and point the data path at that subset"))
     if d.selection_every_steps:
         out.append(NotExpressed(
             "selection_every_steps", str(d.selection_every_steps),

@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from planner.export.common import (
+from trainplan.planner.export.common import (
     ADAMW_BETAS,
     ADAMW_EPS,
     ADAMW_WEIGHT_DECAY,
@@ -42,7 +42,7 @@ from planner.export.common import (
     optimizer_bits_note,
     schedule,
 )
-from planner.plan import Decisions, Plan
+from trainplan.planner.plan import Decisions, Plan
 
 VERSION = "DeepSpeed 0.19.8"
 """The DeepSpeed release whose config keys this writes."""
@@ -77,7 +77,7 @@ def ds_config(plan: Plan) -> tuple[dict[str, Any], list[NotExpressed]]:
         notes.append(NotExpressed(
             "checkpoint", checkpoint_summary(d), "DeepSpeed's config does not choose checkpointed blocks; "
             "nothing set: call model.gradient_checkpointing_enable() for every block fully, or "
-            "executor.apply_plan for the plan's per-block sets"))
+            "trainplan.executor.apply_plan for the plan's per-block sets"))
     notes.append(NotExpressed(
         "lr schedule", "warmup-stable-decay", f"DeepSpeed has no stable-then-decay schedule; used WarmupLR "
         f"(linear warmup over {s.warmup_steps} steps, one step behind trainplan's, then the peak to the end): no "

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from planner.export import accelerate_yaml, deepspeed_json, torchtitan_job
-from planner.export.common import Export
-from planner.plan import Plan
-from trainplan_errors import TrainplanError
+from trainplan.errors import TrainplanError
+from trainplan.planner.export import accelerate_yaml, deepspeed_json, torchtitan_job
+from trainplan.planner.export.common import Export
+from trainplan.planner.plan import Plan
 
 TARGETS: dict[str, Callable[[Plan], Export]] = {
     "torchtitan": torchtitan_job.export,

@@ -29,7 +29,8 @@ import json
 import math
 from typing import Any
 
-from planner.export.common import (
+from trainplan.errors import TrainplanError
+from trainplan.planner.export.common import (
     ADAMW_BETAS,
     ADAMW_EPS,
     ADAMW_WEIGHT_DECAY,
@@ -44,8 +45,7 @@ from planner.export.common import (
     optimizer_bits_note,
     schedule,
 )
-from planner.plan import Decisions, Plan
-from trainplan_errors import TrainplanError
+from trainplan.planner.plan import Decisions, Plan
 
 VERSION = "torchtitan 0.2.2"
 """The torchtitan release whose job TOML this writes."""
@@ -174,7 +174,7 @@ def job_config(plan: Plan) -> tuple[dict[str, dict[str, Any]], list[NotExpressed
 
 COMMENTS = {
     "model": "hf_assets_path: set it to the folder of your model's tokenizer (and weights)",
-    "lr_scheduler": "warmup-stable-decay as trainplan runs it (executor.apply.applied.lr_at): linear warmup, "
+    "lr_scheduler": "warmup-stable-decay as trainplan runs it (trainplan.executor.apply.applied.lr_at): linear warmup, "
                     "peak, linear cooldown over the last decay_ratio of the steps",
     "training": "global_batch_size = local_batch_size x dp x grad_accum; max_norm = inf: trainplan does "
                 "not clip gradients; dataset: set training.dataset / dataset_path to your data",

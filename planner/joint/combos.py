@@ -1,12 +1,12 @@
-"""The combos of the joint CP-SAT model (`planner.joint.solver`) and their memory accounting.
+"""The combos of the joint CP-SAT model (`trainplan.planner.joint.solver`) and their memory accounting.
 
 A combo (`Combo`) is one assignment of the shape knobs (SP degree, ZeRO stage, micro-batch,
-optimizer and saved-activation widths) as `planner.joint.solver.solve_joint` builds it: its
+optimizer and saved-activation widths) as `trainplan.planner.joint.solver.solve_joint` builds it: its
 memory terms (`ComboMemory`, bytes per device), the seconds per step outside the blocks
 (`Combo.fixed_s`) and, per checkpoint entry of its menu, one block's retained / forward / backward
 peak bytes, seconds per step and the step's FLOPs (`EntryCost`).
 
-Memory is the one accounting `StepModel.evaluate` predicts (`costmodels.step.memory.step_phases` over
+Memory is the one accounting `StepModel.evaluate` predicts (`trainplan.costmodels.step.memory.step_phases` over
 `model_state_bytes(as_executed=True)`, FSDP2's `FsdpLayout` for ZeRO 2/3 on more than one
 device, DDP's gradient buckets for ZeRO 0/1): `memory_rows` gives, for each checkpoint entry,
 the highest bytes of the block forward and backward phases of the blocks on that entry (blocks
@@ -19,7 +19,7 @@ A combo with gradient accumulation (`Choice.grad_accum` > 1) prices one optimize
 many micro-steps: seconds and FLOPs of the blocks times `grad_accum` (each micro-step runs every
 block once), the rest as `StepModel.runtime` prices the whole optimizer step; memory holds the
 accumulated gradients (`accumulated_grad_bytes`) in every phase of a later micro-step, into which
-the new gradients are added in place (`costmodels.step.memory.step_phases`): the rows are that
+the new gradients are added in place (`trainplan.costmodels.step.memory.step_phases`): the rows are that
 micro-step's, which bound the first micro-step's phase by phase (the gradients it has made at any
 moment are at most those accumulated), so their largest is still `evaluate`'s peak.
 """
@@ -33,12 +33,12 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from costmodels.checkpoint_sets import CheckpointSet, resolve
-from costmodels.step.fsdp import FsdpLayout
-from costmodels.step.memory import RegionMemory
-from costmodels.step.model import Choice, StepModel
-from costmodels.step.offload import host_limit_bytes
-from planner.joint.space import SearchSpace
+from trainplan.costmodels.checkpoint_sets import CheckpointSet, resolve
+from trainplan.costmodels.step.fsdp import FsdpLayout
+from trainplan.costmodels.step.memory import RegionMemory
+from trainplan.costmodels.step.model import Choice, StepModel
+from trainplan.costmodels.step.offload import host_limit_bytes
+from trainplan.planner.joint.space import SearchSpace
 
 BYTES_PER_UNIT = 2**16          # memory in 64 KiB units
 
@@ -51,7 +51,7 @@ def units(value: float, per_unit: float) -> int:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ComboMemory:
     """The memory terms of one combo that do not depend on its checkpoint entries, bytes per
-    device, as `StepModel.evaluate` composes them (`costmodels.step.memory.step_phases`; built
+    device, as `StepModel.evaluate` composes them (`trainplan.costmodels.step.memory.step_phases`; built
     by `combo_memory`). Block i's backward holds `bwd_fixed_bytes` + `per_later_block_bytes` x
     (blocks after i) + `per_earlier_block_bytes` x (blocks before i) beyond `base_bytes`, the
     blocks' activations and its own backward peak."""
@@ -69,7 +69,7 @@ class ComboMemory:
     bwd_fixed_bytes: float
     """Held in every block's backward: the tail's gradients (whole under FSDP2: the root group
     reduce-scatters last), FSDP2's whole groups at the first block and DDP's gradient buckets
-    (all of them from the blocks' backward on, `costmodels.step.memory.step_phases`)."""
+    (all of them from the blocks' backward on, `trainplan.costmodels.step.memory.step_phases`)."""
     per_later_block_bytes: float
     """Held in a block's backward per block after it: that block's gradients (sharded by
     `grad_scale` once reduce-scattered)."""
@@ -119,7 +119,7 @@ class Combo:
     """Seconds of one optimizer step outside the blocks: the unchecked step's less its blocks'."""
     menu: dict[str, EntryCost]
     """The checkpoint entries this combo may take, by name: the search space's named entries and,
-    where its block shape's menu was added (`planner.joint.remat_menu.add_menus`), solved
+    where its block shape's menu was added (`trainplan.planner.joint.remat_menu.add_menus`), solved
     `remat:k` entries."""
 
     @property
@@ -151,7 +151,7 @@ def accumulated_grad_bytes(sm: StepModel, c: Choice) -> float:
     (`ModelStates.grads`: whole under DDP, which defers its all-reduce to the last micro-step
     with `no_sync`; sharded under FSDP2, which reduce-scatters every micro-step into the sharded
     gradient), held through every forward and backward phase of a later micro-step, the new
-    gradients added into them in place (`costmodels.step.memory.step_phases`). 0 with one
+    gradients added into them in place (`trainplan.costmodels.step.memory.step_phases`). 0 with one
     micro-step."""
     return sm.model_states(c).grads if c.grad_accum > 1 else 0.0
 
@@ -193,7 +193,7 @@ def combo_memory(sm: StepModel, base: Choice) -> ComboMemory:
         fixed["bwd:root"] = (po + L * G + head.grad_bytes
                              + fsdp.reduce_bytes(tail.grad_bytes + head.grad_bytes))
     # what the head hands the blocks (rotary tables, masks), from the blocks' forward to block
-    # 0's backward (`costmodels.step.memory.step_phases`)
+    # 0's backward (`trainplan.costmodels.step.memory.step_phases`)
     return ComboMemory(base_bytes=po + head.retained + sum(head.handed), fwd_unsharded_bytes=u_fwd,
                        tail_bytes=max(tail.fwd_peak.total, tail_bwd) + u_tail,
                        bwd_fixed_bytes=tail_grads + u_b0 + buckets,
@@ -232,7 +232,7 @@ def make_combo(sm: StepModel, base: Choice, sets: Mapping[str, CheckpointSet],
     its `combo_memory`, when already computed. Seconds and FLOPs per optimizer step: the
     unchecked step's (`StepModel.runtime`, all `grad_accum` micro-steps) split into the blocks'
     (each micro-step's times `grad_accum`) and the rest (`fixed_s`). `fixed_s` holds the
-    communication left exposed with no block checkpointed (`costmodels.step.overlap`):
+    communication left exposed with no block checkpointed (`trainplan.costmodels.step.overlap`):
     recomputing hides more of it, so the joint model's seconds bound the plan's from above, by
     at most that exposed time; the plan's prediction is `StepModel.evaluate`'s."""
     unchecked = sm.runtime(base)
@@ -297,9 +297,9 @@ def menu_targets(c: Combo, L: int, limit: float) -> tuple[float, float]:
 # ---- long-context variants ------------------------------------------------------------
 # The long-context knobs in the joint model: for each combo of the shape knobs, its variants with
 # a tiled loss, a tiled MLP and activation offload (`long_context_combos`), each a combo of its own
-# (`planner.joint.combos.Combo`) the CP-SAT model chooses among like any other.
+# (`trainplan.planner.joint.combos.Combo`) the CP-SAT model chooses among like any other.
 #
-# The knobs trade step time for memory (`costmodels.step.model.Choice`): a tiled loss or MLP
+# The knobs trade step time for memory (`trainplan.costmodels.step.model.Choice`): a tiled loss or MLP
 # recomputes its chunks' forward in the backward, offload copies the checkpointed blocks' inputs to
 # host memory and back. None of them makes a step faster. So a variant is added only where its
 # plain combo does not fit with every block unchecked (`none`, the fastest entry): where it does,
@@ -307,7 +307,7 @@ def menu_targets(c: Combo, L: int, limit: float) -> tuple[float, float]:
 # variant can never win. This pruning is exact.
 #
 # When to search them (`SearchSpace.long_context_when_needed`): with the default values
-# (`planner.joint.space.default_tiling`) only when no combo without them fits memory with any
+# (`trainplan.planner.joint.space.default_tiling`) only when no combo without them fits memory with any
 # checkpoint entry: each tiled variant is one more trace of its region, seconds for a large
 # model (llama3-70b's tiled tail at 64 chunks, 2,786 ops, traces in about 5 s), which would
 # otherwise be paid by every long-sequence solve, and a plan that fits without them never tiles
@@ -319,7 +319,7 @@ def menu_targets(c: Combo, L: int, limit: float) -> tuple[float, float]:
 # Menus: a tiled MLP runs under `none` or `full` only (`Choice.mlp_chunks`); offload acts on
 # checkpointed blocks, so its combos keep the named entries (those on `none` move nothing).
 # An offload variant is dropped when the inputs of all its blocks would not fit the device's share
-# of host memory (`costmodels.step.offload.host_limit_bytes`): the plan's own host bytes are
+# of host memory (`trainplan.costmodels.step.offload.host_limit_bytes`): the plan's own host bytes are
 # at most that.
 
 MLP_TILED_ENTRIES = ("none", "full")

@@ -1,6 +1,6 @@
 """Why a budget is infeasible, and the smallest change that makes it feasible.
 
-When `planner.joint.solver.solve_joint` finds no plan, `explain_infeasible` names the binding
+When `trainplan.planner.joint.solver.solve_joint` finds no plan, `explain_infeasible` names the binding
 constraint with both numbers, then re-solves the same CP-SAT model with one thing changed at
 a time and keeps each change that the re-solve confirms:
 
@@ -41,14 +41,14 @@ import time
 from dataclasses import dataclass
 from types import EllipsisType
 
-from costmodels.step.model import Choice, StepModel
-from hardware_profiles import known_names, load
-from planner.budget import Budget
-from planner.joint.problem import Problem, solve_problem
-from planner.joint.remat_menu import BlockMenus, named_entries
-from planner.joint.space import shapes
-from planner.plan import Plan
-from trainplan_errors import InfeasibleError, TrainplanError
+from trainplan.costmodels.step.model import Choice, StepModel
+from trainplan.errors import InfeasibleError, TrainplanError
+from trainplan.hardware_profiles import known_names, load
+from trainplan.planner.budget import Budget
+from trainplan.planner.joint.problem import Problem, solve_problem
+from trainplan.planner.joint.remat_menu import BlockMenus, named_entries
+from trainplan.planner.joint.space import shapes
+from trainplan.planner.plan import Plan
 
 MAX_DEVICES = 1024
 MIN_SEQ_LEN = 64
@@ -109,7 +109,7 @@ def survey(pr: Problem, budget: Budget, *, seq_len: int, memory_limit_bytes: flo
     """Over the search space with every block on one named checkpoint entry: the lightest plan
     (peak bytes per device, its description) and the cheapest step (in the budget's unit) of the
     plans that fit the limit, or None when none fits. With a global batch, the SP degrees and
-    micro-batches that divide it, each at its gradient accumulation (`planner.joint.space.shapes`).
+    micro-batches that divide it, each at its gradient accumulation (`trainplan.planner.joint.space.shapes`).
 
     Returns (limit_bytes, (need_bytes, text), (step_cost, text) | None).
 
@@ -261,7 +261,7 @@ def explain(pr: Problem, budget: Budget, *, seq_len: int | None = None, memory_l
             deadline_s: float = DEADLINE_S) -> Explanation:
     """Diagnose an infeasible (problem, budget) and find the smallest changes that fit.
 
-    `pr` is a `planner.joint.problem.Problem`. Each suggestion is confirmed by re-solving the joint model.
+    `pr` is a `trainplan.planner.joint.problem.Problem`. Each suggestion is confirmed by re-solving the joint model.
     Raises:
         TrainplanError: the problem's search space is invalid at these sizes.
     """

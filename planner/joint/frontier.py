@@ -1,7 +1,7 @@
 """The Pareto frontier of plans over per-device memory, cost and predicted loss.
 
-Method: solve the joint CP-SAT model (`planner.joint.solver.solve_joint`) once at the full budget on
-the device's memory (the chosen plan, the same as `planner.solve` returns), then again under a
+Method: solve the joint CP-SAT model (`trainplan.planner.joint.solver.solve_joint`) once at the full budget on
+the device's memory (the chosen plan, the same as `trainplan.planner.solve` returns), then again under a
 ladder of budget fractions (default x {0.1, 0.25, 0.5, 1}) and memory caps (geometric from just
 above the lightest plan's peak to the device's usable bytes), and keep the plans no other plan
 beats on all three at once: peak bytes per device (`memory_bytes`), device-hours
@@ -11,8 +11,8 @@ its cheap, small end to the chosen plan. The re-solves share one step model and 
 shape's checkpoint menu (solved once, at the first cap that needs it), with a shorter time
 limit per solve.
 
-The command line writes the table as `frontier.csv` (read by `executor.reporting.figures.frontier_frame`
-and the run report) and draws `frontier.png` (`planner.cli.frontier_files.write_frontier`).
+The command line writes the table as `frontier.csv` (read by `trainplan.executor.reporting.figures.frontier_frame`
+and the run report) and draws `frontier.png` (`trainplan.planner.cli.frontier_files.write_frontier`).
 """
 
 from __future__ import annotations
@@ -26,18 +26,18 @@ from typing import Any
 import pandas as pd
 from torch import nn
 
-from costmodels.loss.law import LossLaw
-from costmodels.step.model import Choice
-from hardware_profiles import HardwareProfile
-from planner.budget import Budget
-from planner.joint.explain import explain_infeasible
-from planner.joint.problem import Problem, prepare, solve_problem
-from planner.joint.remat_menu import BlockMenus, Targets
-from planner.joint.remat_solver import Menu
-from planner.joint.space import shapes
-from planner.pilots import calibrated, with_calibration
-from planner.plan import Plan
-from trainplan_errors import InfeasibleError, TrainplanError
+from trainplan.costmodels.loss.law import LossLaw
+from trainplan.costmodels.step.model import Choice
+from trainplan.errors import InfeasibleError, TrainplanError
+from trainplan.hardware_profiles import HardwareProfile
+from trainplan.planner.budget import Budget
+from trainplan.planner.joint.explain import explain_infeasible
+from trainplan.planner.joint.problem import Problem, prepare, solve_problem
+from trainplan.planner.joint.remat_menu import BlockMenus, Targets
+from trainplan.planner.joint.remat_solver import Menu
+from trainplan.planner.joint.space import shapes
+from trainplan.planner.pilots import calibrated, with_calibration
+from trainplan.planner.plan import Plan
 
 BUDGET_FRACTIONS = (0.1, 0.25, 0.5, 1.0)
 MEMORY_STEPS = 2
@@ -134,7 +134,7 @@ def frontier_for(pr: Problem, budget: Budget, *, memory_limit_bytes: float | Non
                  budget_fractions: tuple[float, ...] = BUDGET_FRACTIONS, memory_steps: int = MEMORY_STEPS,
                  time_limit_s: float = 10.0, ladder_time_limit_s: float = LADDER_TIME_S,
                  seed: int = 0, lr: float = 3e-3) -> Frontier:
-    """The frontier of a prepared problem (`planner.joint.problem.prepare`) at `budget`.
+    """The frontier of a prepared problem (`trainplan.planner.joint.problem.prepare`) at `budget`.
 
     Raises:
         InfeasibleError: the chosen (full-budget) plan is infeasible (unexplained: see `frontier`).
@@ -177,15 +177,15 @@ def frontier(model: nn.Module | str, hw: str | HardwareProfile, budget: Budget, 
              lr: float = 3e-3, data=None, calibrate: bool = True, bytes_per_token: float | None = None,
              cache_dir=None, progress: bool = False, **space_options: Any) -> Frontier:
     """The Pareto frontier over (peak memory per device, device-hours, predicted loss) of the
-    plans for `model` on `hw` at up to `budget` (arguments as `planner.solve`'s; `space_options`:
+    plans for `model` on `hw` at up to `budget` (arguments as `trainplan.planner.solve`'s; `space_options`:
     micro_batches, optimizer_bits, activation_bits, policies, data_fractions, global_batch_tokens).
-    With `data` on the cpu profile the law is calibrated on pilots first, as `planner.solve`
-    does (`planner.pilots.calibrated`): the budget the frontier spans is what they leave.
+    With `data` on the cpu profile the law is calibrated on pilots first, as `trainplan.planner.solve`
+    does (`trainplan.planner.pilots.calibrated`): the budget the frontier spans is what they leave.
 
     Raises:
         UnknownNameError: unknown hardware or preset.
         TrainplanError: bad sequence length or option.
-        InfeasibleError: no plan fits the full budget (explained as by `planner.solve`).
+        InfeasibleError: no plan fits the full budget (explained as by `trainplan.planner.solve`).
     """
     pr = prepare(model, hw, seq_len=seq_len, data_tokens=data_tokens, vocab_size=vocab_size,
                  precision=precision, law=law, bytes_per_token=bytes_per_token, **space_options)

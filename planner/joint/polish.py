@@ -1,6 +1,6 @@
 """The joint solve's polish: at the token level, data fraction and widths the joint CP-SAT model
 chose, the combo and blocks per checkpoint entry with the cheapest tokens, solved exactly, one
-small CP-SAT model per combo (`planner.joint.solver.solve_joint` calls `cheapest_tokens`).
+small CP-SAT model per combo (`trainplan.planner.joint.solver.solve_joint` calls `cheapest_tokens`).
 
 Why per combo: in one model over all combos, each combo's cost and memory rows hold only under
 its own literal (reified linear constraints), whose LP relaxation is weak; with 20 combos of
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from ortools.sat.python import cp_model
 from scipy.optimize import linprog
 
-from planner.joint.combos import BYTES_PER_UNIT, Combo, memory_rows, units
+from trainplan.planner.joint.combos import BYTES_PER_UNIT, Combo, memory_rows, units
 
 CostUnits = tuple[int, Mapping[str, int]]
 """A combo's cost per token in the polish's integer units: (fixed units, units per block on
@@ -45,7 +45,7 @@ def cheapest_tokens(combos: Sequence[Combo], members: Sequence[int], entries: Se
     """Of `combos[i]` for i in `members`, the combo and blocks per entry (summing to L, entries
     off a combo's menu at 0) that fit memory (`memory_rows` <= `mem_cap`, in `BYTES_PER_UNIT`
     units) and the budget at `level` tokens (`terms`: the compute constraint's, as
-    `planner.joint.search.budget_terms` gives them) with the least `cost` units per token, ties
+    `trainplan.planner.joint.search.budget_terms` gives them) with the least `cost` units per token, ties
     to the least `tie` units (None: no tie-break); None when none fits.
 
     Exact: each combo is one CP-SAT model run by `configure` (deterministic time limit, seed,

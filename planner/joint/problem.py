@@ -1,8 +1,8 @@
 """A planning problem: a model captured once on a hardware profile with its search-space options
 and loss law (`Problem`, `prepare`), solved by the joint CP-SAT model for a budget
 (`solve_problem`) into a `Plan` (`make_plan`), or at the longest sequence the budget trains
-(`longest_plan`). `planner.api.solve` prepares and solves one;
-`planner.joint.frontier` and `planner.joint.explain` re-solve one under other budgets, memory
+(`longest_plan`). `trainplan.planner.api.solve` prepares and solves one;
+`trainplan.planner.joint.frontier` and `trainplan.planner.joint.explain` re-solve one under other budgets, memory
 caps, device counts and sequence lengths.
 """
 
@@ -16,16 +16,17 @@ from typing import Any
 
 from torch import nn
 
-from costmodels.checkpoint_sets import node_keys, resolve
-from costmodels.loss.cache import law_fields
-from costmodels.loss.law import LossLaw
-from costmodels.loss.planned import warmup_steps_for
-from costmodels.step.model import Choice, StepCost, StepModel
-from costmodels.step.offload import host_limit_bytes
-from costmodels.step.precision import check_optimizer_bits
-from hardware_profiles import HardwareProfile
-from hardware_profiles import load as load_profile
-from planner.budget import (
+from trainplan.costmodels.checkpoint_sets import node_keys, resolve
+from trainplan.costmodels.loss.cache import law_fields
+from trainplan.costmodels.loss.law import LossLaw
+from trainplan.costmodels.loss.planned import warmup_steps_for
+from trainplan.costmodels.step.model import Choice, StepCost, StepModel
+from trainplan.costmodels.step.offload import host_limit_bytes
+from trainplan.costmodels.step.precision import check_optimizer_bits
+from trainplan.errors import BudgetError, InfeasibleError, TrainplanError
+from trainplan.hardware_profiles import HardwareProfile
+from trainplan.hardware_profiles import load as load_profile
+from trainplan.planner.budget import (
     UNLIMITED_DATA_TOKENS,
     Budget,
     check_data_tokens,
@@ -34,18 +35,18 @@ from planner.budget import (
     check_seed,
     check_time_limit,
 )
-from planner.capture.graph import ModelGraph
-from planner.capture.layout import sp_refusal
-from planner.capture.setup import (
+from trainplan.planner.capture.graph import ModelGraph
+from trainplan.planner.capture.layout import sp_refusal
+from trainplan.planner.capture.setup import (
     PRECISION_DTYPE,
     check_activation_bits_options,
     default_precision,
     loss_law_for,
     setup_model,
 )
-from planner.joint.remat_menu import BlockMenus, MenuSource
-from planner.joint.solver import solve_joint
-from planner.joint.space import (
+from trainplan.planner.joint.remat_menu import BlockMenus, MenuSource
+from trainplan.planner.joint.solver import solve_joint
+from trainplan.planner.joint.space import (
     DEFAULT_POLICIES,
     SearchSpace,
     check_chunk_options,
@@ -53,15 +54,9 @@ from planner.joint.space import (
     default_space,
     default_tiling,
 )
-from planner.plan import Decisions, Plan, Predictions, SolverFacts, layout_fields, relative_gap
-from trainplan_errors import BudgetError, InfeasibleError, TrainplanError
+from trainplan.planner.options import DEFAULT_ACTIVATION_BITS
+from trainplan.planner.plan import Decisions, Plan, Predictions, SolverFacts, layout_fields, relative_gap
 
-DEFAULT_ACTIVATION_BITS = (32,)
-"""Saved-activation widths `solve` chooses from by default: as computed. Each width is one more
-capture of every region and multiplies the joint model's shape combos (llama3-8b at 8192 tokens
-on 8 x h100: 4 s and OPTIMAL with (32,), a 10 s limit hit, FEASIBLE, with (32, 16, 8), on a
-loaded 2-core machine); pass `activation_bits=(32, 16, 8)` (CLI `--activation-bits 32,16,8`)
-where memory binds."""
 MEMORY_TOLERANCE = 1e-9
 """Relative float slack of the check that a solved plan's predicted peak is within the limit."""
 
@@ -75,7 +70,8 @@ def check_seq_len(seq_len: object) -> None:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Problem:
     """A model captured on a hardware profile with its search-space options and loss law: what
-    `solve` builds once and `planner.joint.frontier` / `planner.joint.explain` re-solve under other budgets,
+    `solve` builds once and `trainplan.planner.joint.frontier` / `trainplan.planner.joint.explain` re-solve under
+    other budgets,
     memory caps, device counts and sequence lengths (`solve_problem`)."""
 
     profile: HardwareProfile
@@ -96,10 +92,10 @@ class Problem:
     model needs its own)."""
 
     def space(self, devices: int, seq_len: int | None = None, **options: Any) -> SearchSpace:
-        """The search space (`planner.joint.space.default_space`) for `devices` devices at `seq_len`
+        """The search space (`trainplan.planner.joint.space.default_space`) for `devices` devices at `seq_len`
         (default: the problem's), `options` overriding the problem's.
 
-        A model whose attention Ulysses cannot run (`planner.capture.layout.sp_refusal`: a
+        A model whose attention Ulysses cannot run (`trainplan.planner.capture.layout.sp_refusal`: a
         sliding window, softcapping, its own attention code) is offered SP degree 1 only.
 
         Raises:
@@ -127,7 +123,7 @@ def prepare(model: nn.Module | str, hw: str | HardwareProfile, *, seq_len: int =
             global_batch_tokens: int | None = None, loss_chunks: tuple[int, ...] | None = None,
             mlp_chunks: tuple[int, ...] | None = None, offload: tuple[bool, ...] | None = None,
             bytes_per_token: float | None = None) -> Problem:
-    """Capture `model` on `hw` once (arguments as `planner.api.solve`'s) for `solve_problem`.
+    """Capture `model` on `hw` once (arguments as `trainplan.planner.api.solve`'s) for `solve_problem`.
 
     Raises:
         UnknownNameError: unknown hardware or preset.
@@ -174,22 +170,22 @@ def solve_problem(pr: Problem, budget: Budget, *, seq_len: int | None = None,
                   diagnose: bool = True, **options: Any) -> Plan:
     """Solve a prepared problem for `budget` (at `seq_len`, default the problem's; `options`
     override the search space's, e.g. `policies`). `menus`: a stand-in for the problem's block
-    menus (`planner.joint.frontier` shares one per block shape across caps). `diagnose`: as
+    menus (`trainplan.planner.joint.frontier` shares one per block shape across caps). `diagnose`: as
     `solve_joint`'s. The joint model's memory is `StepModel.evaluate`'s, phase by phase
-    (`planner.joint.combos`), so the plan fits by its own prediction; a plan that does not is a
+    (`trainplan.planner.joint.combos`), so the plan fits by its own prediction; a plan that does not is a
     bug, not an input error.
 
     Raises:
         TrainplanError: bad sequence length or budget.
         BudgetError: a time limit or seed out of range; more devices than the corpus can feed; a
             global batch no SP degree and micro-batch divides at this device count and sequence.
-        InfeasibleError: nothing fits (the solver's message, not explained: see `planner.api.solve`).
+        InfeasibleError: nothing fits (the solver's message, not explained: see `trainplan.planner.api.solve`).
         RuntimeError: internal: the solved plan's predicted peak is over the limit.
     """
     seq_len = pr.seq_len if seq_len is None else seq_len
     check_seq_len(seq_len)
     if not isinstance(budget, Budget):
-        raise TrainplanError(f"budget must be a planner.Budget, got {type(budget).__name__}")
+        raise TrainplanError(f"budget must be a trainplan.planner.Budget, got {type(budget).__name__}")
     time_limit_s, seed = check_time_limit(time_limit_s), check_seed(seed)
     space = pr.space(budget.devices, seq_len, **options)
     check_devices_usable(budget.devices, seq_len, space.sp_degrees, pr.unique)
@@ -288,7 +284,7 @@ def make_plan(step_model: StepModel, profile: HardwareProfile, graph: ModelGraph
     if not all(math.isfinite(v) for v in (cost.flops, cost.time_s, cost.memory.total)):
         raise TrainplanError("predictions are not finite; the captured graph is broken")
     overlap = (f"communication overlapped with compute as the executor issues it: "
-               f"{cost.comm_s:.3g} s of {cost.comm_total_s:.3g} s exposed (costmodels.step.overlap)"
+               f"{cost.comm_s:.3g} s of {cost.comm_total_s:.3g} s exposed (trainplan.costmodels.step.overlap)"
                if step_model.overlap else "communication added to compute, not overlapped: a conservative bound")
     notes = (overlap, f"loss law: {law.source}", *long_context_notes(c, cost, profile))
     return Plan(model=name, model_n_params=graph.n_params, model_n_layers=graph.n_layers,
@@ -303,17 +299,17 @@ def long_context_notes(c: Choice, cost: StepCost, profile: HardwareProfile) -> t
     notes = []
     if c.loss_chunks > 1:
         notes.append(f"tiled loss: the LM head and cross-entropy run over {c.loss_chunks} sequence chunks, "
-                     "each recomputed in the backward (modeling.tiling)")
+                     "each recomputed in the backward (trainplan.modeling.tiling)")
     if c.mlp_chunks > 1:
         notes.append(f"tiled MLP: every block's MLP runs over {c.mlp_chunks} sequence chunks, each "
-                     "recomputed in the backward (modeling.tiling)")
+                     "recomputed in the backward (trainplan.modeling.tiling)")
     if c.offload:
         notes.append("activation offload: nothing moves on this unified-memory device (host memory is "
                      "device memory)" if profile.unified_memory else
                      f"activation offload: checkpointed blocks' inputs in host memory, "
                      f"{cost.host_bytes / 2**30:.3g} GiB per device of {host_limit_bytes(profile) / 2**30:.3g} "
                      f"GiB (the node's host memory over its {profile.devices_per_node} devices); "
-                     f"{cost.offload_s:.3g} s per step of copies exposed (modeling.offload)")
+                     f"{cost.offload_s:.3g} s per step of copies exposed (trainplan.modeling.offload)")
     return tuple(notes)
 
 

@@ -1,6 +1,6 @@
-"""The checkpoint menus of the joint solver (`planner.joint.solver`): the named entries of a
+"""The checkpoint menus of the joint solver (`trainplan.planner.joint.solver`): the named entries of a
 search space, and each binding block shape's solved Pareto menu (`remat:k`,
-`planner.joint.remat_solver.pareto_menu`), solved once per step model, block shape and targets
+`trainplan.planner.joint.remat_solver.pareto_menu`), solved once per step model, block shape and targets
 (`BlockMenus`) and added to the combos of that shape where memory binds (`add_menus`).
 """
 
@@ -10,20 +10,20 @@ import dataclasses
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
-from costmodels.checkpoint_sets import BUILTIN, MENU, check_policy, saved_nodes
-from costmodels.step.model import Choice, StepModel
-from costmodels.step.precision import PRECISIONS
-from costmodels.step.remat_cost import BlockCase
-from planner.joint.combos import Combo, entry_costs, fits_uniform, menu_targets
-from planner.joint.remat_solver import Menu, pareto_menu
-from trainplan_errors import TrainplanError
+from trainplan.costmodels.checkpoint_sets import BUILTIN, MENU, check_policy, saved_nodes
+from trainplan.costmodels.step.model import Choice, StepModel
+from trainplan.costmodels.step.precision import PRECISIONS
+from trainplan.costmodels.step.remat_cost import BlockCase
+from trainplan.errors import TrainplanError
+from trainplan.planner.joint.combos import Combo, entry_costs, fits_uniform, menu_targets
+from trainplan.planner.joint.remat_solver import Menu, pareto_menu
 
 Targets = tuple[tuple[float, float], ...]
 """Extra (stacked peak, retained) caps, bytes, a block's menu is also solved at."""
 
 
 def block_case(sm: StepModel, c: Choice, i: int = 0) -> BlockCase:
-    """Block i's rematerialization problem at `c`'s shape (`planner.joint.remat_solver`); its
+    """Block i's rematerialization problem at `c`'s shape (`trainplan.planner.joint.remat_solver`); its
     stack is the number of layers that run the same region."""
     name = sm.blocks[i]
     return BlockCase(region=sm.regions[name], b=c.micro_batch, s=c.seq_len // c.sp_degree,
@@ -40,7 +40,7 @@ class MenuSource(Protocol):
 class BlockMenus:
     """The Pareto menus of one step model's blocks (`pareto_menu` of `block_case`, with the extra
     caps `targets`), each solved once per distinct region, shape and targets: a problem's menus
-    (`planner.joint.problem.Problem.menus`), kept across its re-solves."""
+    (`trainplan.planner.joint.problem.Problem.menus`), kept across its re-solves."""
 
     def __init__(self, step_model: StepModel) -> None:
         self.step_model = step_model
@@ -92,10 +92,10 @@ def add_menus(sm: StepModel, combos: Sequence[Combo], limit: float, menus: MenuS
     """`combos` with each block shape's solved menu (`menus`) added to the combos of that shape
     where memory binds: no checkpointing does not fit and full checkpointing does (elsewhere
     `none` or nothing wins). Besides its ladder, the menu is solved at each such combo's own
-    budget for one block with every block alike (`planner.joint.combos.menu_targets`: the
+    budget for one block with every block alike (`trainplan.planner.joint.combos.menu_targets`: the
     stacked peak and retained bytes that fit the limit beside the bytes every block phase
     holds), so that budget has its best entry. Combos with a tiled MLP keep their menu
-    (`none`, `full`: `costmodels.step.model.Choice.mlp_chunks`)."""
+    (`none`, `full`: `trainplan.costmodels.step.model.Choice.mlp_chunks`)."""
     L = len(sm.blocks)
     region = sm.regions[sm.blocks[0]]
     by_shape: dict[tuple[int, int], list[Combo]] = {}

@@ -7,7 +7,7 @@ freedom is which forward outputs are saved. Given that schedule, every storage's
 fixed by one decision (is its creating op saved?), so the live bytes at every moment of the
 block's forward, recompute and backward are linear in the save decisions: Checkmate's R/S model
 (Jain et al. 2020) with the recompute matrix R fixed by torch's replay, and the memory at each
-schedule step written out exactly as `costmodels.step.memory.simulate_region` replays it (a storage
+schedule step written out exactly as `trainplan.costmodels.step.memory.simulate_region` replays it (a storage
 lives from the op that makes it to the last op that reads it; saved outputs stay in the
 checkpoint's cache until the replay passes them or backward frees them).
 
@@ -21,7 +21,7 @@ The model, per block shape (micro-batch b, per-rank sequence s):
 - [Constraint] optionally retained <= a second cap (a caller's budget for what each block
   holds while the others run: the step peak at the LM head is the sum of the blocks' retained);
 - objective: minimise recompute seconds, the roofline time of every forward op replayed
-  (`costmodels.step.roofline.region_cost`'s node times plus the profile's per-op overhead).
+  (`trainplan.costmodels.step.roofline.region_cost`'s node times plus the profile's per-op overhead).
 
 Bytes are exact integers; time is in picoseconds. Each solve starts from a complete greedy hint
 (most recompute time saved per retained byte first) and has a time limit; identical rows are
@@ -41,9 +41,9 @@ from dataclasses import dataclass
 import numpy as np
 from ortools.sat.python import cp_model
 
-from costmodels.checkpoint_sets import BUILTIN, CheckpointSet, keys_of, node_keys
-from costmodels.graph import poly_at
-from costmodels.step.remat_cost import BlockCase, SetCost, evaluate, forward_node_times
+from trainplan.costmodels.checkpoint_sets import BUILTIN, CheckpointSet, keys_of, node_keys
+from trainplan.costmodels.graph import poly_at
+from trainplan.costmodels.step.remat_cost import BlockCase, SetCost, evaluate, forward_node_times
 
 BYTES_PER_UNIT = 1              # memory rows are exact bytes
 SECONDS_PER_UNIT = 1e-12        # recompute time in picoseconds

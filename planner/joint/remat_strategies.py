@@ -3,10 +3,10 @@ the optimizer (as PyTorch's `knapsack.py` greedy / ilp / dp, or checkmate's `str
 
     strategy(case: BlockCase, cap_bytes: float) -> CheckpointSet | None
 
-`case` is one block at one shape (`costmodels.step.remat_cost.BlockCase`), `cap_bytes` a cap on its
+`case` is one block at one shape (`trainplan.costmodels.step.remat_cost.BlockCase`), `cap_bytes` a cap on its
 stacked peak ((stack - 1) * retained + its own forward/backward peak, `SetCost.peak_bytes`). A
 strategy returns the set it would run, or None when it has nothing that fits. Every returned
-set is judged by the same exact cost (`costmodels.step.remat_cost.evaluate`).
+set is judged by the same exact cost (`trainplan.costmodels.step.remat_cost.evaluate`).
 
 - `no_ac`: no activation checkpointing.
 - `full_ac`: full checkpointing per block (Chen et al. 2016).
@@ -20,7 +20,7 @@ set is judged by the same exact cost (`costmodels.step.remat_cost.evaluate`).
   they run on our captured block, with our sizes and times, so that every strategy is judged
   by the same memory model and run by the same eager executor.)
 - `optimal`: no checkpointing where it fits, else the CP-SAT model of
-  `planner.joint.remat_solver` (least recompute under the real stacked peak).
+  `trainplan.planner.joint.remat_solver` (least recompute under the real stacked peak).
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from collections.abc import Callable
 
 from torch._functorch._activation_checkpointing import knapsack
 
-from costmodels.checkpoint_sets import BUILTIN, CheckpointSet, keys_of
-from costmodels.step.remat_cost import BlockCase, evaluate
-from planner.joint.remat_solver import BlockModel, LinearMemory, linear_memory
+from trainplan.costmodels.checkpoint_sets import BUILTIN, CheckpointSet, keys_of
+from trainplan.costmodels.step.remat_cost import BlockCase, evaluate
+from trainplan.planner.joint.remat_solver import BlockModel, LinearMemory, linear_memory
 
 Strategy = Callable[[BlockCase, float], "CheckpointSet | None"]
 BUDGETS = tuple(i / 20 for i in range(21))

@@ -1,7 +1,7 @@
-"""Steps of the joint search over combos (`planner.joint.solver.solve_joint`): exact pruning of
+"""Steps of the joint search over combos (`trainplan.planner.joint.solver.solve_joint`): exact pruning of
 the combos, the compute constraint's terms, a feasible start, spending the whole budget at the
 chosen knobs, and the error when no combo fits memory. Combos and their memory rows are
-`planner.joint.combos`'.
+`trainplan.planner.joint.combos`'.
 """
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 
-from costmodels.loss.law import LossLaw
-from costmodels.loss.planned import run_loss
-from costmodels.step.model import Choice, StepModel
-from hardware_profiles import HardwareProfile
-from planner.budget import Budget
-from planner.joint.combos import BYTES_PER_UNIT, Combo, EntryCost, fits_uniform, memory_rows, units
-from trainplan_errors import InfeasibleError
+from trainplan.costmodels.loss.law import LossLaw
+from trainplan.costmodels.loss.planned import run_loss
+from trainplan.costmodels.step.model import Choice, StepModel
+from trainplan.errors import InfeasibleError
+from trainplan.hardware_profiles import HardwareProfile
+from trainplan.planner.budget import Budget
+from trainplan.planner.joint.combos import BYTES_PER_UNIT, Combo, EntryCost, fits_uniform, memory_rows, units
 
 MICROS_PER_UNIT = 1e-6          # time in microseconds
 

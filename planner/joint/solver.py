@@ -19,14 +19,15 @@ from dataclasses import dataclass, field
 
 from ortools.sat.python import cp_model
 
-from costmodels.checkpoint_sets import BUILTIN, MENU, resolve
-from costmodels.loss.bits import bits_loss_penalty
-from costmodels.loss.law import LossLaw
-from costmodels.loss.planned import run_loss
-from costmodels.step.model import Choice, StepModel
-from hardware_profiles import HardwareProfile
-from planner.budget import Budget
-from planner.joint.combos import (
+from trainplan.costmodels.checkpoint_sets import BUILTIN, MENU, resolve
+from trainplan.costmodels.loss.bits import bits_loss_penalty
+from trainplan.costmodels.loss.law import LossLaw
+from trainplan.costmodels.loss.planned import run_loss
+from trainplan.costmodels.step.model import Choice, StepModel
+from trainplan.errors import InfeasibleError
+from trainplan.hardware_profiles import HardwareProfile
+from trainplan.planner.budget import Budget
+from trainplan.planner.joint.combos import (
     BYTES_PER_UNIT,
     Combo,
     combo_memory,
@@ -37,9 +38,16 @@ from planner.joint.combos import (
     phase_peaks,
     units,
 )
-from planner.joint.polish import cheapest_tokens
-from planner.joint.remat_menu import BlockMenus, MenuSource, add_menus, by_recompute, menu_index, named_entries
-from planner.joint.search import (
+from trainplan.planner.joint.polish import cheapest_tokens
+from trainplan.planner.joint.remat_menu import (
+    BlockMenus,
+    MenuSource,
+    add_menus,
+    by_recompute,
+    menu_index,
+    named_entries,
+)
+from trainplan.planner.joint.search import (
     budget_cap,
     budget_terms,
     lightest_uniform,
@@ -49,8 +57,7 @@ from planner.joint.search import (
     undominated,
     uniform_start,
 )
-from planner.joint.space import SearchSpace, shapes
-from trainplan_errors import InfeasibleError
+from trainplan.planner.joint.space import SearchSpace, shapes
 
 LOSS_PER_UNIT = 1e-5            # objective resolution, nats
 TOKEN_LEVELS = 48
@@ -80,7 +87,7 @@ class Solution:
     n_variables: int
     n_constraints: int
     memory_phases: dict[str, float] = field(default_factory=dict)
-    """The joint model's bytes per device at each phase kind for the plan (`planner.joint.combos.
+    """The joint model's bytes per device at each phase kind for the plan (`trainplan.planner.joint.combos.
     phase_peaks`): exactly what `StepModel.evaluate(choice).memory` predicts there."""
 
     @property
@@ -100,12 +107,12 @@ def solve_joint(step_model: StepModel, hw: HardwareProfile, budget: Budget, *, s
         under any machine load; wall time varies); `workers`: CP-SAT workers (more than one
         interleave, still deterministic).
     diagnose: when nothing fits memory, find the lightest plan for the message (an exact
-        replay of every dropped combo; `planner.joint.explain` passes False and surveys itself).
+        replay of every dropped combo; `trainplan.planner.joint.explain` passes False and surveys itself).
     menus: where each block shape's solved menu comes from when the space has `remat` (default:
         menus solved for this call alone; a `Problem`'s own `BlockMenus` keep them across solves).
 
     The plan's tokens per step are those of one optimizer step: with `space.global_batch_tokens`
-    every combo's (`planner.joint.space.shapes` sets each one's gradient accumulation); its step
+    every combo's (`trainplan.planner.joint.space.shapes` sets each one's gradient accumulation); its step
     count is the optimizer steps that reach the chosen token level.
 
     Raises:
@@ -172,7 +179,7 @@ def solve_joint(step_model: StepModel, hw: HardwareProfile, budget: Budget, *, s
     levels = sorted({int(min_tokens * (max_tokens / min_tokens) ** (k / (TOKEN_LEVELS - 1)))
                      for k in range(TOKEN_LEVELS)})
     # loss at each (token level, data fraction, global batch): the batch term (critical batch,
-    # `costmodels.loss.batch`) and the warmup make the loss depend on the tokens per step
+    # `trainplan.costmodels.loss.batch`) and the warmup make the loss depend on the tokens per step
     batches = sorted({c.tokens_per_step for c in combos})
     loss = {(k, f, g): run_loss(law, n_params, steps=max(1.0, levels[k] / g), tokens_per_step=g,
                                 unique_tokens=max(1.0, f * data_tokens))

@@ -7,12 +7,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from costmodels.checkpoint_sets import MENU
-from costmodels.step import comm
-from costmodels.step.precision import check_optimizer_bits, optimizer_bits_for
-from modeling.activation_compression import check_activation_bits
-from modeling.tiling import check_chunks
-from trainplan_errors import BudgetError, TrainplanError
+from trainplan.costmodels.checkpoint_sets import MENU
+from trainplan.costmodels.step import comm
+from trainplan.costmodels.step.precision import check_optimizer_bits, optimizer_bits_for
+from trainplan.errors import BudgetError, TrainplanError
+from trainplan.modeling.activation_compression import check_activation_bits
+from trainplan.modeling.tiling import check_chunks
 
 DEFAULT_POLICIES = ("none", "save_matmuls", "save_attention", "full", MENU)
 """Checkpoint menu: the built-in entries plus each block shape's solved Pareto menu."""
@@ -31,19 +31,19 @@ class SearchSpace:
     precision: str
     activation_bits: tuple[int, ...] = (32,)
     """Saved-activation widths (32 = as computed); each needs its capture variant
-    (`planner.capture.graph.capture(activation_bits=...)`)."""
+    (`trainplan.planner.capture.graph.capture(activation_bits=...)`)."""
     global_batch_tokens: int | None = None
     """Tokens every plan trains per optimizer step, all ranks together: dp_degree x micro_batch
     x seq_len x grad_accum (`shapes`); None: one micro-step per optimizer step (grad_accum 1)."""
     loss_chunks: tuple[int, ...] = (1,)
-    """Sequence chunks of the tiled loss (1 = not tiled; `costmodels.step.model.Choice.loss_chunks`)."""
+    """Sequence chunks of the tiled loss (1 = not tiled; `trainplan.costmodels.step.model.Choice.loss_chunks`)."""
     mlp_chunks: tuple[int, ...] = (1,)
     """Sequence chunks of the tiled MLP (1 = not tiled; `Choice.mlp_chunks`)."""
     offload: tuple[bool, ...] = (False,)
     """Activation offload off and/or on (`Choice.offload`)."""
     long_context_when_needed: bool = True
     """True: the long-context knobs' variants are searched only when no plan without them fits
-    memory (`planner.joint.combos.long_context_combos`); False: wherever a combo does not fit unchecked."""
+    memory (`trainplan.planner.joint.combos.long_context_combos`); False: wherever a combo does not fit unchecked."""
 
 
 def default_space(*, devices: int, seq_len: int, n_heads: int, n_kv_heads: int,
@@ -57,7 +57,7 @@ def default_space(*, devices: int, seq_len: int, n_heads: int, n_kv_heads: int,
     inside one node when the run spans nodes (`comm.sp_degrees_within_node`: SP inside a node,
     data parallelism across nodes); ZeRO stages 0-3 when there is more than one device;
     `optimizer_bits` None: the two widest the executor runs at `precision`
-    (`costmodels.step.precision.optimizer_bits_for`: 32 and 8, or 16 and 8 for pure bf16);
+    (`trainplan.costmodels.step.precision.optimizer_bits_for`: 32 and 8, or 16 and 8 for pure bf16);
     `global_batch_tokens`: tokens per optimizer step (`shapes` sets the accumulation; None: 1);
     `loss_chunks`, `mlp_chunks`, `offload`: the long-context knobs' values (`default_tiling`).
 
@@ -110,7 +110,7 @@ def default_tiling(*, vocab_size: int, hidden_size: int, intermediate_size: int,
 def check_chunk_options(values, what: str) -> tuple[int, ...]:
     """`values` (chunk counts for `what`: a tuple, or one count) as a tuple, each a power of two
     >= 1: the capture traces a tiled region at a sequence of chunks x an odd prime, so a chunk's
-    dimensions never collide with the micro-batch's (`planner.capture.trace`). The values are
+    dimensions never collide with the micro-batch's (`trainplan.planner.capture.trace`). The values are
     what the solver may choose from; the untiled plan is always among its plans.
 
     Raises:
@@ -157,7 +157,7 @@ def shapes(space: SearchSpace, *, devices: int, seq_len: int) -> list[tuple[int,
 
     Raises:
         BudgetError: a global batch no SP degree and micro-batch divides; the message names it
-            and the nearest global batches that are valid (`planner.budget.check_global_batch_tokens`
+            and the nearest global batches that are valid (`trainplan.planner.budget.check_global_batch_tokens`
             checked its type before)."""
     out = []
     for sp in space.sp_degrees:

@@ -1,4 +1,4 @@
-"""A training loop with gradient accumulation on `executor.apply_plan`, at one shape of the small
+"""A training loop with gradient accumulation on `trainplan.executor.apply_plan`, at one shape of the small
 Llama of tests/integration/_own_loop.py (hidden 256, 4 layers, vocab 512), for
 tests/integration/test_grad_accum_memory.py: in this process (`main`) or under torchrun
 (`python -m torch.distributed.run --nproc-per-node 2 -m tests.integration._accum_loop OUT JSON`,
@@ -10,8 +10,8 @@ import sys
 import torch
 import transformers
 
-import executor
-from planner.api import plan_for_choice
+import trainplan.executor
+from trainplan.planner.api import plan_for_choice
 
 CONFIG = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
               num_key_value_heads=4, vocab_size=512)
@@ -27,7 +27,7 @@ def main(out: str, *, seq_len: int, micro_batch: int, grad_accum: int, checkpoin
     plan = plan_for_choice(model, "cpu", seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum,
                            max_steps=MAX_STEPS, checkpoint=checkpoint if isinstance(checkpoint, str)
                            else tuple(checkpoint), devices=devices, zero_stage=zero_stage, sp_degree=sp_degree)
-    applied = executor.apply_plan(plan, model)
+    applied = trainplan.executor.apply_plan(plan, model)
     opt, sched = applied.optimizer, applied.scheduler
     data = torch.Generator().manual_seed(applied.dp_rank)
 

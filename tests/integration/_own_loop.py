@@ -7,8 +7,8 @@ import sys
 import torch
 import transformers
 
-import executor
-from planner.api import plan_for_choice
+import trainplan.executor
+from trainplan.planner.api import plan_for_choice
 
 
 def main(out: str, devices: int = 1) -> None:
@@ -18,8 +18,8 @@ def main(out: str, devices: int = 1) -> None:
     model = transformers.LlamaForCausalLM(config)  # your model
     plan = plan_for_choice(model, "cpu", seq_len=128, micro_batch=2 // devices, grad_accum=2, max_steps=6,
                            checkpoint=("full", "save_matmuls", "none", "none"), devices=devices,
-                           zero_stage=3 if devices > 1 else 0)  # or planner.api.solve(model, "cpu", budget)
-    applied = executor.apply_plan(plan, model)  # checkpoint sets, FSDP2 (and DDP, ZeRO-1, Ulysses SP), AdamW
+                           zero_stage=3 if devices > 1 else 0)  # or trainplan.planner.api.solve(model, "cpu", budget)
+    applied = trainplan.executor.apply_plan(plan, model)  # checkpoint sets, FSDP2 (and DDP, ZeRO-1, Ulysses SP), AdamW
     opt, sched = applied.optimizer, applied.scheduler
     data = torch.Generator().manual_seed(applied.dp_rank)  # your data: this replica's batches
 

@@ -4,17 +4,17 @@
 Modes:
 - ``sp OUT SP:STAGE...``: per case one forward/backward of the tiny Llama with Ulysses SP of degree
   SP (dp = world / SP) under ZeRO stage STAGE; rank 0 saves loss and full gradients; every rank
-  saves `release_counts` (``executor.parallel.collectives`` leaves no reference with gloo).
+  saves `release_counts` (``trainplan.executor.parallel.collectives`` leaves no reference with gloo).
 - ``zero OUT STAGE...``: pure data parallel, 2 optimizer steps per stage; rank 0 saves the 3 losses.
-- ``mem OUT SP:STAGE...``: per case the executor's own step (``executor.train``'s loss,
+- ``mem OUT SP:STAGE...``: per case the executor's own step (``trainplan.executor.train``'s loss,
   optimizer and held-out evaluation after each step) on a larger Llama (`mem_config`); the third
-  step under MemTracker (``executor.measure.measure_memory``); rank 0 saves every rank's peak.
+  step under MemTracker (``trainplan.executor.measure.measure_memory``); rank 0 saves every rank's peak.
 - ``fail OUT``: rank 1 raises, rank 0 waits in a barrier (torchrun must stop it).
 - ``hang OUT``: every rank ignores SIGTERM, writes its pid and sleeps (run_torchrun must kill it).
 - ``several OUT MODE ARGS... + MODE ARGS...``: the ``sp``, ``zero`` and ``mem`` modes one after
   another in one launch and one process group (`run_several`).
 
-Imports only torch, transformers and executor (``mem`` mode: also executor.train/measure); the
+Imports only torch, transformers and executor (``mem`` mode: also trainplan.executor.train/measure); the
 heavy ones lazily, so the fault modes start fast. The model/data builders are also used by the test for the references.
 """
 
@@ -130,14 +130,14 @@ def run_sp(out: Path, cases: list[tuple[int, int]]) -> None:
     import torch
     import torch.distributed as dist
 
-    from executor.parallel.launch import init_distributed
-    from executor.parallel.ulysses import (
+    from trainplan.executor.parallel.launch import init_distributed
+    from trainplan.executor.parallel.ulysses import (
         enable_ulysses,
         new_sequence_parallel_group,
         shard_sequence,
         sp_loss,
     )  # fmt: skip
-    from executor.parallel.zero import apply_zero
+    from trainplan.executor.parallel.zero import apply_zero
 
     device = torch.device("cpu")
     rank, world = init_distributed(device, timeout_s=60)
@@ -162,13 +162,13 @@ def run_sp(out: Path, cases: list[tuple[int, int]]) -> None:
 
 
 def release_counts(n: int = 20) -> dict[str, list[int]]:
-    """TensorImpl use counts of the tensors `executor.parallel.collectives`' all-to-all, all-gather and
+    """TensorImpl use counts of the tensors `trainplan.executor.parallel.collectives`' all-to-all, all-gather and
     reduce-scatter were given, right after each returns (1: only this frame holds them; the
     gloo work object has let go)."""
     import torch
     import torch.distributed as dist
 
-    from executor.parallel import collectives
+    from trainplan.executor.parallel import collectives
 
     world = dist.get_world_size()
     counts: dict[str, list[int]] = {"all_to_all": [], "all_gather": [], "reduce_scatter": []}
@@ -189,9 +189,9 @@ def run_zero(out: Path, stages: list[int], steps: int = 2) -> None:
     import torch
     import torch.distributed as dist
 
-    from executor.parallel.launch import init_distributed
-    from executor.parallel.ulysses import shard_sequence, sp_loss
-    from executor.parallel.zero import apply_zero
+    from trainplan.executor.parallel.launch import init_distributed
+    from trainplan.executor.parallel.ulysses import shard_sequence, sp_loss
+    from trainplan.executor.parallel.zero import apply_zero
 
     device = torch.device("cpu")
     rank, world = init_distributed(device, timeout_s=60)
@@ -221,7 +221,7 @@ def run_zero(out: Path, stages: list[int], steps: int = 2) -> None:
 
 def mem_case(text: str) -> tuple[int, int, str]:
     """``SP:STAGE[:PRECISION]`` -> (sp_degree, zero_stage, precision); precision fp32 when not
-    given, or bf16-mixed (FSDP2's MixedPrecisionPolicy at ZeRO 2/3, as `executor.train` runs it)."""
+    given, or bf16-mixed (FSDP2's MixedPrecisionPolicy at ZeRO 2/3, as `trainplan.executor.train` runs it)."""
     sp, stage, *rest = text.split(":")
     return int(sp), int(stage), (rest[0] if rest else "fp32")
 
@@ -233,18 +233,18 @@ def mem_file(sp: int, stage: int, precision: str = "fp32") -> str:
 
 def run_mem(out: Path, cases: list[tuple[int, int, str]]) -> None:
     """Per (sp_degree, zero_stage, precision): two steps each followed by a held-out evaluation,
-    as `executor.train.run` does, then one step under MemTracker; rank 0 saves all ranks' peaks."""
+    as `trainplan.executor.train.run` does, then one step under MemTracker; rank 0 saves all ranks' peaks."""
     from functools import partial
 
     import torch
     import torch.distributed as dist
 
-    from executor.apply.applied import micro_batch_loss
-    from executor.measure import gather_floats, heldout_loss, measure_memory
-    from executor.optimizers import build_optimizer
-    from executor.parallel.launch import init_distributed
-    from executor.parallel.ulysses import enable_ulysses, new_sequence_parallel_group
-    from executor.parallel.zero import apply_zero, mixed_precision_policy
+    from trainplan.executor.apply.applied import micro_batch_loss
+    from trainplan.executor.measure import gather_floats, heldout_loss, measure_memory
+    from trainplan.executor.optimizers import build_optimizer
+    from trainplan.executor.parallel.launch import init_distributed
+    from trainplan.executor.parallel.ulysses import enable_ulysses, new_sequence_parallel_group
+    from trainplan.executor.parallel.zero import apply_zero, mixed_precision_policy
 
     torch.set_num_threads(1)
     device = torch.device("cpu")

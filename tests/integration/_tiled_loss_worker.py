@@ -11,8 +11,8 @@ import sys
 import torch
 import transformers
 
-import executor
-from planner.api import plan_for_choice
+import trainplan.executor
+from trainplan.planner.api import plan_for_choice
 
 
 def main(out: str, devices: int, loss_chunks: int, zero_stage: int) -> None:
@@ -23,7 +23,7 @@ def main(out: str, devices: int, loss_chunks: int, zero_stage: int) -> None:
     model = transformers.LlamaForCausalLM(cfg)
     plan = plan_for_choice(model, "cpu", seq_len=64, micro_batch=2 // devices, max_steps=3, devices=devices,
                            zero_stage=zero_stage, loss_chunks=loss_chunks, checkpoint="full", optimizer_bits=32)
-    applied = executor.apply_plan(plan, model)
+    applied = trainplan.executor.apply_plan(plan, model)
     data = torch.Generator().manual_seed(0)
     losses = []
     for _ in range(3):

@@ -1,9 +1,9 @@
 """The bad-input table (docs/bad_inputs.md): one test per row, the test id is the row's id.
 
-Each CLI row runs `planner.cli.main.main(argv)` in a scratch folder (so the paths in messages are the
+Each CLI row runs `trainplan.planner.cli.main.main(argv)` in a scratch folder (so the paths in messages are the
 table's) and checks: exit status 2, exactly one stderr line starting `trainplan: error:`, no
 traceback, the bad value and the valid alternatives in that line, and the error's type (a
-run that failed exits 1, an infeasible budget 3: `planner.cli.main.EXIT_CODES`). API rows
+run that failed exits 1, an infeasible budget 3: `trainplan.planner.cli.main.EXIT_CODES`). API rows
 call the library and check the typed error and its message. Fast: no row solves a large model,
 and the one training run (a NaN loss) is 2 steps of tiny-llama.
 """
@@ -20,12 +20,9 @@ import pytest
 import torch
 from torch import nn
 
-import planner.cli.main as cli
-from costmodels.stopping.heldout_curve import HeldoutCurve
-from executor.record import RunRecord
-from planner.api import plan_for_choice, solve
-from planner.budget import Budget
-from trainplan_errors import (
+import trainplan.planner.cli.main as cli
+from trainplan.costmodels.stopping.heldout_curve import HeldoutCurve
+from trainplan.errors import (
     BudgetError,
     CaptureError,
     DataError,
@@ -38,6 +35,9 @@ from trainplan_errors import (
     TrainplanError,
     UnknownNameError,
 )
+from trainplan.executor.record import RunRecord
+from trainplan.planner.api import plan_for_choice, solve
+from trainplan.planner.budget import Budget
 
 CUDA = torch.cuda.is_available()
 WORDS = ["to", "be", "or", "not", "to", "be", "that", "is", "the", "question", "whether", "tis", "nobler",
@@ -53,7 +53,7 @@ def _words(lines: int, seed: int) -> str:
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory, cpu_profile) -> Path:
     """A scratch folder with the plans, corpora and run folders the rows name."""
-    from executor.data.batches import load_corpus
+    from trainplan.executor.data.batches import load_corpus
 
     d = tmp_path_factory.mktemp("bad_inputs")
     plan = plan_for_choice("tiny-llama", cpu_profile, seq_len=128, micro_batch=1, max_steps=2)
@@ -80,8 +80,8 @@ def workdir(tmp_path_factory, cpu_profile) -> Path:
                        "plan_budget_str.json": {"budget": "x"}}.items():
         (d / name).write_text(json.dumps(raw | edit))
     (d / "garbage.json").write_bytes(b"\xff\xfe\x00\x81 not a plan")
-    from hardware_profiles import load
-    from hardware_profiles.profile_file import profile_toml
+    from trainplan.hardware_profiles import load
+    from trainplan.hardware_profiles.profile_file import profile_toml
 
     (d / "bad_profile.toml").write_text("\n".join("memory_efficiency = 1.5" if line.startswith("memory_efficiency =")
                                                   else line for line in profile_toml(load("h100")).splitlines()))
@@ -127,7 +127,7 @@ def _data_format_files(d: Path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from executor.data.corpus import train_tokenizer
+    from trainplan.executor.data.corpus import train_tokenizer
 
     np.save(d / "tokens_i64.npy", np.arange(1000, dtype=np.int64))
     np.arange(8000, 9000, dtype=np.uint32).tofile(d / "tokens_big.bin")
@@ -172,7 +172,7 @@ def _spy_main(argv: list[str], monkeypatch) -> tuple[int, BaseException | None]:
 
 def one_error_line(err: str) -> str:
     """The one error line of `err`, less the training progress lines a run prints before it
-    (`executor.measure.LogProgress`: stderr is not a terminal here)."""
+    (`trainplan.executor.measure.LogProgress`: stderr is not a terminal here)."""
     lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith("train: step ")]
     assert "Traceback" not in err, err
     assert len(lines) == 1, f"expected one stderr line, got {len(lines)}:\n{err}"
@@ -327,7 +327,7 @@ CLI_ROWS: dict[str, tuple[str, type, list[str]]] = {
     "plan-for-another-model": ("run plan_8b.json --out out", PlanMismatchError,
                                ["llama3-8b has 7,096,576 parameters", "has 7,046,696,960"]),
     "plan-for-a-user-model": ("run plan_user.json --out out", PlanMismatchError,
-                              ["'MyNet'", "not a preset", "tiny-llama", "executor.run(plan, model, data)"]),
+                              ["'MyNet'", "not a preset", "tiny-llama", "trainplan.executor.run(plan, model, data)"]),
     "plan-for-an-accelerator": ("run plan_h100.json --out out", DeviceError, ["'h100'", "--device cpu"]),
     "negative-checkpoint-every": ("run nan_plan.json --out ck_out --data words.txt --checkpoint-every -1",
                                   TrainplanError, ["checkpoint_every=-1", "whole number >= 0"]),
@@ -400,7 +400,7 @@ CLI_ROWS: dict[str, tuple[str, type, list[str]]] = {
                                     DataError, ["holds id 8999", "vocab_size=8192: ids 0..8191", "--token-dtype"]),
     "tokenizer-vocab-not-the-plans": ("run plan.json --out out --data mid.txt --tokenizer tok300.json", DataError,
                                       ["tokenizer 'tok300.json' has a vocabulary of", "vocab_size=8192",
-                                       "planner.api.solve(model, hw, budget, vocab_size=300)"]),
+                                       "trainplan.planner.api.solve(model, hw, budget, vocab_size=300)"]),
     "token-file-uint32-read-as-uint16": ("run plan.json --out out --data tokens_u32.bin", DataError,
                                          ["tokens_u32.bin looks like uint32 ids read as uint16",
                                           "pass --token-dtype uint32"]),
@@ -478,7 +478,7 @@ def test_resuming_a_finished_run_says_so_and_reports_it(workdir, monkeypatch, ca
     already ended and there is nothing to resume, its report again, exit 0; the record is kept."""
     import dataclasses
 
-    from planner.plan import Plan
+    from trainplan.planner.plan import Plan
 
     monkeypatch.chdir(workdir)
     plan = Plan.from_json(workdir / "nan_plan.json")
@@ -500,13 +500,13 @@ def test_seq_len_rules_out_sp(monkeypatch, capsys):
     line says so and names a sequence length that allows 8. The solver is stubbed here (the
     real solve and its explanation take about 20 s; the message is checked by hand in
     docs/bad_inputs.md)."""
-    import planner.api
+    import trainplan.planner.api
 
     def infeasible(*args, **kwargs):
         raise InfeasibleError("per-device memory binds: the lightest plan needs 135 GiB but h100 "
                               "has 77 GiB usable")
 
-    monkeypatch.setattr(planner.api, "solve", infeasible)
+    monkeypatch.setattr(trainplan.planner.api, "solve", infeasible)
     argv = "solve --model llama3-8b --hw h100 --devices 8 --seq-len 131070 --budget-device-hours 100"
     rc, exc = _spy_main(argv.split(), monkeypatch)
     line = one_error_line(capsys.readouterr().err)
@@ -517,7 +517,7 @@ def test_seq_len_rules_out_sp(monkeypatch, capsys):
 
 
 def test_sp_note_is_empty_when_the_sequence_rules_nothing_out():
-    from modeling.presets import sp_degree_note
+    from trainplan.modeling.presets import sp_degree_note
 
     assert sp_degree_note(n_heads=32, n_kv_heads=8, devices=8, seq_len=131072) == ""
     assert sp_degree_note(n_heads=32, n_kv_heads=8, devices=1, seq_len=131071) == ""
@@ -593,14 +593,14 @@ class EmbedsLM(nn.Module):
 
 def _apply_to_another_model(edit) -> None:
     """Rows 108-109: tiny-llama's plan, every layer checkpointed, applied to tiny-llama edited by
-    `edit(model)` (`executor.apply_plan`)."""
-    import executor
-    from modeling.presets import build_model
+    `edit(model)` (`trainplan.executor.apply_plan`)."""
+    import trainplan.executor
+    from trainplan.modeling.presets import build_model
 
     plan = plan_for_choice("tiny-llama", "cpu", seq_len=64, micro_batch=1, checkpoint="full", vocab_size=512)
     model = build_model("tiny-llama", device="cpu", vocab_size=512)
     edit(model)
-    executor.apply_plan(plan, model)
+    trainplan.executor.apply_plan(plan, model)
 
 
 API_ROWS = {
@@ -625,7 +625,7 @@ API_ROWS = {
         TrainplanError, ["nn.Module or a preset name", "got int"]),
     "budget-not-a-budget": (
         lambda: solve("tiny-llama", "h100", 3600),
-        TrainplanError, ["planner.Budget", "got int"]),
+        TrainplanError, ["trainplan.planner.Budget", "got int"]),
     "grad-accum-zero": (
         lambda: plan_for_choice("tiny-llama", "h100", seq_len=64, micro_batch=1, grad_accum=0),
         TrainplanError, ["grad_accum=0", "whole number >= 1"]),

@@ -1,4 +1,4 @@
-"""planner.cli.main: bad input exits 2 (an infeasible budget 3) with one `trainplan: error:` line and
+"""trainplan.planner.cli.main: bad input exits 2 (an infeasible budget 3) with one `trainplan: error:` line and
 no traceback; profiles; solve --json writes a loadable plan."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from hardware_profiles import known_names
-from planner.cli.main import main
-from planner.plan import Plan
+from trainplan.hardware_profiles import known_names
+from trainplan.planner.cli.main import main
+from trainplan.planner.plan import Plan
 
 ACCELERATORS = ("a100", "a100-40gb", "h100", "h200", "mi300a", "mi300x")
 TINY = ["solve", "--model", "tiny-llama", "--hw", "cpu", "--seq-len", "128"]
@@ -69,7 +69,7 @@ def test_binary_plan_file_exits_2(capsys, tmp_path):
 
 
 def test_unknown_hw_in_a_subprocess_has_no_traceback():
-    out = subprocess.run([sys.executable, "-m", "planner", "solve", "--model", "tiny-llama",
+    out = subprocess.run([sys.executable, "-m", "trainplan", "solve", "--model", "tiny-llama",
                           "--hw", "h800", "--budget-seconds", "60"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2, (out.returncode, out.stderr)
@@ -99,12 +99,12 @@ def test_devices_3_for_tiny_llama_is_pure_data_parallel(capsys, tmp_path):
 
 @pytest.mark.parametrize("argv", [["profiles"], ["profiles", "--no-cpu"]], ids=["default", "no-cpu"])
 def test_profiles_lists_the_accelerators_without_measuring(capsys, argv, monkeypatch):
-    import hardware_profiles
+    import trainplan.hardware_profiles
 
     def no_cpu(*a, **k):
         raise AssertionError("the cpu profile was loaded or measured")
 
-    monkeypatch.setattr(hardware_profiles, "load_cpu", no_cpu)
+    monkeypatch.setattr(trainplan.hardware_profiles, "load_cpu", no_cpu)
     assert main(argv) == 0
     out = capsys.readouterr().out
     names = [line.split()[0] for line in out.strip().splitlines()[1:]]
@@ -127,7 +127,7 @@ def test_an_interrupted_run_or_demo_says_how_to_continue(tmp_path, capsys):
     """`run` and `demo` share the early-stop message: one line, the out folder shell-quoted."""
     import types
 
-    from planner.cli.commands import RunStoppedEarly, check_run_ended
+    from trainplan.planner.cli.commands import RunStoppedEarly, check_run_ended
 
     plan = types.SimpleNamespace(decisions=types.SimpleNamespace(max_steps=290))
     out = tmp_path / "a run"
@@ -143,11 +143,11 @@ def test_an_interrupted_run_or_demo_says_how_to_continue(tmp_path, capsys):
 
 
 def test_the_command_starts_without_importing_torch():
-    """`import planner.cli.main` (what the `trainplan` entry point runs before `main`) leaves torch to
+    """`import trainplan.planner.cli.main` (what the `trainplan` entry point runs before `main`) leaves torch to
     the commands, inside `main`'s handler: a Ctrl-C while torch loads is one line and exit 130,
-    not a traceback; `from planner import solve` still works."""
-    code = ("import sys, planner.cli.main; assert 'torch' not in sys.modules, 'torch imported'; "
-            "from planner import solve; assert solve.__module__ == 'planner.api'")
+    not a traceback; `from trainplan.planner import solve` still works."""
+    code = ("import sys, trainplan.planner.cli.main; assert 'torch' not in sys.modules, 'torch imported'; "
+            "from trainplan.planner import solve; assert solve.__module__ == 'trainplan.planner.api'")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
 

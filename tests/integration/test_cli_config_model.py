@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import planner.cli.main as cli
-from executor.record import RunRecord
-from planner.api import with_model_facts
-from planner.plan import Plan
+import trainplan.planner.cli.main as cli
+from trainplan.executor.record import RunRecord
+from trainplan.planner.api import with_model_facts
+from trainplan.planner.plan import Plan
 
 QWEN2 = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 128}

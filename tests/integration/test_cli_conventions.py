@@ -1,4 +1,4 @@
-"""The command line's conventions (`planner.cli.main`): `--version`, help with defaults and worked
+"""The command line's conventions (`trainplan.planner.cli.main`): `--version`, help with defaults and worked
 examples, `trainplan presets`, `--json -`, `--lr`/`--warmup-steps`, the exit codes, `-v`/`-q`.
 
 In-process (`main(argv)`), with training stubbed where a command would train: the run's own
@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from planner.cli.help_text import EXAMPLES
-from planner.cli.main import EXIT_CODES, build_parser, configure_logging, exit_code, main
-from planner.plan import Plan
-from trainplan_errors import InfeasibleError, TrainingDivergedError, TrainplanError
+from trainplan.errors import InfeasibleError, TrainingDivergedError, TrainplanError
+from trainplan.planner.cli.help_text import EXAMPLES
+from trainplan.planner.cli.main import EXIT_CODES, build_parser, configure_logging, exit_code, main
+from trainplan.planner.plan import Plan
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["solve", "--model", "tiny-llama", "--hw", "cpu", "--seq-len", "128", "--budget-seconds", "60"]
@@ -86,7 +86,7 @@ def test_every_command_has_worked_examples_that_parse():
 
 
 def test_presets_lists_every_preset(capsys):
-    from modeling.presets import known_presets
+    from trainplan.modeling.presets import known_presets
 
     assert main(["presets"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
@@ -99,10 +99,10 @@ def test_presets_lists_every_preset(capsys):
 def test_profiles_measure_cpu_adds_the_cpu_row(capsys, monkeypatch):
     import dataclasses
 
-    import hardware_profiles
+    import trainplan.hardware_profiles
 
-    fake = dataclasses.replace(hardware_profiles.load("h100"), name="cpu", aliases=())
-    monkeypatch.setattr(hardware_profiles, "load_cpu", lambda **k: fake)
+    fake = dataclasses.replace(trainplan.hardware_profiles.load("h100"), name="cpu", aliases=())
+    monkeypatch.setattr(trainplan.hardware_profiles, "load_cpu", lambda **k: fake)
     assert main(["profiles", "--measure-cpu"]) == 0
     names = [ln.split()[0] for ln in capsys.readouterr().out.strip().splitlines()[1:]]
     assert "cpu" in names and "h100" in names, names
@@ -127,9 +127,9 @@ def test_json_dash_writes_the_plan_alone_on_stdout(capsys, tmp_path, monkeypatch
 def fake_run(monkeypatch):
     """`trainplan run` up to the training: the corpus and the run stubbed. `seen` gets the data
     paths and the plan the run was given; `outcome(plan)` is what the run does."""
-    import executor.train
-    import executor.worker
-    import planner.cli.commands as commands
+    import trainplan.executor.train
+    import trainplan.executor.worker
+    import trainplan.planner.cli.commands as commands
 
     seen: dict = {}
 
@@ -150,8 +150,8 @@ def fake_run(monkeypatch):
     seen["outcome"] = interrupt
     monkeypatch.setattr(commands, "_corpus_for", corpus_for)
     monkeypatch.setattr(commands, "_check_data", lambda data_paths, options=None: None)
-    monkeypatch.setattr(executor.train, "run", run)
-    monkeypatch.setattr(executor.worker, "launch", launch)
+    monkeypatch.setattr(trainplan.executor.train, "run", run)
+    monkeypatch.setattr(trainplan.executor.worker, "launch", launch)
     return seen
 
 
@@ -185,9 +185,9 @@ def test_run_rejects_a_bad_schedule(plans, fake_run, tmp_path, capsys, flags, ne
 
 
 def test_exit_codes_of_errors():
-    from executor.checkpoint import OutOfMemoryRunError
-    from executor.parallel.launch import WorkerFailedError
-    from planner.cli.commands import RunStoppedEarly
+    from trainplan.executor.checkpoint import OutOfMemoryRunError
+    from trainplan.executor.parallel.launch import WorkerFailedError
+    from trainplan.planner.cli.commands import RunStoppedEarly
 
     assert set(EXIT_CODES) == {0, 1, 2, 3, 130}
     cases = {TrainplanError("bad"): 2, InfeasibleError("memory binds"): 3, TrainingDivergedError("nan"): 1,
@@ -202,7 +202,7 @@ def test_exit_codes_of_errors():
     ("interrupted", 130, "trainplan: interrupted after 3 of "),
 ])
 def test_run_exit_codes_through_main(plans, fake_run, tmp_path, capsys, outcome, code, line):
-    from executor.checkpoint import OutOfMemoryRunError
+    from trainplan.executor.checkpoint import OutOfMemoryRunError
 
     def oom(plan):
         raise OutOfMemoryRunError("out of memory in step 3 on cpu")
@@ -231,7 +231,7 @@ def test_run_checks_data_paths_before_loading_torch(tmp_path):
     --tokenizer, at once: before the plan's model (and torch) is built."""
     (tmp_path / "t.bin").write_bytes(b"\0" * 64)
     (tmp_path / "notes.csv").write_text("a,b\n")
-    code = ("import sys; from planner.cli.main import main\n"
+    code = ("import sys; from trainplan.planner.cli.main import main\n"
             "for data in (['missing.txt'], ['notes.csv'], ['t.bin', '--tokenizer', 'tok.json']):\n"
             "    assert main(['run', 'p.json', '--out', 'o', '--data', *data]) == 2\n"
             "assert 'torch' not in sys.modules")
@@ -255,13 +255,12 @@ def test_a_reader_that_closes_stdout_early_ends_the_command_quietly():
     assert (proc.returncode, err) == (0, ""), err
 
 
-def test_the_readme_documents_the_exit_codes_and_the_help():
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("## Command line", 1)[1].split("\n## ", 1)[0]
+def test_the_cli_docs_page_documents_the_exit_codes_and_the_help():
+    page = (ROOT / "docs" / "cli.md").read_text()
     for code in EXIT_CODES:
-        assert f"| {code} |" in section, f"exit status {code} missing from the README's table"
-    assert "usage: trainplan [-h] [--version] [-v | -q] COMMAND ..." in section
-    assert "usage: trainplan solve" in section
+        assert f"| {code} |" in page, f"exit status {code} missing from docs/cli.md's table"
+    assert "usage: trainplan [-h] [--version] [-v | -q] COMMAND ..." in page
+    assert "usage: trainplan solve" in page
 
 
 # ---------------------------------------------------------------- -v / -q
@@ -277,7 +276,7 @@ def test_verbosity_flags_parse_before_or_after_the_command(argv, verbose, quiet)
 
 
 def test_log_levels(capsys):
-    log = logging.getLogger("planner.cli.test")
+    log = logging.getLogger("trainplan.planner.cli.test")
     try:
         for (verbose, quiet), shown in {(0, False): "W", (1, False): "IW", (2, False): "DIW", (0, True): ""}.items():
             configure_logging(verbose, quiet)

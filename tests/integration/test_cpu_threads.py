@@ -1,4 +1,4 @@
-"""CPU threads (`hardware_profiles.threads`): a run sets torch's threads per rank and the `cpu`
+"""CPU threads (`trainplan.hardware_profiles.threads`): a run sets torch's threads per rank and the `cpu`
 profile that predicts it is measured at the same count; a 2-thread run's step time on an
 otherwise idle machine is within the profile's prediction band.
 
@@ -20,9 +20,9 @@ from types import SimpleNamespace
 
 import pytest
 
-import executor.train as train
-import executor.worker as worker
-from executor.data.batches import load_corpus
+import trainplan.executor.train as train
+import trainplan.executor.worker as worker
+from trainplan.executor.data.batches import load_corpus
 
 THREADS = 2
 IDLE_CORES = 0.1
@@ -83,8 +83,8 @@ def _skip_unless_idle(load: OtherLoad, when: str) -> None:
 def test_two_thread_run_within_the_profile_band(tmp_path, monkeypatch, corpus):
     import torch
 
-    from hardware_profiles import cpu, load
-    from planner.api import plan_for_choice
+    from trainplan.hardware_profiles import cpu, load
+    from trainplan.planner.api import plan_for_choice
 
     probe = OtherLoad().start()
     time.sleep(0.5)
@@ -123,7 +123,7 @@ def test_run_threads_argument_wins_over_the_environment(tmp_path, monkeypatch, c
     """`run(threads=1)` under OMP_NUM_THREADS=2: the steps run at 1 thread, restored after."""
     import torch
 
-    from planner.api import plan_for_choice
+    from trainplan.planner.api import plan_for_choice
 
     plan = plan_for_choice("tiny-llama", cpu_profile, seq_len=32, micro_batch=1, max_steps=4,
                            vocab_size=corpus.vocab_size)
@@ -139,7 +139,7 @@ def test_run_threads_argument_wins_over_the_environment(tmp_path, monkeypatch, c
 def test_launch_gives_each_rank_its_share_of_the_cores(tmp_path, monkeypatch):
     """`launch` passes OMP_NUM_THREADS = usable cores // ranks to torchrun's workers (torchrun
     would set 1), or the user's OMP_NUM_THREADS, or its `threads` argument."""
-    from hardware_profiles.threads import usable_cores
+    from trainplan.hardware_profiles.threads import usable_cores
 
     plan = SimpleNamespace(decisions=SimpleNamespace(devices=2, max_steps=3),
                            predictions=SimpleNamespace(step_time_s=1.0),

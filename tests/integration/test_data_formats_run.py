@@ -8,10 +8,10 @@ import random
 import numpy as np
 import pytest
 
-import planner.cli.main as cli
-from executor.data.batches import load_corpus
-from executor.record import RunRecord
-from planner.api import plan_for_choice
+import trainplan.planner.cli.main as cli
+from trainplan.executor.data.batches import load_corpus
+from trainplan.executor.record import RunRecord
+from trainplan.planner.api import plan_for_choice
 
 pa = pytest.importorskip("pyarrow")  # with datasets (extra `data`)
 pq = pytest.importorskip("pyarrow.parquet")

@@ -1,4 +1,4 @@
-"""Weights out (`trainplan export-weights`, `executor.weights.export`): a 2-step tiny-llama run
+"""Weights out (`trainplan export-weights`, `trainplan.executor.weights.export`): a 2-step tiny-llama run
 exported to a Hugging Face folder loads with `transformers.AutoModelForCausalLM` and gives the
 trained model's logits; its tokenizer loads with `AutoTokenizer` and encodes the corpus as the
 run did; a bf16 run stays bf16 unless `--dtype` says otherwise; bad folders are refused.
@@ -17,13 +17,13 @@ import numpy as np
 import pytest
 import torch
 
-import planner.cli.main as cli
-from executor.data.batches import load_corpus
-from executor.train import run
-from modeling.presets import build_model
-from planner.api import plan_for_choice
+import trainplan.planner.cli.main as cli
 from tests.support import transformers_heldout_loss
-from trainplan_errors import OutputPathError, TrainplanError, UnknownNameError
+from trainplan.errors import OutputPathError, TrainplanError, UnknownNameError
+from trainplan.executor.data.batches import load_corpus
+from trainplan.executor.train import run
+from trainplan.modeling.presets import build_model
+from trainplan.planner.api import plan_for_choice
 
 WORDS = ["now", "is", "the", "winter", "of", "our", "discontent", "made", "glorious", "summer", "by",
          "this", "sun", "of", "york", "and", "all", "the", "clouds", "that", "lowered", "upon", "house"]
@@ -101,7 +101,7 @@ def test_exported_tokenizer_encodes_like_the_run(trained, corpus, corpus_path, t
     (the one document, then `<|endoftext|>`, which is BOS and EOS of tokenizer and config)."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from executor.weights.export import export_weights
+    from trainplan.executor.weights.export import export_weights
 
     _, _, run_dir = trained("fp32")
     out = export_weights(run_dir, tmp_path / "hf")
@@ -115,12 +115,12 @@ def test_exported_tokenizer_encodes_like_the_run(trained, corpus, corpus_path, t
 
 def test_bf16_run_stays_bf16_and_fp32_on_request(trained, corpus, tmp_path):
     """The bf16 run's weights export as bf16, bit for bit; `dtype="fp32"` widens them. RoPE's
-    inv_freq is fp32 in both the run (`modeling.presets.build_model` keeps it so) and the loaded
+    inv_freq is fp32 in both the run (`trainplan.modeling.presets.build_model` keeps it so) and the loaded
     model (transformers does), so the trained model's logits equal the loaded model's."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from executor.weights.export import export_weights
+    from trainplan.executor.weights.export import export_weights
 
     _, model, run_dir = trained("bf16")
     bf16 = export_weights(run_dir, tmp_path / "bf16")
@@ -139,7 +139,7 @@ def test_bf16_run_stays_bf16_and_fp32_on_request(trained, corpus, tmp_path):
 
 
 def test_bad_folders_and_dtype_are_refused(trained, tmp_path):
-    from executor.weights.export import export_weights
+    from trainplan.executor.weights.export import export_weights
 
     _, _, run_dir = trained("fp32")
     (tmp_path / "empty").mkdir()
@@ -160,7 +160,7 @@ def test_bad_folders_and_dtype_are_refused(trained, tmp_path):
 
 def _copy_run(run_dir: Path, to: Path) -> tuple[Path, Path]:
     """A copy of the run folder `run_dir` at `to`, and its latest checkpoint there."""
-    from executor.checkpoint import latest_checkpoint
+    from trainplan.executor.checkpoint import latest_checkpoint
 
     shutil.copytree(run_dir, to, symlinks=True)
     ckpt = latest_checkpoint(to)
@@ -171,7 +171,7 @@ def _copy_run(run_dir: Path, to: Path) -> tuple[Path, Path]:
 def test_a_run_without_a_tokenizer_prints_the_model_line_alone(trained, tmp_path, capsys):
     """A run on token ids (no tokenizer recorded): the folder has the weights alone, and the
     `load:` line names AutoModelForCausalLM only."""
-    from executor.checkpoint import META, TOKENIZER
+    from trainplan.executor.checkpoint import META, TOKENIZER
 
     run_dir, ckpt = _copy_run(trained("fp32")[2], tmp_path / "run")
     (ckpt / TOKENIZER).unlink()
@@ -189,7 +189,7 @@ def test_a_run_of_a_model_that_is_not_a_preset_says_to_load_it_yourself(trained,
     """Your own model (plan.model its class name): with a checkpoint, how to load it with
     torch.distributed.checkpoint; without one (your own loop), not `trainplan run`, which builds
     presets only."""
-    from executor.weights.export import export_weights
+    from trainplan.executor.weights.export import export_weights
 
     plan, _, trained_dir = trained("fp32")
     mine = dataclasses.replace(plan, model="MyCausalLM")

@@ -16,15 +16,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from executor.checkpoint import OutOfMemoryRunError, is_out_of_memory, latest_checkpoint, load_checkpoint
-from executor.data.batches import load_corpus
-from executor.optimizers import build_optimizer
-from executor.record import RunRecord
-from executor.train import run
-from modeling.presets import build_model
-from planner.api import plan_for_choice
-from planner.cli.main import main
-from trainplan_errors import PlanMismatchError, TrainplanError
+from trainplan.errors import PlanMismatchError, TrainplanError
+from trainplan.executor.checkpoint import OutOfMemoryRunError, is_out_of_memory, latest_checkpoint, load_checkpoint
+from trainplan.executor.data.batches import load_corpus
+from trainplan.executor.optimizers import build_optimizer
+from trainplan.executor.record import RunRecord
+from trainplan.executor.train import run
+from trainplan.modeling.presets import build_model
+from trainplan.planner.api import plan_for_choice
+from trainplan.planner.cli.main import main
 
 CPU_OOM = ("DefaultCPUAllocator: can't allocate memory: you tried to allocate 68719476736 bytes. "
            "Error code 12 (Cannot allocate memory)")
@@ -100,7 +100,7 @@ def test_out_of_memory_is_a_clean_error_with_a_partial_record(make_plan, corpus,
                                                               one_thread):
     """The CPU allocator's error in step 3's forward: the CLI prints one line naming the step,
     the predicted peak and what to change, exits 1 (a run that failed); the record keeps steps 0..2."""
-    import modeling.presets
+    import trainplan.modeling.presets
 
     plan = make_plan()
     plan.to_json(tmp_path / "plan.json")
@@ -109,7 +109,7 @@ def test_out_of_memory_is_a_clean_error_with_a_partial_record(make_plan, corpus,
         if n == 3:
             raise RuntimeError(CPU_OOM)
 
-    monkeypatch.setattr(modeling.presets, "build_model",
+    monkeypatch.setattr(trainplan.modeling.presets, "build_model",
                         lambda *a, **k: model_that(corpus, plan, oom_at_step_3))
     out = tmp_path / "run"
     code = main(["run", str(tmp_path / "plan.json"), "--out", str(out), "--data", str(corpus_path),
@@ -179,12 +179,12 @@ def test_a_second_sigint_stops_at_once_and_keeps_the_record(make_plan, corpus, t
 
 
 def test_sigterm_to_trainplan_run(make_plan, corpus, corpus_path, tmp_path):
-    """A real SIGTERM to `python -m planner run` mid-run: exit status 130, one line on stderr,
+    """A real SIGTERM to `python -m trainplan run` mid-run: exit status 130, one line on stderr,
     a record with the steps so far and a checkpoint that loads."""
     plan = make_plan(max_steps=200)  # the record is first written at step 20
     plan.to_json(tmp_path / "plan.json")
     out = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "planner", "run", str(tmp_path / "plan.json"),
+    proc = subprocess.Popen([sys.executable, "-m", "trainplan", "run", str(tmp_path / "plan.json"),
                              "--out", str(out), "--data", str(corpus_path), "--device", "cpu"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -3,8 +3,8 @@ its gradient accumulation printed and written beside the micro-batch."""
 
 from __future__ import annotations
 
-from planner.cli.main import main
-from planner.plan import Plan
+from trainplan.planner.cli.main import main
+from trainplan.planner.plan import Plan
 
 TINY = ["solve", "--model", "tiny-llama", "--hw", "cpu", "--seq-len", "128", "--budget-seconds", "600",
         "--time-limit", "2", "--data-methods", "random"]

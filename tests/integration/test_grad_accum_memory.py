@@ -1,5 +1,5 @@
-"""Peak memory with gradient accumulation, measured (MemTracker, `executor.measure`) against the
-plan (`costmodels.step.memory.step_phases`) on the small Llama of tests/integration/_own_loop.py:
+"""Peak memory with gradient accumulation, measured (MemTracker, `trainplan.executor.measure`) against the
+plan (`trainplan.costmodels.step.memory.step_phases`) on the small Llama of tests/integration/_own_loop.py:
 from the second micro-step on, the gradients of the earlier ones are held and autograd adds the
 new ones into them in place; counting them again (held + made so far) put the plan 7.8% over
 the measured peak at seq 64 x 2 sequences, and moved the peak out of the tail, where it is."""
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from executor.parallel.launch import run_torchrun
-from executor.reporting.report import load_run
+from trainplan.executor.parallel.launch import run_torchrun
+from trainplan.executor.reporting.report import load_run
 
 RTOL = 0.01
 LAUNCH_TIMEOUT_S = 300  # a hang guard on loaded cores

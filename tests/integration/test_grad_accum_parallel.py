@@ -1,7 +1,7 @@
 """Gradient accumulation on two gloo processes with DDP (ZeRO 0, its all-reduce deferred with
 `no_sync` to the last micro-step): two micro-steps of one sequence per rank train what one
 process accumulating four micro-steps of one sequence trains (the same four windows per step:
-`executor.data.batches.TokenBatches` hands each micro-step the next micro-batch of the stream;
+`trainplan.executor.data.batches.TokenBatches` hands each micro-step the next micro-batch of the stream;
 tests/unit/executor/test_grad_accum.py shows that equal to one step of four sequences), by the
 held-out loss after two optimizer steps (fp32; the held-out batches are the micro-batch's, so
 both runs evaluate the same windows). FSDP2's accumulation, a reduce-scatter every micro-step,
@@ -15,11 +15,11 @@ import random
 
 import pytest
 
-from executor.data.batches import load_corpus
-from executor.record import RunRecord
-from executor.train import run
-from planner.api import plan_for_choice
-from planner.plan import Plan, layout_fields
+from trainplan.executor.data.batches import load_corpus
+from trainplan.executor.record import RunRecord
+from trainplan.executor.train import run
+from trainplan.planner.api import plan_for_choice
+from trainplan.planner.plan import Plan, layout_fields
 
 SEQ = 64
 STEPS = 2
@@ -50,7 +50,7 @@ def _with(plan: Plan, **decisions) -> Plan:
 
 @pytest.fixture(scope="module")
 def records(corpus_path, cpu_profile, tmp_path_factory, one_thread) -> dict[str, RunRecord]:
-    from executor.worker import launch
+    from trainplan.executor.worker import launch
 
     corpus = load_corpus([corpus_path], vocab_size=512)
     base = plan_for_choice("tiny-llama", cpu_profile, seq_len=SEQ, micro_batch=1, grad_accum=2, devices=2,
@@ -82,13 +82,13 @@ def test_two_process_ddp_checkpoint_exports_to_transformers(records, corpus_path
     run's final one."""
     from pathlib import Path
 
-    from executor.weights.export import export_weights
     from tests.support import transformers_heldout_loss
+    from trainplan.executor.weights.export import export_weights
 
     ddp = records["ddp"]
     run_dir = Path(ddp.checkpoint).parents[1]  # RUN_DIR/checkpoint/step-N
     plan = Plan.from_json(run_dir / "plan.json")
     out = export_weights(run_dir, tmp_path / "hf")
-    data = load_corpus([corpus_path], vocab_size=plan.vocab_size)  # the run's own (`executor.worker.launch`)
+    data = load_corpus([corpus_path], vocab_size=plan.vocab_size)  # the run's own (`trainplan.executor.worker.launch`)
     assert math.isclose(transformers_heldout_loss(out, plan, data), ddp.final_heldout_loss, rel_tol=RTOL), \
         ddp.final_heldout_loss

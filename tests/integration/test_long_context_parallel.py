@@ -1,5 +1,5 @@
 """A tiled loss over 2 processes (FSDP2 ZeRO-3, gloo): the LM head's tiled loss runs inside the
-model's forward (`modeling.tiling.TiledHead`), where FSDP2 holds the root group's parameters
+model's forward (`trainplan.modeling.tiling.TiledHead`), where FSDP2 holds the root group's parameters
 unsharded; the losses equal one process's untiled run's."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from executor.parallel.launch import run_torchrun
 from tests.integration import _tiled_loss_worker as worker
+from trainplan.executor.parallel.launch import run_torchrun
 
 
 def test_tiled_loss_under_fsdp2_zero3_trains_as_one_untiled_process(tmp_path, torch_threads):

@@ -1,7 +1,7 @@
 """`trainplan run` across nodes and inside the user's own launcher (gloo, CPU), two launches of one
 two-device plan (tiny-llama, data parallel, 4 steps) shared by the tests below:
 
-- `own`: the user's launcher, `torchrun --standalone --nproc-per-node 2 -m planner run PLAN ...`:
+- `own`: the user's launcher, `torchrun --standalone --nproc-per-node 2 -m trainplan run PLAN ...`:
   each rank runs `trainplan run` as a worker in its own process (WORLD_SIZE set: nothing is
   launched again); rank 0 alone prints and writes the record and report. The reference.
 - `nodes`: two "nodes" of one process each on 127.0.0.1, two `trainplan run --nnodes 2
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from executor.parallel.launch import Rendezvous, WorkerFailedError, run_torchrun
+from trainplan.executor.parallel.launch import Rendezvous, WorkerFailedError, run_torchrun
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 4
@@ -68,8 +68,8 @@ def _finish(proc: subprocess.Popen) -> tuple[int, str, str]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, cpu_profile):
     """(folder, {"own": (rc, stdout, stderr), "node0": ..., "node1": ...}) of the two launches."""
-    from executor.data.batches import load_corpus
-    from planner.api import plan_for_choice
+    from trainplan.executor.data.batches import load_corpus
+    from trainplan.planner.api import plan_for_choice
 
     base = tmp_path_factory.mktemp("multinode")
     rng = random.Random(1)
@@ -82,9 +82,9 @@ def runs(tmp_path_factory, cpu_profile):
     run = ["run", "plan.json", "--data", "tiny.txt"]
     got = {"own": _finish(_start(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                                   "--log-dir", "own_logs", "--redirects", "3",
-                                  "-m", "planner", *run, "--out", "own"], base))}
+                                  "-m", "trainplan", *run, "--out", "own"], base))}
     port = free_port()
-    nodes = [_start(["-m", "planner", *run, "--out", "nodes", "--nnodes", "2", "--node-rank", str(r),
+    nodes = [_start(["-m", "trainplan", *run, "--out", "nodes", "--nnodes", "2", "--node-rank", str(r),
                      "--rdzv-endpoint", f"127.0.0.1:{port}"], base) for r in (0, 1)]
     got |= {f"node{r}": _finish(p) for r, p in enumerate(nodes)}
     for name, (rc, out, err) in got.items():

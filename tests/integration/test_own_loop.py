@@ -1,4 +1,4 @@
-"""A user's own training loop on `executor.apply_plan` (tests/integration/_own_loop.py, the README's
+"""A user's own training loop on `trainplan.executor.apply_plan` (tests/integration/_own_loop.py, the README's
 "Your own training loop", public API only): on 1 process and on 2 (one torchrun launch, gloo,
 FSDP2), each rank's measured peak memory within 1% of the plan's prediction, FLOPs per step as
 predicted, and trainplan's report reading the loop's folder (`trainplan report OUT`)."""
@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from executor.parallel.launch import run_torchrun
-from executor.reporting.compare import compare
-from executor.reporting.report import load_run
-from planner.cli.main import main as cli
+from trainplan.executor.parallel.launch import run_torchrun
+from trainplan.executor.reporting.compare import compare
+from trainplan.executor.reporting.report import load_run
+from trainplan.planner.cli.main import main as cli
 
 RTOL = 0.01
 LAUNCH_TIMEOUT_S = 300  # a hang guard on loaded cores

@@ -1,4 +1,5 @@
-"""Tests for executor.parallel.ulysses (Ulysses SP, ZeRO stages) and executor.parallel.launch (torchrun, faults).
+"""Tests for trainplan.executor.parallel.ulysses (Ulysses SP, ZeRO stages) and trainplan.executor.parallel.launch
+(torchrun, faults).
 
 Multi-process cases run tests/integration/_parallel_worker.py under torchrun (gloo, CPU) through
 `run_torchrun`, write results to tmp_path, and are compared here with single-process references
@@ -14,9 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import executor.parallel.launch as launch
-from executor.parallel.launch import WorkerFailedError, run_torchrun
-from executor.parallel.ulysses import (
+import trainplan.executor.parallel.launch as launch
+from trainplan.errors import TrainplanError
+from trainplan.executor.parallel.launch import WorkerFailedError, run_torchrun
+from trainplan.executor.parallel.ulysses import (
     ULYSSES,
     check_sp_degree,
     enable_ulysses,
@@ -25,8 +27,7 @@ from executor.parallel.ulysses import (
     sp_loss,
     valid_sp_degrees,
 )  # fmt: skip
-from executor.parallel.zero import apply_zero
-from trainplan_errors import TrainplanError
+from trainplan.executor.parallel.zero import apply_zero
 
 _spec = importlib.util.spec_from_file_location(
     "_parallel_worker", Path(__file__).with_name("_parallel_worker.py")
@@ -133,7 +134,7 @@ def test_sp_loss_and_grads_match_single_process(request, reference_grads, run, s
 
 
 def test_collectives_return_after_gloo_released_the_buffers(sp_world2):
-    """`executor.parallel.collectives` returns only once gloo's worker thread has dropped its references,
+    """`trainplan.executor.parallel.collectives` returns only once gloo's worker thread has dropped its references,
     so the caller frees the buffers (module docstring there): use count 1 right after return."""
     for rank in range(2):
         counts = torch.load(sp_world2 / f"release_rank{rank}.pt")
@@ -169,8 +170,8 @@ def mem_world2(world2) -> Path:
 
 @pytest.fixture(scope="module")
 def mem_step_model(cpu_profile):
-    from costmodels.step.model import StepModel
-    from planner.capture.graph import capture
+    from trainplan.costmodels.step.model import StepModel
+    from trainplan.planner.capture.graph import capture
 
     model = worker.build_mem_model(device="meta")
     g = capture(model)
@@ -185,11 +186,11 @@ def test_predicted_peak_per_rank_matches_memtracker(mem_world2, mem_step_model, 
     of 13.6 MiB here) all-gathered in forward and again for backward, its gradients whole until
     the end of the backward (was 17% under with 2 ranks, 36% with 4); ZeRO-1: the local
     optimizer's states (were not tracked); SP 2: o_proj's input, an all-to-all result each block
-    keeps (`costmodels.step.ulysses`; was 1-2% under). Equal ranks: FSDP2's all-gather buffers freed
-    where FSDP2 drops them (`executor.parallel.collectives`; one rank of a loaded run used to hold one
+    keeps (`trainplan.costmodels.step.ulysses`; was 1-2% under). Equal ranks: FSDP2's all-gather buffers freed
+    where FSDP2 drops them (`trainplan.executor.parallel.collectives`; one rank of a loaded run used to hold one
     block's gathered parameters more).
 
-    What timing still decides, under FSDP2 (ZeRO 2/3) only: `executor.parallel.collectives`
+    What timing still decides, under FSDP2 (ZeRO 2/3) only: `trainplan.executor.parallel.collectives`
     waits at most `RELEASE_TIMEOUT_S` for gloo's worker thread to let go of an all-gather
     buffer; a thread starved that long on a loaded machine frees it late, and that rank's peak
     then holds the next block's prefetched gathered parameters beside it: exactly one block's
@@ -203,7 +204,7 @@ def test_predicted_peak_per_rank_matches_memtracker(mem_world2, mem_step_model, 
     more there than the model (1.0% of the peak: three of the SwiGLU backward's tensors alive
     where the region replay has two; not yet explained), so these cases allow
     DDP_EXTRA_TEMP_RTOL instead of MEM_RTOL."""
-    from costmodels.step.model import Choice
+    from trainplan.costmodels.step.model import Choice
 
     got = torch.load(mem_world2 / f"mem_sp{sp}_stage{stage}.pt")
     c = Choice(sp_degree=sp, zero_stage=stage, micro_batch=1, seq_len=worker.MEM_SEQ_LEN,
@@ -231,9 +232,9 @@ def test_predicted_peak_per_rank_matches_memtracker(mem_world2, mem_step_model, 
 @pytest.fixture(scope="module")
 def mp_step_model(cpu_profile):
     """The memory model's Llama captured as bf16-mixed: autocast regions (DDP) and the `@mp`
-    ones FSDP2's mixed-precision policy runs (`planner.capture.setup.capture_model`)."""
-    from costmodels.step.model import StepModel
-    from planner.capture.setup import capture_model
+    ones FSDP2's mixed-precision policy runs (`trainplan.planner.capture.setup.capture_model`)."""
+    from trainplan.costmodels.step.model import StepModel
+    from trainplan.planner.capture.setup import capture_model
 
     model = worker.build_mem_model(device="meta")
     g, _, numels = capture_model(model, "bf16-mixed")
@@ -249,7 +250,7 @@ def test_mixed_precision_policy_peak_matches_memtracker(mem_world2, mp_step_mode
     within MEM_RTOL of the prediction (or of it plus one late-freed block, as
     `test_predicted_peak_per_rank_matches_memtracker` explains); and the prediction is well
     under the fp32 run's, so that a model that ignored the policy would fail."""
-    from costmodels.step.model import Choice
+    from trainplan.costmodels.step.model import Choice
 
     got = torch.load(mem_world2 / worker.mem_file(sp, stage, "bf16-mixed"))
     c = Choice(sp_degree=sp, zero_stage=stage, micro_batch=1, seq_len=worker.MEM_SEQ_LEN,
@@ -393,7 +394,7 @@ def test_apply_zero_world_one_returns_model_unchanged():
 def test_first_cause_skips_a_rank_that_only_lost_its_peer(tmp_path):
     """Ranks failing in the same second are listed by torchrun in polling order: the rank whose
     collective only lost its peer is not the cause when another failed rank is not like that."""
-    from executor.parallel.launch import first_cause
+    from trainplan.executor.parallel.launch import first_cause
 
     run = tmp_path / "run"
     for r, text in ((0, "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer"),

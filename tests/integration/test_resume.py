@@ -4,7 +4,7 @@ uninterrupted run (fp32 and bitsandbytes 8-bit AdamW on one process; FSDP2 shard
 the stopped run's record and checkpoint are complete; a kill during a checkpoint write leaves
 the previous checkpoint valid. The two-process runs also check `trainplan run` (moved here from
 tests/unit/executor/test_train.py: its uninterrupted run is the reference of the resume). The
-stopped and the FSDP2 checkpoints export to transformers (`executor.weights.export`)."""
+stopped and the FSDP2 checkpoints export to transformers (`trainplan.executor.weights.export`)."""
 
 from __future__ import annotations
 
@@ -17,13 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from executor.checkpoint import CHECKPOINT_DIR, LATEST, latest_checkpoint, load_checkpoint
-from executor.data.batches import load_corpus
-from executor.optimizers import build_optimizer
-from executor.record import RunRecord
-from executor.train import run
-from modeling.presets import build_model
-from planner.api import plan_for_choice
+from trainplan.executor.checkpoint import CHECKPOINT_DIR, LATEST, latest_checkpoint, load_checkpoint
+from trainplan.executor.data.batches import load_corpus
+from trainplan.executor.optimizers import build_optimizer
+from trainplan.executor.record import RunRecord
+from trainplan.executor.train import run
+from trainplan.modeling.presets import build_model
+from trainplan.planner.api import plan_for_choice
 
 STEPS = 8
 STOP_AFTER = 4
@@ -152,7 +152,7 @@ def test_stopped_run_exports_to_transformers(runs, corpus, tmp_path):
     8-bit or not, is left out): transformers' model gives the stopped model's logits."""
     from transformers import AutoModelForCausalLM
 
-    from executor.weights.export import export_weights
+    from trainplan.executor.weights.export import export_weights
 
     _, _, stopped_dir, trained, _ = runs
     loaded = AutoModelForCausalLM.from_pretrained(export_weights(stopped_dir, tmp_path / "hf"))
@@ -196,20 +196,20 @@ def two_process(corpus, corpus_path, cpu_profile, tmp_path_factory):
     """SP 2 x ZeRO stage 2 (FSDP2, every parameter sharded over both ranks) with two
     accumulated micro-steps of one sequence per optimizer step, on two gloo processes, three
     torchrun launches shared by the tests below: the whole run through `trainplan run` (folder
-    `full`), the same plan stopped after step 3 (`executor.worker.launch`, folder `run`; its
+    `full`), the same plan stopped after step 3 (`trainplan.executor.worker.launch`, folder `run`; its
     record and checkpoint shards read before) and resumed in place.
     Returns (plan, full folder, stopped record, stopped checkpoint's files, resumed folder)."""
     import subprocess
     import sys
 
-    from executor.worker import launch
+    from trainplan.executor.worker import launch
 
     base = tmp_path_factory.mktemp("two_process")
     plan = plan_for_choice("tiny-llama", cpu_profile, seq_len=64, micro_batch=1, grad_accum=2, max_steps=8,
                            vocab_size=corpus.vocab_size, data_tokens=corpus.n_train_tokens, devices=2,
                            sp_degree=2, zero_stage=2, optimizer_bits=32)
     plan.to_json(base / "plan.json")
-    proc = subprocess.run([sys.executable, "-m", "planner", "run", str(base / "plan.json"),
+    proc = subprocess.run([sys.executable, "-m", "trainplan", "run", str(base / "plan.json"),
                            "--out", str(base / "full"), "--data", str(corpus_path)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, \
@@ -258,7 +258,7 @@ def test_two_process_run_through_the_cli(two_process):
 def test_two_process_accumulation_trains_the_one_process_batch(two_process, corpus, cpu_profile, tmp_path,
                                                                 one_thread):
     """FSDP2 reduce-scatters the sharded gradient at every micro-step and the optimizer steps
-    after the second (`executor.accumulation`): the two-process run reaches the held-out loss
+    after the second (`trainplan.executor.accumulation`): the two-process run reaches the held-out loss
     of one process accumulating the same two micro-batches (fp32; SP splits each sequence, so
     both runs read the same windows). DDP's deferred all-reduce (`no_sync`) is
     tests/integration/test_grad_accum_parallel.py's."""
@@ -279,8 +279,8 @@ def test_two_process_fsdp2_checkpoint_exports_to_transformers(two_process, corpu
     """`trainplan export-weights` on the FSDP2 run (each rank's shards of every parameter), in one
     process without a process group: transformers loads the folder and its held-out loss is the
     run's final one (the run evaluated under SP 2, split over both ranks)."""
-    from executor.weights.export import export_weights
     from tests.support import transformers_heldout_loss
+    from trainplan.executor.weights.export import export_weights
 
     plan, full_dir, _, _, _ = two_process
     out = export_weights(full_dir, tmp_path / "hf")

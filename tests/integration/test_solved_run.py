@@ -6,10 +6,10 @@ import math
 
 import torch
 
-from executor.data.batches import load_corpus
-from executor.train import run
-from planner import Budget, solve
-from planner.api import plan_for_choice
+from trainplan.executor.data.batches import load_corpus
+from trainplan.executor.train import run
+from trainplan.planner import Budget, solve
+from trainplan.planner.api import plan_for_choice
 
 TEXT = "\n".join(f"Line {i}: to be or not to be, that is the question {i % 7}." for i in range(4000))
 
@@ -41,9 +41,9 @@ def test_solved_checkpoint_sets_run_and_match(tmp_path, cpu_profile):
     assert plan.predictions.flops_per_step == rec.flops_per_step, (
         f"predicted {plan.predictions.flops_per_step:.0f} FLOPs, measured {rec.flops_per_step:.0f}")
     # calibration re-predicts a run's step time from its plan, solved sets included
-    from executor.calibrate.runs import load_run_folder
-    from executor.calibrate.step_time import StepTimePredictor
-    from planner.capture.setup import capture_model
+    from trainplan.executor.calibrate.runs import load_run_folder
+    from trainplan.executor.calibrate.step_time import StepTimePredictor
+    from trainplan.planner.capture.setup import capture_model
 
     if not (tmp_path / "run" / "plan.json").exists():
         plan.to_json(tmp_path / "run" / "plan.json")

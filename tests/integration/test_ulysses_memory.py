@@ -1,4 +1,4 @@
-"""`costmodels.step.ulysses` against MemTracker: one transformer block run by the executor's Ulysses
+"""`trainplan.costmodels.step.ulysses` against MemTracker: one transformer block run by the executor's Ulysses
 attention in one process, the all-to-all replaced by a copy (same shapes and buffers, so the
 same storages; the data is not what P ranks would exchange, which memory does not see).
 
@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from costmodels.checkpoint_sets import resolve, saved_nodes
-from costmodels.graph import poly_at
-from costmodels.step.memory import simulate_region
-from costmodels.step.ulysses import kv_replication, ulysses_block_events
+from trainplan.costmodels.checkpoint_sets import resolve, saved_nodes
+from trainplan.costmodels.graph import poly_at
+from trainplan.costmodels.step.memory import simulate_region
+from trainplan.costmodels.step.ulysses import kv_replication, ulysses_block_events
 
 _spec = importlib.util.spec_from_file_location(
     "_parallel_worker", Path(__file__).with_name("_parallel_worker.py"))
@@ -50,7 +50,7 @@ def _block(kv_heads: int = 4):
 def _graph(kv_heads: int = 4):
     from transformers import LlamaForCausalLM
 
-    from planner.capture.graph import capture
+    from trainplan.planner.capture.graph import capture
 
     with torch.device("meta"):
         model = LlamaForCausalLM(_config(kv_heads))
@@ -69,8 +69,8 @@ def graph():
 
 def _run_block(model, monkeypatch, sp: int, b: int, policy: str, mode) -> None:
     """Forward and backward of layer 0 at SP degree `sp` (simulated exchange) under `mode`."""
-    import executor.parallel.ulysses as par
-    from executor.apply.checkpointing import sac_forward
+    import trainplan.executor.parallel.ulysses as par
+    from trainplan.executor.apply.checkpointing import sac_forward
 
     layer = model.model.layers[0]
     layer.zero_grad(set_to_none=True)

@@ -1,6 +1,6 @@
 """Every module, name and file that the docs and docstrings point to exists.
 
-Prose names code in backticks: `costmodels.step.memory.simulate_region`, `planner/joint/solver.py`.
+Prose names code in backticks: `trainplan.costmodels.step.memory.simulate_region`, `planner/joint/solver.py`.
 After code moves, such a reference is easy to leave behind; this test resolves each one (a
 dotted name by importing its longest module prefix and reading the attributes after it, a path
 on disk) in README.md, CONTRIBUTING.md, docs/*.md and the source packages' text."""
@@ -14,19 +14,22 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("trainplan_errors", "hardware_profiles", "costmodels", "modeling", "planner", "executor")
+FOLDERS = ("trainplan", "hardware_profiles", "costmodels", "modeling", "planner", "executor")
+"""The source folders: `trainplan/` (the package, its errors) and the top-level folders it links to
+(docs/architecture.md, "One namespace"); `Path.rglob` does not follow the links, so each file once."""
 DOCS = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
-SOURCES = sorted(p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py"))
+SOURCES = sorted(p for folder in FOLDERS for p in (ROOT / folder).rglob("*.py"))
 
-_PKG = "|".join(PACKAGES)
-DOTTED = re.compile(rf"`((?:{_PKG})(?:\.[A-Za-z_]\w*)+)")
-PATH = re.compile(rf"`((?:{_PKG}|tests|benchmarks|scripts|docs)/[\w/.-]*\w(?:\.\{{[\w,]+\}})?)")
+DOTTED = re.compile(r"`(trainplan(?:\.[A-Za-z_]\w*)+)`?")
+FILE_SUFFIXES = {"json", "toml", "csv", "html", "log", "pt", "txt", "md", "yaml"}
+"""`trainplan.json` is a file a run writes, not a module."""
+PATH = re.compile(rf"`((?:{'|'.join(FOLDERS)}|tests|benchmarks|scripts|docs)/[\w/.-]*\w(?:\.\{{[\w,]+\}})?)")
 
 
 def references(path: Path) -> list[tuple[str, str]]:
     """("dotted" | "path", reference) for each backticked reference in the file's text."""
     text = path.read_text()
-    return ([("dotted", m) for m in DOTTED.findall(text)]
+    return ([("dotted", m) for m in DOTTED.findall(text) if m.rpartition(".")[2] not in FILE_SUFFIXES]
             + [("path", m) for m in PATH.findall(text)])
 
 
@@ -57,7 +60,8 @@ def test_references_resolve(path):
 
 def test_the_check_sees_a_stale_reference(tmp_path):
     doc = tmp_path / "x.md"
-    doc.write_text("`costmodels.step.memory.simulate_region` and `costmodels.step.memory.no_such_name`, "
+    doc.write_text("`trainplan.costmodels.step.memory.simulate_region` and "
+                   "`trainplan.costmodels.step.memory.no_such_name`, "
                    "`planner/joint/solver.py` and `planner/solver.py`, `benchmarks/results/joint.{csv,json}`")
     assert [resolves(k, r) for k, r in references(doc)] == [True, False, True, False, True]
 

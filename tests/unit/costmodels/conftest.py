@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from costmodels.step.model import StepModel
-from planner.capture.graph import capture
+from trainplan.costmodels.step.model import StepModel
+from trainplan.planner.capture.graph import capture
 
 
 @pytest.fixture(scope="module")

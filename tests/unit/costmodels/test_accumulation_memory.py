@@ -1,4 +1,4 @@
-"""Gradient accumulation in the memory model (`costmodels.step.memory.step_phases`): from the second
+"""Gradient accumulation in the memory model (`trainplan.costmodels.step.memory.step_phases`): from the second
 micro-step on the parameters hold the gradients of the earlier ones and autograd adds each new
 gradient into them in place, so a step's gradients are counted once, not held + made so far (which
 put a hidden-256 Llama's plan 7.8% over MemTracker; measured in
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from costmodels.step.memory import step_phases
-from costmodels.step.model import Choice, StepModel
+from trainplan.costmodels.step.memory import step_phases
+from trainplan.costmodels.step.model import Choice, StepModel
 
 
 def _choice(sm: StepModel, policy: str, grad_accum: int, zero_stage: int = 0, devices: int = 1) -> Choice:

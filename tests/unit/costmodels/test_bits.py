@@ -10,20 +10,20 @@ import math
 import pytest
 import torch
 
-from costmodels.step.memory import CATEGORIES
-from costmodels.step.model import Choice, StepModel
-from costmodels.step.optimizer_states import ADAMW_IMPLEMENTATION, adam_state_bytes, quantization_map_bytes
-from costmodels.step.precision import optimizer_bits_for
-from executor.apply.checkpointing import apply_checkpointing
-from executor.optimizers import build_optimizer, set_lr
-from modeling.activation_compression import (
+from trainplan.costmodels.step.memory import CATEGORIES
+from trainplan.costmodels.step.model import Choice, StepModel
+from trainplan.costmodels.step.optimizer_states import ADAMW_IMPLEMENTATION, adam_state_bytes, quantization_map_bytes
+from trainplan.costmodels.step.precision import optimizer_bits_for
+from trainplan.errors import TrainplanError
+from trainplan.executor.apply.checkpointing import apply_checkpointing
+from trainplan.executor.optimizers import build_optimizer, set_lr
+from trainplan.modeling.activation_compression import (
     SavedActivationCompression,
     check_activation_bits,
     compress_saved_activations,
 )
-from modeling.loss import lm_loss
-from planner.capture.graph import capture
-from trainplan_errors import TrainplanError
+from trainplan.modeling.loss import lm_loss
+from trainplan.planner.capture.graph import capture
 
 RTOL = 0.01          # the accuracy benchmark's per-case tolerance for the peak
 ATOL_BYTES = 8192    # position ids, cos/sin copies and other few-KiB leftovers
@@ -179,8 +179,8 @@ def test_memory_per_category_matches_memtracker(step_models, tiny_llama, measure
     """The peak within 1% and, at the measured peak, each category within 1% (or 8 KiB) of a
     predicted phase within 1% of the predicted peak (two phases can tie: 8-bit compression
     brings the tail's forward and backward peaks within bytes of each other)."""
-    from costmodels.step.memory import model_state_bytes, step_phases
-    from costmodels.step.precision import PRECISIONS
+    from trainplan.costmodels.step.memory import model_state_bytes, step_phases
+    from trainplan.costmodels.step.precision import PRECISIONS
 
     sm = step_models[precision]
     c = Choice(sp_degree=1, zero_stage=0, micro_batch=B, seq_len=S, policies=("none",) * len(sm.blocks),
@@ -210,7 +210,7 @@ def test_memory_per_category_matches_memtracker(step_models, tiny_llama, measure
 
 @pytest.fixture(scope="module")
 def bits_problem():
-    from planner.joint.problem import prepare
+    from trainplan.planner.joint.problem import prepare
 
     return prepare("tiny-llama", "cpu", seq_len=256, data_tokens=10**6, micro_batches=(4,),
                    policies=("none",), data_fractions=(1.0,), activation_bits=(32, 16, 8),
@@ -221,9 +221,9 @@ def test_solver_picks_lower_bits_exactly_when_memory_binds(bits_problem):
     """With one micro-batch and no checkpointing, bits are the only way to fit: at caps at or
     above the full-width plan's peak the solver keeps 32/32 (no loss penalty); below it, it
     picks the lowest-penalty setting that fits, which never needs more than the cap."""
-    from costmodels.loss.bits import bits_loss_penalty
-    from planner.budget import Budget
-    from planner.joint.problem import solve_problem
+    from trainplan.costmodels.loss.bits import bits_loss_penalty
+    from trainplan.planner.budget import Budget
+    from trainplan.planner.joint.problem import solve_problem
 
     pr = bits_problem
     sm, L = pr.step_model, len(pr.step_model.blocks)
@@ -265,8 +265,8 @@ def _fake_run(name, precision, ob, ab, loss, seed=0):
 def test_calibration_refits_the_penalties_seen_and_keeps_the_rest():
     """Deltas against the full-width run of the same group, fitted by non-negative least
     squares: 4-bit states +0.10 and 8-bit activations +0.02 observed alone and together."""
-    from costmodels.loss.bits import DEFAULT_BITS_PENALTY
-    from executor.calibrate.bits import fit_bits_penalty
+    from trainplan.costmodels.loss.bits import DEFAULT_BITS_PENALTY
+    from trainplan.executor.calibrate.bits import fit_bits_penalty
 
     runs = [_fake_run("base", "fp32", 32, 32, 5.00), _fake_run("o4", "fp32", 4, 32, 5.10),
             _fake_run("a8", "fp32", 32, 8, 5.02), _fake_run("o4a8", "fp32", 4, 8, 5.12),
@@ -290,9 +290,9 @@ def test_calibration_refits_the_penalties_seen_and_keeps_the_rest():
 
 
 def test_fitted_penalties_travel_with_the_local_law(tmp_path):
-    from costmodels.loss.bits import BitsPenalty, bits_loss_penalty
-    from costmodels.loss.cache import load_local_law, save_local_law
-    from costmodels.loss.law import LossLaw
+    from trainplan.costmodels.loss.bits import BitsPenalty, bits_loss_penalty
+    from trainplan.costmodels.loss.cache import load_local_law, save_local_law
+    from trainplan.costmodels.loss.law import LossLaw
 
     law = LossLaw(bits=BitsPenalty(optimizer_4bit_nats=0.07))
     save_local_law(law, model="tiny-llama", vocab_size=512, cache_dir=tmp_path)
@@ -306,9 +306,9 @@ def test_4bit_states_and_8bit_activations_checkpoint_and_resume_exactly(tmp_path
     a run stopped after its first step and resumed ends on the uninterrupted run's losses (3
     steps: the states exist from the first step on, and the last loss follows a step taken
     with the restored states; torchao's 4-bit AdamW step is slow on a CPU)."""
-    from executor.data.batches import load_corpus
-    from executor.train import run
-    from planner.api import plan_for_choice
+    from trainplan.executor.data.batches import load_corpus
+    from trainplan.executor.train import run
+    from trainplan.planner.api import plan_for_choice
 
     words = ["now", "is", "the", "winter", "of", "our", "discontent", "made", "glorious", "summer", "by",
              "this", "sun", "of", "york"]
@@ -328,7 +328,7 @@ def test_4bit_states_and_8bit_activations_checkpoint_and_resume_exactly(tmp_path
 
 
 def test_cli_bit_widths_given_twice_count_once():
-    from planner.cli.checks import parse_bits
+    from trainplan.planner.cli.checks import parse_bits
 
     assert parse_bits("--optimizer-bits", "8,8,32,8") == (8, 32)
     assert parse_bits("--activation-bits", None) is None

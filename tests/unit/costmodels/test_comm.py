@@ -1,11 +1,11 @@
-"""costmodels.step.comm: alpha-beta collective times, Ulysses all-to-all bytes, ZeRO collectives."""
+"""trainplan.costmodels.step.comm: alpha-beta collective times, Ulysses all-to-all bytes, ZeRO collectives."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from costmodels.step.comm import (
+from trainplan.costmodels.step.comm import (
     ULYSSES_PER_STEP_FACTOR,
     Collective,
     Link,
@@ -18,7 +18,7 @@ from costmodels.step.comm import (
     valid_sp_degrees,
     zero_comm_bytes,
 )
-from trainplan_errors import TrainplanError
+from trainplan.errors import TrainplanError
 
 LINK = Link(bandwidth_bytes_per_s=100e9, latency_s=5e-6, efficiency=0.8)
 FUNCS = [all_reduce_s, all_gather_s, reduce_scatter_s, all_to_all_s]

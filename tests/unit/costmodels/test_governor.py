@@ -4,7 +4,7 @@ Synthetic learning curves (no training): the curve fit recovers a known power la
 stops near the analytic stop step when the threshold is reachable and runs the budget out when
 it is not, stops at once on NaN, on divergence, soon on a flat curve and on a rising one; a
 higher threshold never stops later (hypothesis). Real tiny-llama runs through
-`executor.train.run`: a governed run stops after its cooldown with a complete record, governor
+`trainplan.executor.train.run`: a governed run stops after its cooldown with a complete record, governor
 summary and checkpoint (and the report's rows and figure); the plan's threshold alone turns the
 governor on; an interrupted governed run resumes to the same stop; a diverging run stops with
 `diverged` (or `nan`). The planner's side (threshold, predicted stop, calibrated curve):
@@ -20,11 +20,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from costmodels.stopping.curve import fit_curve, marginal_gain
-from costmodels.stopping.prediction import predict_stop_step, predict_stop_step_from_curve
-from costmodels.stopping.rule import Governor
-from costmodels.stopping.schedule import lr_multiplier
-from trainplan_errors import TrainplanError
+from trainplan.costmodels.stopping.curve import fit_curve, marginal_gain
+from trainplan.costmodels.stopping.prediction import predict_stop_step, predict_stop_step_from_curve
+from trainplan.costmodels.stopping.rule import Governor
+from trainplan.costmodels.stopping.schedule import lr_multiplier
+from trainplan.errors import TrainplanError
 
 EVERY = 5  # held-out evaluation every this many steps
 LAW = dict(E=3.0, A=20.0, alpha=0.5, t0=1.0)
@@ -235,7 +235,7 @@ def test_lr_multiplier_is_wsd_cooldown_triggered_by_the_stop():
 def test_for_plan_replay_of_a_record_and_the_report_frame():
     from types import SimpleNamespace
 
-    from executor.reporting.governor_panel import curve_frame, plot_governor
+    from trainplan.executor.reporting.governor_panel import curve_frame, plot_governor
 
     plan = SimpleNamespace(decisions=SimpleNamespace(governor_threshold=1e-3, max_steps=2000,
                                                      warmup_steps=20))
@@ -283,7 +283,7 @@ def test_a_higher_threshold_never_stops_later(alpha, A, seed, thr_lo, factor):
 @pytest.fixture(scope="module")
 def small_plan():
     """tiny-llama on the cpu profile, a 12,800-token subset of a 400k-token corpus repeated."""
-    from planner.api import plan_for_choice
+    from trainplan.planner.api import plan_for_choice
 
     return plan_for_choice("tiny-llama", "cpu", seq_len=128, micro_batch=8, max_steps=2000,
                            vocab_size=8192, data_tokens=400_000, data_fraction=0.032)
@@ -291,8 +291,8 @@ def small_plan():
 
 # -- the loop helper ----------------------------------------------------------------------------
 def test_the_loop_is_inert_without_a_governor(small_plan):
-    from costmodels.stopping.schedule import GOVERNED_EVALS
-    from executor.governor import GovernedLoop
+    from trainplan.costmodels.stopping.schedule import GOVERNED_EVALS
+    from trainplan.executor.governor import GovernedLoop
 
     loop = GovernedLoop.for_run(small_plan)
     assert not loop.on and loop.lr(399) == 1.0 and not loop.eval_due(400)
@@ -311,10 +311,10 @@ def tiny_run(tmp_path, cpu_profile, torch_threads):
     import dataclasses
     import random
 
-    from executor.data.batches import load_corpus
-    from executor.train import run
-    from planner.api import plan_for_choice
-    from planner.governor import with_governor
+    from trainplan.executor.data.batches import load_corpus
+    from trainplan.executor.train import run
+    from trainplan.planner.api import plan_for_choice
+    from trainplan.planner.governor import with_governor
 
     rng = random.Random(0)
     words = ["the", "king", "is", "dead", "long", "live", "the", "queen", "now", "is", "the", "winter", "of",
@@ -341,11 +341,11 @@ def test_a_governed_run_ends_with_a_complete_record_and_checkpoint(tmp_path, tin
     record says `marginal_gain`, and the checkpoint at the final step loads."""
     import torch
 
-    from executor.apply.applied import lr_at
-    from executor.checkpoint import CHECKPOINT_DIR, LATEST, latest_checkpoint, load_checkpoint
-    from executor.optimizers import build_optimizer
-    from executor.record import RunRecord
-    from modeling.presets import build_model
+    from trainplan.executor.apply.applied import lr_at
+    from trainplan.executor.checkpoint import CHECKPOINT_DIR, LATEST, latest_checkpoint, load_checkpoint
+    from trainplan.executor.optimizers import build_optimizer
+    from trainplan.executor.record import RunRecord
+    from trainplan.modeling.presets import build_model
 
     gov = Governor(threshold_nats_per_step=1.0, max_steps=40, warmup_steps=4, refit_every=2, min_points=4)
     rec = tiny_run("run", governor=gov, eval_every=2)
@@ -370,8 +370,8 @@ def test_a_governed_run_ends_with_a_complete_record_and_checkpoint(tmp_path, tin
     assert meta["steps"] == rec.steps and meta["record"].stop_reason == "marginal_gain"
     assert len(opt.state) == len(list(fresh.parameters())), "optimizer state missing"
     # the report: predicted beside actual stop and final loss, and the governor's figure
-    from executor.reporting.compare import compare
-    from executor.reporting.figures import governor_figure, read_governor_summary
+    from trainplan.executor.reporting.compare import compare
+    from trainplan.executor.reporting.figures import governor_figure, read_governor_summary
 
     table = compare(plan, rec).set_index("term")
     assert table.loc["end_step", "measured"] == rec.steps
@@ -384,7 +384,7 @@ def test_a_governed_run_ends_with_a_complete_record_and_checkpoint(tmp_path, tin
     assert plan.predictions.predicted_stop_step == plan.predictions.predicted_end_step == 40
     assert any(lb.startswith("predicted end (plan)") for lb in labels), labels
     assert read_governor_summary(tmp_path) is None
-    from executor.reporting.report import report
+    from trainplan.executor.reporting.report import report
 
     html = report(plan, rec, tmp_path / "run")["html"].read_text()
     assert "Compute governor" in html
@@ -407,8 +407,8 @@ def test_a_governed_run_that_ends_at_once_measures_its_loss_and_checkpoints(tmp_
     """A stop decided on a held-out loss that no longer falls ends the real run at once, between
     two evaluations (every 3 steps, refits every 2): no cooldown, the held-out loss measured at
     the stop all the same, a complete record and a checkpoint at the final step."""
-    from executor.checkpoint import latest_checkpoint
-    from executor.record import RunRecord
+    from trainplan.executor.checkpoint import latest_checkpoint
+    from trainplan.executor.record import RunRecord
 
     gov = _Rising(threshold_nats_per_step=1.0, max_steps=40, warmup_steps=4, refit_every=2, min_points=4)
     # first fit at an evaluation (step 15), the next ones every 2 steps: it decides at step 17
@@ -452,8 +452,8 @@ def test_a_governed_run_that_diverges_stops_with_diverged(tmp_path, tiny_run):
     """A learning rate of 10 blows the loss up; the governor stops the run (`diverged`, or
     `nan` if the loss overflows first), the record is written and TrainingDivergedError raised;
     with no threshold the loop still runs the checks."""
-    from executor.record import RunRecord
-    from trainplan_errors import TrainingDivergedError
+    from trainplan.errors import TrainingDivergedError
+    from trainplan.executor.record import RunRecord
 
     gov = Governor(threshold_nats_per_step=0.0, max_steps=40, divergence_factor=1.2, patience=3, window=2)
     with pytest.raises(TrainingDivergedError, match="diverged|nan"):
@@ -470,7 +470,7 @@ def test_replay_jumps_between_events_and_decides_as_the_step_by_step_loop():
     every step returns, and a 10^8-step budget with 50 evaluations replays at once."""
     import warnings
 
-    from costmodels.stopping.rule import Decision
+    from trainplan.costmodels.stopping.rule import Decision
 
     def every_step(gov, train, held, last):
         dec = Decision(stop=False, reason="", end_now=False, steps=0)

@@ -12,11 +12,11 @@ import re
 import numpy as np
 import pytest
 
-from costmodels.stopping.heldout_curve import EARLY_OFFSET_MAX_NATS, HeldoutCurve, PilotCurve
-from costmodels.stopping.heldout_fit import fit_heldout_curve
-from costmodels.stopping.rule import Governor
 from tests.support import TPS, TRUE, U
-from trainplan_errors import TrainplanError
+from trainplan.costmodels.stopping.heldout_curve import EARLY_OFFSET_MAX_NATS, HeldoutCurve, PilotCurve
+from trainplan.costmodels.stopping.heldout_fit import fit_heldout_curve
+from trainplan.costmodels.stopping.rule import Governor
+from trainplan.errors import TrainplanError
 
 SETTINGS = dict(refit_every=10, min_points=8, confidence=0.9)
 
@@ -30,7 +30,7 @@ def dip(s):
 
 def pilot(unique, max_steps, every, *, seed=0, noise=0.005):
     """A synthetic pilot of TRUE + dip: the first 20% of its points kept apart as early points
-    (as `executor.governor.pilot_curve` does)."""
+    (as `trainplan.executor.governor.pilot_curve` does)."""
     c = TRUE.for_run(tokens_per_step=TPS, unique_tokens=unique)
     s = np.arange(every, int(0.8 * max_steps) + 1, every)[2:]
     y = c.loss_at(s) + dip(s) + np.random.default_rng(seed).normal(0.0, noise, s.size)
@@ -47,7 +47,7 @@ def pilots():
 @pytest.fixture(scope="module")
 def plan400():
     """tiny-llama on the cpu profile: 400 steps of 1,024 tokens on TRUE's 40,960-token subset."""
-    from planner.api import plan_for_choice
+    from trainplan.planner.api import plan_for_choice
 
     return plan_for_choice("tiny-llama", "cpu", seq_len=128, micro_batch=8, max_steps=400, vocab_size=8192,
                            data_tokens=400_000, data_fraction=U / 400_000)
@@ -98,7 +98,7 @@ def test_the_measured_start_moves_the_predicted_stop_to_where_the_governor_decid
     governor simulated over eq. (1) alone (a more convex curve); with the pilots' measured start
     the plan's prediction (simulated without noise, so the start is all that differs) is closer
     to the replayed decisions, and within 15% of them."""
-    from planner.governor import with_governor
+    from trainplan.planner.governor import with_governor
 
     plan0 = plan400
     assert (plan0.decisions.warmup_steps, plan0.predictions.tokens_per_step) == (20, TPS)
@@ -123,7 +123,7 @@ def test_the_curve_records_its_pilots_model_and_a_plan_of_another_is_refused(pil
     """The pilots' model and vocabulary go into the curve; with_governor refuses a curve of
     another model or vocabulary (its constants and nats per token are theirs); pilots of two
     models are not fitted together; a curve without them (an older file) is taken as it is."""
-    from planner.governor import with_governor
+    from trainplan.planner.governor import with_governor
 
     tagged = [dataclasses.replace(p, model="tiny-llama", vocab_size=8192) for p in pilots]
     fit = fit_heldout_curve(tagged)

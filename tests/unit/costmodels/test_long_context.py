@@ -8,13 +8,13 @@ import dataclasses
 
 import pytest
 
-from costmodels.graph import poly_at, variant_key
-from costmodels.step.model import Choice, StepModel
-from costmodels.step.offload import host_limit_bytes
-from hardware_profiles import load
-from planner.capture.regions import parse_key
-from planner.joint.space import check_chunk_options, check_offload_options, default_tiling
-from trainplan_errors import TrainplanError
+from trainplan.costmodels.graph import poly_at, variant_key
+from trainplan.costmodels.step.model import Choice, StepModel
+from trainplan.costmodels.step.offload import host_limit_bytes
+from trainplan.errors import TrainplanError
+from trainplan.hardware_profiles import load
+from trainplan.planner.capture.regions import parse_key
+from trainplan.planner.joint.space import check_chunk_options, check_offload_options, default_tiling
 
 
 def _choice(sm: StepModel, **kw) -> Choice:

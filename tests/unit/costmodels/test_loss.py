@@ -1,4 +1,4 @@
-"""costmodels.loss.law: Chinchilla law, data-constrained effective tokens, fit, bits penalties."""
+"""trainplan.costmodels.loss.law: Chinchilla law, data-constrained effective tokens, fit, bits penalties."""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from costmodels.loss.bits import BitsPenalty, bits_loss_penalty
-from costmodels.loss.law import (
+from trainplan.costmodels.loss.bits import BitsPenalty, bits_loss_penalty
+from trainplan.costmodels.loss.law import (
     LossLaw,
     effective_params,
     effective_tokens,
     learning_curve,
 )
-from trainplan_errors import TrainplanError
+from trainplan.errors import TrainplanError
 
 # --- known values ---------------------------------------------------------------------------
 

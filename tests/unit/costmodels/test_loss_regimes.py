@@ -9,14 +9,14 @@ import math
 import numpy as np
 import pytest
 
-from costmodels.loss.batch import (
+from trainplan.costmodels.loss.batch import (
     KAPLAN_BYTES_PER_TOKEN,
     batch_efficiency,
     critical_batch_tokens,
     min_steps,
 )
-from costmodels.loss.law import EXTRAPOLATED, LOCAL, PUBLISHED, LossLaw, learning_curve
-from costmodels.loss.pilots import (
+from trainplan.costmodels.loss.law import EXTRAPOLATED, LOCAL, PUBLISHED, LossLaw, learning_curve
+from trainplan.costmodels.loss.pilots import (
     MIN_PILOT_STEPS,
     PILOT_BUDGET_FRAC,
     PilotResult,
@@ -24,9 +24,9 @@ from costmodels.loss.pilots import (
     design_pilots,
     fit_pilot_law,
 )
-from costmodels.loss.planned import run_loss, warmup_steps_for
-from costmodels.loss.transfer import MASSIVETEXT_BYTES_PER_TOKEN, carry_law, per_byte
-from trainplan_errors import TrainplanError
+from trainplan.costmodels.loss.planned import run_loss, warmup_steps_for
+from trainplan.costmodels.loss.transfer import MASSIVETEXT_BYTES_PER_TOKEN, carry_law, per_byte
+from trainplan.errors import TrainplanError
 
 # ---- the ln(V) bound ------------------------------------------------------------------------
 
@@ -77,8 +77,8 @@ def test_published_band_is_the_spread_of_the_two_published_fits():
 @pytest.fixture(scope="module")
 def two_tokenizations(tmp_path_factory):
     """One corpus (the default, Shakespeare's plays) cut by two byte-level BPEs: 1024 and 8192 tokens."""
-    from executor.data.batches import load_corpus
-    from executor.data.text_bytes import corpus_bytes_per_token
+    from trainplan.executor.data.batches import load_corpus
+    from trainplan.executor.data.text_bytes import corpus_bytes_per_token
 
     cache = tmp_path_factory.mktemp("bpe")
     out = {}
@@ -190,7 +190,7 @@ def test_bad_pilot_inputs_are_one_clear_error():
 
 
 def _synthetic(law: LossLaw, gamma: float, specs: list[PilotSpec]) -> list[PilotResult]:
-    """Pilots whose points follow the fit's model exactly (module docstring of costmodels.loss.pilots)."""
+    """Pilots whose points follow the fit's model exactly (module docstring of trainplan.costmodels.loss.pilots)."""
     out = []
     b_c = law.B / (1 - gamma)
     for s in specs:

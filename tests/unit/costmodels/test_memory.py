@@ -1,4 +1,4 @@
-"""costmodels.step.memory: predicted peak against MemTracker on a real step (STYLE 11), model-state
+"""trainplan.costmodels.step.memory: predicted peak against MemTracker on a real step (STYLE 11), model-state
 formulas against published figures, and a monotonicity property."""
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from costmodels.step.memory import CATEGORIES, model_state_bytes, zero1_partition
-from costmodels.step.model import Choice, StepModel
-from costmodels.step.optimizer_states import MIN_QUANT_NUMEL, adam_state_bytes, quantization_map_bytes
-from executor.apply.checkpointing import apply_checkpointing
-from executor.optimizers import build_optimizer
-from hardware_profiles import load
-from trainplan_errors import TrainplanError
+from trainplan.costmodels.step.memory import CATEGORIES, model_state_bytes, zero1_partition
+from trainplan.costmodels.step.model import Choice, StepModel
+from trainplan.costmodels.step.optimizer_states import MIN_QUANT_NUMEL, adam_state_bytes, quantization_map_bytes
+from trainplan.errors import TrainplanError
+from trainplan.executor.apply.checkpointing import apply_checkpointing
+from trainplan.executor.optimizers import build_optimizer
+from trainplan.hardware_profiles import load
 
 RTOL = 0.01
 ATOL_BYTES = 4096 + 512
@@ -31,7 +31,7 @@ CHECKPOINTED_BACKWARD = (
     "known gap: when the peak falls in a checkpointed block's backward (b=2, s=64), MemTracker "
     "labels the recompute's tensors temporaries (made during the backward) where the replay counts "
     "them activations; the totals agree within 1% since saved tensors are held to the end of their "
-    "autograd node's backward (planner.capture.trace, issue #20)")
+    "autograd node's backward (trainplan.planner.capture.trace, issue #20)")
 
 
 def _known_failures(policy: str, bits: int, size: tuple[int, int]) -> tuple[list[str], list[str]]:

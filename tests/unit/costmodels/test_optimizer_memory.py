@@ -1,4 +1,4 @@
-"""AdamW's step temporaries (`costmodels.step.memory.adamw_step_temp_bytes`) against MemTracker on
+"""AdamW's step temporaries (`trainplan.costmodels.step.memory.adamw_step_temp_bytes`) against MemTracker on
 CPU, for each torch implementation, and the executor's optimizer against the step model's."""
 
 from __future__ import annotations
@@ -6,10 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from costmodels.step.optimizer_states import ADAMW_IMPLEMENTATION, ADAMW_IMPLEMENTATIONS, adamw_step_temp_bytes
-from executor.measure import measure_memory
-from executor.optimizers import build_optimizer
-from trainplan_errors import TrainplanError
+from trainplan.costmodels.step.optimizer_states import (
+    ADAMW_IMPLEMENTATION,
+    ADAMW_IMPLEMENTATIONS,
+    adamw_step_temp_bytes,
+)
+from trainplan.errors import TrainplanError
+from trainplan.executor.measure import measure_memory
+from trainplan.executor.optimizers import build_optimizer
 
 SHAPES = [(256, 96), (64, 64), (1000,), (33, 7)]
 KWARGS = {"fused": {"fused": True}, "foreach": {"foreach": True}, "single_tensor": {"foreach": False}}

@@ -1,13 +1,13 @@
-"""The overlap rule (`costmodels.step.overlap`) on synthetic blocks: communication fully hidden,
+"""The overlap rule (`trainplan.costmodels.step.overlap`) on synthetic blocks: communication fully hidden,
 partly hidden and exposed, under FSDP2's and DDP's schedules, with gradient accumulation."""
 
 from __future__ import annotations
 
 import pytest
 
-from costmodels.step import comm
-from costmodels.step.overlap import Phase, StepTimes, schedule, step_timeline
-from trainplan_errors import TrainplanError
+from trainplan.costmodels.step import comm
+from trainplan.costmodels.step.overlap import Phase, StepTimes, schedule, step_timeline
+from trainplan.errors import TrainplanError
 
 
 def _times(n: int, *, fwd: float, bwd: float, gather: float, reduce: float, root: float = 0.0,
@@ -96,9 +96,9 @@ def test_grad_accum_must_be_a_positive_integer(bad):
 @pytest.fixture(scope="module")
 def tiny_h100():
     """tiny-llama captured at bf16-mixed (autocast and `@mp` regions), on the h100 profile."""
-    from costmodels.step.model import StepModel
-    from hardware_profiles import load
-    from planner.capture.setup import capture_model
+    from trainplan.costmodels.step.model import StepModel
+    from trainplan.hardware_profiles import load
+    from trainplan.planner.capture.setup import capture_model
 
     g, _, numels = capture_model("tiny-llama", "bf16-mixed", vocab_size=2048)
     return StepModel(g.regions, g.blocks, numels, load("h100"), n_heads=g.n_heads,
@@ -106,7 +106,7 @@ def tiny_h100():
 
 
 def test_step_model_overlap_is_at_most_the_no_overlap_bound(tiny_h100):
-    from costmodels.step.model import Choice, StepModel
+    from trainplan.costmodels.step.model import Choice, StepModel
 
     sm = tiny_h100
     bound = StepModel(sm.regions, sm.blocks, sm.param_numels, sm.hw, n_heads=sm.n_heads,
@@ -131,7 +131,7 @@ def test_mixed_precision_policy_halves_gathered_bytes_and_keeps_fp32_reduce(tiny
     """bf16-mixed at ZeRO 2/3 over several devices runs FSDP2's MixedPrecisionPolicy: bf16
     all-gathers (2 bytes per parameter, half the autocast layout's fp32) and fp32 gradient
     reduce-scatters; DDP (ZeRO 0/1) keeps autocast over fp32 parameters."""
-    from costmodels.step.model import Choice
+    from trainplan.costmodels.step.model import Choice
 
     sm = tiny_h100
     kw = dict(sp_degree=1, micro_batch=1, seq_len=256, policies=("none",) * len(sm.blocks),

@@ -1,4 +1,4 @@
-"""`executor.apply_plan` on one process: the blocks found, the op check against the plan's captured
+"""`trainplan.executor.apply_plan` on one process: the blocks found, the op check against the plan's captured
 blocks (a model that differs is refused with its first mismatching op), the learning-rate
 schedule and the loss. The user's whole loop, measured against the plan, is
 tests/integration/test_own_loop.py."""
@@ -12,12 +12,12 @@ import pytest
 import torch
 from torch import nn
 
-import executor
-from executor.apply.applied import lr_at
-from executor.apply.checkpointing import LAYOUT_OPS, block_ops, find_blocks
-from executor.record import RunRecord
-from planner.api import plan_for_choice
-from trainplan_errors import PlanMismatchError
+import trainplan.executor
+from trainplan.errors import PlanMismatchError
+from trainplan.executor.apply.applied import lr_at
+from trainplan.executor.apply.checkpointing import LAYOUT_OPS, block_ops, find_blocks
+from trainplan.executor.record import RunRecord
+from trainplan.planner.api import plan_for_choice
 
 CHECKPOINT = ("none", "full")  # layer 1 checkpointed: its ops are checked
 
@@ -35,8 +35,8 @@ class _Scaled(nn.Module):
 
 
 def test_apply_plan_returns_what_a_loop_needs(plan, tiny_llama):
-    applied = executor.apply_plan(plan, tiny_llama())
-    assert isinstance(applied, executor.AppliedPlan)
+    applied = trainplan.executor.apply_plan(plan, tiny_llama())
+    assert isinstance(applied, trainplan.executor.AppliedPlan)
     assert (applied.micro_batch, applied.grad_accum, applied.seq_len, applied.max_steps) == (2, 1, 32, 10)
     assert (applied.device, applied.rank, applied.world, applied.dp_rank) == (torch.device("cpu"), 0, 1, 0)
     assert isinstance(applied.optimizer, torch.optim.AdamW)
@@ -53,7 +53,7 @@ def test_apply_plan_returns_what_a_loop_needs(plan, tiny_llama):
 
 def test_a_loop_that_first_steps_the_scheduler_after_the_optimizer_starts_at_lr_at_0(plan, tiny_llama):
     plan = dataclasses.replace(plan, decisions=dataclasses.replace(plan.decisions, warmup_steps=4))
-    applied = executor.apply_plan(plan, tiny_llama(), check_ops=False)
+    applied = trainplan.executor.apply_plan(plan, tiny_llama(), check_ops=False)
     opt, lrs = applied.optimizer, []
     for _ in range(3):
         opt.step()  # the scheduler is first touched after the first optimizer step
@@ -64,7 +64,7 @@ def test_a_loop_that_first_steps_the_scheduler_after_the_optimizer_starts_at_lr_
 
 
 def test_a_micro_batch_of_another_shape_is_refused(plan, tiny_llama):
-    applied = executor.apply_plan(plan, tiny_llama(), check_ops=False)
+    applied = trainplan.executor.apply_plan(plan, tiny_llama(), check_ops=False)
     for shape in [(4, 32), (2, 64), (32,)]:
         x = torch.zeros(shape, dtype=torch.long)
         with pytest.raises(PlanMismatchError, match=rf"x of shape {re.escape(str(shape))} .*"
@@ -85,7 +85,7 @@ def test_a_block_with_another_activation_is_refused_at_its_first_other_op(plan, 
     ops = [op for op in plan.decisions.checkpoint_block_ops["block0"]["ops"] if op not in LAYOUT_OPS]
     at = ops.index("aten.silu.default")
     with pytest.raises(PlanMismatchError) as e:
-        executor.apply_plan(plan, tiny_llama(hidden_act="gelu"))
+        trainplan.executor.apply_plan(plan, tiny_llama(hidden_act="gelu"))
     msg = str(e.value)
     assert (f"model.layers.1 is not the block the plan was captured from (block0, {len(ops)} ops): compute op {at} of "
             "its forward is aten.gelu.default, the plan expects aten.silu.default") in msg, msg
@@ -99,13 +99,13 @@ def test_a_block_with_one_op_more_is_refused_at_that_op(plan, tiny_llama):
     at = ops.index("aten.silu.default") + 1
     with pytest.raises(PlanMismatchError, match=rf"model\.layers\.1 .* compute op {at} of its forward is "
                                                 rf"aten\.mul\.Tensor, the plan expects {ops[at]}"):
-        executor.apply_plan(plan, model)
+        trainplan.executor.apply_plan(plan, model)
 
 
 def test_a_block_that_is_not_checkpointed_is_not_checked(plan, tiny_llama):
     model = tiny_llama()
     model.model.layers[0].mlp.act_fn = _Scaled()  # layer 0 runs without a checkpoint: no keys to match
-    executor.apply_plan(plan, model)
+    trainplan.executor.apply_plan(plan, model)
 
 
 def test_blocks_are_found_by_the_plan_s_layer_count(plan, tiny_llama):
@@ -118,11 +118,11 @@ def test_blocks_are_found_by_the_plan_s_layer_count(plan, tiny_llama):
     assert name == "lm.model.layers" and len(blocks) == 2
     with pytest.raises(PlanMismatchError, match=r"the plan has 2 layers but LlamaForCausalLM has no nn.ModuleList "
                                                 r"of 2 blocks \(its module lists and lengths: model.layers \(3\)\)"):
-        executor.apply_plan(plan, tiny_llama(num_hidden_layers=3))
+        trainplan.executor.apply_plan(plan, tiny_llama(num_hidden_layers=3))
 
 
 def test_measure_writes_the_plan_and_a_record_however_the_loop_ends(plan, tiny_llama, tmp_path):
-    applied = executor.apply_plan(plan, tiny_llama())
+    applied = trainplan.executor.apply_plan(plan, tiny_llama())
     with pytest.raises(RuntimeError, match="the user's bug"), applied.measure(tmp_path) as m:
         assert (tmp_path / "plan.json").exists()
         m.step(lambda: 6.0)

@@ -1,4 +1,4 @@
-"""executor.calibrate: loss-law refit, cpu step-time refit, errors, and solve() using the law.
+"""trainplan.executor.calibrate: loss-law refit, cpu step-time refit, errors, and solve() using the law.
 
 No training: plans and records are built by hand; the cpu profile is a synthetic one saved into
 a temporary cache (so nothing is measured and the user's cache is untouched)."""
@@ -8,21 +8,21 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import hardware_profiles
-from costmodels.loss.cache import law_path, load_local_law, read_local_law_file, save_local_law
-from costmodels.loss.law import LossLaw
-from costmodels.loss.planned import run_loss
-from costmodels.step.model import Choice, StepModel
-from executor.calibrate.calibration import calibrate
-from executor.calibrate.law import SKIP_FRACTION
-from executor.calibrate.step_time import scaled_profile
-from executor.record import RunRecord
-from hardware_profiles import HardwareProfile
-from planner.api import solve
-from planner.budget import Budget
-from planner.capture.setup import capture_model
-from planner.plan import Decisions, Plan, Predictions, SolverFacts
-from trainplan_errors import TrainplanError
+import trainplan.hardware_profiles
+from trainplan.costmodels.loss.cache import law_path, load_local_law, read_local_law_file, save_local_law
+from trainplan.costmodels.loss.law import LossLaw
+from trainplan.costmodels.loss.planned import run_loss
+from trainplan.costmodels.step.model import Choice, StepModel
+from trainplan.errors import TrainplanError
+from trainplan.executor.calibrate.calibration import calibrate
+from trainplan.executor.calibrate.law import SKIP_FRACTION
+from trainplan.executor.calibrate.step_time import scaled_profile
+from trainplan.executor.record import RunRecord
+from trainplan.hardware_profiles import HardwareProfile
+from trainplan.planner.api import solve
+from trainplan.planner.budget import Budget
+from trainplan.planner.capture.setup import capture_model
+from trainplan.planner.plan import Decisions, Plan, Predictions, SolverFacts
 
 GIB = 2**30
 MODEL, VOCAB, LAYERS = "tiny-llama", 8192, 4
@@ -46,8 +46,8 @@ def fake_cpu(**over) -> HardwareProfile:
 def cache(tmp_path, monkeypatch):
     """Temporary cache with the synthetic cpu profile; the in-process cpu memo is isolated."""
     monkeypatch.setenv("TRAINPLAN_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(hardware_profiles.cpu, "_MEMO", {})
-    hardware_profiles.cpu.save_profile(fake_cpu())
+    monkeypatch.setattr(trainplan.hardware_profiles.cpu, "_MEMO", {})
+    trainplan.hardware_profiles.cpu.save_profile(fake_cpu())
     return tmp_path / "cache"
 
 
@@ -178,7 +178,7 @@ def test_step_time_refit_matches_measured(cache, tmp_path, graph, r):
     run = write_run(tmp_path / "run", plan, make_record(step_s=measured))
     res = calibrate([run], capture_model=capture_model, verbose=False)
     assert res.step_time_method == "ratio" and res.ratio == pytest.approx(r, rel=1e-6)
-    after = hardware_profiles.load("cpu")
+    after = trainplan.hardware_profiles.load("cpu")
     assert after == res.profile
     # the next prediction is the measured median
     assert predict(after, g, numels, plan) == pytest.approx(measured, rel=0.05)
@@ -209,7 +209,7 @@ def test_two_shapes_fit_compute_and_memory_separately(cache, tmp_path, graph):
     runs = [write_run(tmp_path / f"run{i}", p, make_record(step_s=predict(truth, g, numels, p)))
             for i, p in enumerate(plans)]
     res = calibrate(runs, capture_model=capture_model, verbose=False)
-    after = hardware_profiles.load("cpu")
+    after = trainplan.hardware_profiles.load("cpu")
     for row in res.step_time:
         assert abs(row.rel_err_after) < 0.05, (res.step_time_method, res.step_time)
     assert res.step_time_method == "least-squares"
@@ -221,7 +221,7 @@ def test_other_hardware_runs_leave_profile_alone(cache, tmp_path):
     run = write_run(tmp_path / "run", make_plan(hw="h100"), make_record(same_hardware=False))
     res = calibrate([run], capture_model=capture_model, verbose=False)
     assert res.profile is None and res.profile_path is None and res.step_time_method == ""
-    assert hardware_profiles.load("cpu") == fake_cpu()
+    assert trainplan.hardware_profiles.load("cpu") == fake_cpu()
     assert any("h100" in n for n in res.notes)
 
 
@@ -249,7 +249,7 @@ def test_too_few_heldout_points(cache, tmp_path):
     assert "short" in msg and "3 held-out points found" in msg and "at least 4" in msg
     # nothing written: neither a law nor a changed profile
     assert not law_path(MODEL, VOCAB).exists()
-    assert hardware_profiles.load("cpu") == fake_cpu()
+    assert trainplan.hardware_profiles.load("cpu") == fake_cpu()
 
 
 # --------------------------------------------------------------------------- solve

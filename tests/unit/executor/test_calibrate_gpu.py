@@ -1,4 +1,4 @@
-"""trainplan calibrate on accelerator runs (`executor.calibrate.gpu`), without an accelerator: the
+"""trainplan calibrate on accelerator runs (`trainplan.executor.calibrate.gpu`), without an accelerator: the
 records are made from a known profile (h200 with its efficiencies, per-op overhead and memory
 reserve changed) by the same step model, and the refit must recover that profile from h200."""
 
@@ -6,16 +6,16 @@ from __future__ import annotations
 
 import pytest
 
-import planner.cli.main as cli
-from costmodels.step.model import Choice
-from executor.calibrate.calibration import calibrate
-from executor.calibrate.gpu import GpuObservation, fit_gpu_profile
-from executor.calibrate.gpu_parts import PartsPredictor
-from executor.record import RunRecord
-from hardware_profiles import HardwareProfile, load
-from planner.api import plan_for_choice
-from planner.capture.setup import capture_model
-from trainplan_errors import TrainplanError
+import trainplan.planner.cli.main as cli
+from trainplan.costmodels.step.model import Choice
+from trainplan.errors import TrainplanError
+from trainplan.executor.calibrate.calibration import calibrate
+from trainplan.executor.calibrate.gpu import GpuObservation, fit_gpu_profile
+from trainplan.executor.calibrate.gpu_parts import PartsPredictor
+from trainplan.executor.record import RunRecord
+from trainplan.hardware_profiles import HardwareProfile, load
+from trainplan.planner.api import plan_for_choice
+from trainplan.planner.capture.setup import capture_model
 
 GIB = 2**30
 MODEL, VOCAB, PRECISION = "tiny-llama", 8192, "bf16-mixed"
@@ -125,7 +125,7 @@ def test_efficiency_above_one_goes_onto_the_peaks(tmp_path, captured):
     truth = base.with_calibration(peak_flops_per_s={k: 1.5 * v for k, v in base.peak_flops_per_s.items()})
     d = synthetic_run(tmp_path, captured, SHAPES[0], truth, "fast")
     graph, numels = captured
-    from executor.calibrate.runs import load_run_folder
+    from trainplan.executor.calibrate.runs import load_run_folder
 
     run = load_run_folder(d)
     obs = GpuObservation(run_dir=str(d), record=run.record,

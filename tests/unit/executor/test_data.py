@@ -1,4 +1,5 @@
-"""Tests for executor.data.batches / executor.data.corpus: corpora, BPE cache, micro-batch sampler."""
+"""Tests for trainplan.executor.data.batches / trainplan.executor.data.corpus: corpora, BPE cache, micro-batch
+sampler."""
 
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import executor.data.corpus as corpus_mod
-from executor.data.batches import TokenBatches, count_corpus_tokens, heldout_batches, load_corpus
-from executor.data.corpus import EOT, load_tokenizer, read_documents, strip_markdown
-from trainplan_errors import DataError, TrainplanError
+import trainplan.executor.data.corpus as corpus_mod
+from trainplan.errors import DataError, TrainplanError
+from trainplan.executor.data.batches import TokenBatches, count_corpus_tokens, heldout_batches, load_corpus
+from trainplan.executor.data.corpus import EOT, load_tokenizer, read_documents, strip_markdown
 
 VOCAB = 300  # 256 bytes + EOT + a few merges: trains in milliseconds
 WORDS = ["the", "king", "is", "dead", "long", "live", "the", "queen", "now", "is", "the", "winter", "of",

@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 import torch
 
-import executor.data.corpus as corpus_mod
-from executor.data.batches import TokenBatches, count_corpus_tokens, heldout_batches, load_corpus
-from executor.data.corpus import EOT, load_tokenizer, train_tokenizer
-from executor.data.selection import score_windows
-from executor.data.sources import DataOptions, add_data_flags
-from executor.data.token_files import FINGERPRINT_WHOLE_BYTES, file_fingerprint
-from trainplan_errors import DataError, MissingExtraError
+import trainplan.executor.data.corpus as corpus_mod
+from trainplan.errors import DataError, MissingExtraError
+from trainplan.executor.data.batches import TokenBatches, count_corpus_tokens, heldout_batches, load_corpus
+from trainplan.executor.data.corpus import EOT, load_tokenizer, train_tokenizer
+from trainplan.executor.data.selection import score_windows
+from trainplan.executor.data.sources import DataOptions, add_data_flags
+from trainplan.executor.data.token_files import FINGERPRINT_WHOLE_BYTES, file_fingerprint
 
 pa = pytest.importorskip("pyarrow")  # installed with datasets (extra `data`)
 pq = pytest.importorskip("pyarrow.parquet")
@@ -181,7 +181,7 @@ def test_selection_scores_a_memory_mapped_corpus_as_its_int64_copy(tmp_path):
 
 
 def test_fingerprint_of_a_large_token_file_is_sampled(tmp_path, monkeypatch):
-    import executor.data.token_files as tf
+    import trainplan.executor.data.token_files as tf
 
     monkeypatch.setattr(tf, "FINGERPRINT_WHOLE_BYTES", 4096)
     monkeypatch.setattr(tf, "FINGERPRINT_BLOCK_BYTES", 64)

@@ -1,4 +1,4 @@
-"""Gradient accumulation in `executor.train.run`: an optimizer step of `grad_accum` micro-steps
+"""Gradient accumulation in `trainplan.executor.train.run`: an optimizer step of `grad_accum` micro-steps
 on consecutive micro-batches trains the same parameters as one step on the whole batch (fp32,
 one process), and counts tokens, steps and loss per optimizer step; DDP defers its all-reduce to
 the last micro-step (`accumulation_sync`).
@@ -14,11 +14,11 @@ from contextlib import nullcontext
 import pytest
 import torch
 
-from executor.accumulation import accumulation_sync
-from executor.data.batches import TokenCorpus
-from executor.train import run
-from modeling import presets
-from planner.plan import Decisions, Plan, Predictions, SolverFacts, edited_layout, layout_fields
+from trainplan.executor.accumulation import accumulation_sync
+from trainplan.executor.data.batches import TokenCorpus
+from trainplan.executor.train import run
+from trainplan.modeling import presets
+from trainplan.planner.plan import Decisions, Plan, Predictions, SolverFacts, edited_layout, layout_fields
 
 VOCAB = 256
 SEQ = 32
@@ -67,7 +67,7 @@ def trained(corpus, tmp_path_factory, torch_threads):
     """(model, record) after one optimizer step, by (micro_batch, grad_accum)."""
     out = {}
     with torch_threads(1), pytest.MonkeyPatch.context() as mp:
-        mp.setattr("executor.apply.applied.build_optimizer", _sgd)
+        mp.setattr("trainplan.executor.apply.applied.build_optimizer", _sgd)
         for mb, ga in ((4, 1), (2, 2), (2, 1)):
             model = _model()
             rec = run(_plan(mb, ga, model), model, corpus, out=tmp_path_factory.mktemp(f"mb{mb}ga{ga}"),
@@ -127,8 +127,8 @@ def measured(corpus, tmp_path_factory, torch_threads):
 
 def test_the_measured_step_holds_the_accumulated_gradients(measured):
     """MemTracker measures the whole optimizer step, every micro-step (its module statistics
-    cleared between them, `executor.accumulation.reset_memory_tracker_modules`): from the second
-    micro-step on every fp32 gradient is held, as `planner.joint.combos.accumulated_grad_bytes`
+    cleared between them, `trainplan.executor.accumulation.reset_memory_tracker_modules`): from the second
+    micro-step on every fp32 gradient is held, as `trainplan.planner.joint.combos.accumulated_grad_bytes`
     counts them; FlopCounterMode counts both micro-steps, the whole batch's FLOPs."""
     n_params = sum(p.numel() for p in _model().parameters())
     accum, whole = measured[2, 2], measured[4, 1]

@@ -1,4 +1,5 @@
-"""executor.reporting.html and executor.reporting.figures: verdicts, the summary line, the figures' data, the
+"""trainplan.executor.reporting.html and trainplan.executor.reporting.figures: verdicts, the summary line, the
+figures' data, the
 self-contained report.html (also rendered in headless Chromium), comparing runs, the CLI."""
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ import pandas as pd
 import pytest
 from PIL import Image
 
-from costmodels.loss.bits import bits_loss_penalty
-from costmodels.loss.cache import save_local_law
-from costmodels.loss.law import LossLaw
-from executor.reporting.compare import compare
-from executor.reporting.figures import (
+from tests.support import MIB, make_plan, make_record
+from trainplan.costmodels.loss.bits import bits_loss_penalty
+from trainplan.costmodels.loss.cache import save_local_law
+from trainplan.costmodels.loss.law import LossLaw
+from trainplan.executor.reporting.compare import compare
+from trainplan.executor.reporting.figures import (
     CALIBRATION_COLUMNS,
     append_calibration_history,
     calibration_figure,
@@ -35,13 +37,12 @@ from executor.reporting.figures import (
     rank_memory_frame,
     read_calibration_history,
 )
-from executor.reporting.frames import report_frames
-from executor.reporting.html import environment, render
-from executor.reporting.plots import plot_report
-from executor.reporting.report import compare_runs, report
-from executor.reporting.verdicts import TOLERANCES, summary_line, term_label, tolerance, verdict_frame
-from planner.cli.main import main
-from tests.support import MIB, make_plan, make_record
+from trainplan.executor.reporting.frames import report_frames
+from trainplan.executor.reporting.html import environment, render
+from trainplan.executor.reporting.plots import plot_report
+from trainplan.executor.reporting.report import compare_runs, report
+from trainplan.executor.reporting.verdicts import TOLERANCES, summary_line, term_label, tolerance, verdict_frame
+from trainplan.planner.cli.main import main
 
 DATA_PNG = re.compile(r'<img[^>]*\bsrc="data:image/png;base64,([A-Za-z0-9+/=]*)"')
 

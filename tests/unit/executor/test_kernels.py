@@ -1,6 +1,6 @@
 """What a run records on an accelerator, tested without one: the kernel time split
-(`executor.kernels`), the record's accelerator fields and their absence on CPU
-(`executor.measure.measured_step`), and whether a device is the plan's hardware."""
+(`trainplan.executor.kernels`), the record's accelerator fields and their absence on CPU
+(`trainplan.executor.measure.measured_step`), and whether a device is the plan's hardware."""
 
 from __future__ import annotations
 
@@ -9,9 +9,15 @@ import math
 import pytest
 import torch
 
-from executor.kernels import KINDS, kernel_kind, merge_splits, profile_step, split_kernels
-from executor.measure import WARMUP_STEPS_UNMEASURED, accelerator_fn, device_name, measured_step, record_device_memory
-from executor.record import RunRecord, same_hardware
+from trainplan.executor.kernels import KINDS, kernel_kind, merge_splits, profile_step, split_kernels
+from trainplan.executor.measure import (
+    WARMUP_STEPS_UNMEASURED,
+    accelerator_fn,
+    device_name,
+    measured_step,
+    record_device_memory,
+)
+from trainplan.executor.record import RunRecord, same_hardware
 
 
 @pytest.mark.parametrize(("name", "kind"), [
@@ -97,7 +103,7 @@ def test_measured_step_on_an_accelerator_records_peaks_and_the_split(monkeypatch
     """The accelerator bookkeeping with torch's device functions replaced: peaks reset before every
     step and read after it, per timed step into the lists, every step into the total; the
     profiled steps' split averaged; the device's memory noted."""
-    import executor.measure as measure
+    import trainplan.executor.measure as measure
 
     peak = {"now": 0.0}
     resets = []

@@ -1,5 +1,5 @@
 """The long-context knobs run for real on this CPU (issue #25): a tiled loss, a tiled MLP and
-activation offload applied to a user's model by `executor.apply_plan`, its peak memory against
+activation offload applied to a user's model by `trainplan.executor.apply_plan`, its peak memory against
 MemTracker and its FLOPs against FlopCounterMode, and its losses against the untiled run."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
-import executor
-from executor.record import RunRecord
-from planner.api import plan_for_choice
+import trainplan.executor
+from trainplan.executor.record import RunRecord
+from trainplan.planner.api import plan_for_choice
 
 VOCAB, SEQ, MB, STEPS = 4096, 128, 2, 4
 """A vocabulary 64 x the width, so the loss head dominates the tail, as at scale."""
@@ -20,7 +20,7 @@ VOCAB, SEQ, MB, STEPS = 4096, 128, 2, 4
 def _run(tiny_llama, out, **knobs) -> tuple[RunRecord, object, list[float]]:
     model = tiny_llama(vocab_size=VOCAB)
     plan = plan_for_choice(model, "cpu", seq_len=SEQ, micro_batch=MB, max_steps=STEPS, optimizer_bits=32, **knobs)
-    applied = executor.apply_plan(plan, model)
+    applied = trainplan.executor.apply_plan(plan, model)
     data = torch.Generator().manual_seed(0)
 
     def batch():
@@ -87,7 +87,7 @@ def test_offload_trains_to_the_same_losses_bit_for_bit(tiny_llama, tmp_path, unt
         model = tiny_llama(vocab_size=VOCAB)
         plan = plan_for_choice(model, "cpu", seq_len=SEQ, micro_batch=MB, max_steps=STEPS, optimizer_bits=32,
                                checkpoint="full", offload=True)
-        applied = executor.apply_plan(plan, model)
+        applied = trainplan.executor.apply_plan(plan, model)
         data = torch.Generator().manual_seed(0)
         losses = []
         for _ in range(STEPS):
@@ -105,12 +105,12 @@ def test_offload_trains_to_the_same_losses_bit_for_bit(tiny_llama, tmp_path, unt
 
 def test_full_checkpoint_peak_at_a_long_sequence_within_1_percent(tiny_llama, tmp_path, torch_threads):
     """Issue #25's known gap (-10.7% at 4096 tokens), closed in #20: an autograd node's saved
-    tensors live to the end of its backward (`planner.capture.trace`), and the rotary tables the
-    head hands the blocks to block 0's backward (`costmodels.step.memory.step_phases`)."""
+    tensors live to the end of its backward (`trainplan.planner.capture.trace`), and the rotary tables the
+    head hands the blocks to block 0's backward (`trainplan.costmodels.step.memory.step_phases`)."""
     model = tiny_llama(vocab_size=256, hidden_size=128, intermediate_size=352, max_position_embeddings=4096)
     plan = plan_for_choice(model, "cpu", seq_len=4096, micro_batch=1, max_steps=STEPS, optimizer_bits=32,
                            checkpoint="full")
-    applied = executor.apply_plan(plan, model)
+    applied = trainplan.executor.apply_plan(plan, model)
     data = torch.Generator().manual_seed(0)
 
     def train_step() -> float:

@@ -1,13 +1,13 @@
-"""The training progress (`executor.measure.progress_bar`): plain lines on a stream that is not
+"""The training progress (`trainplan.executor.measure.progress_bar`): plain lines on a stream that is not
 a terminal (logs, pipes, CI), a tqdm bar on a terminal, nothing with progress off."""
 
 import io
 
-from executor.measure import LogProgress, progress_bar
+from trainplan.executor.measure import LogProgress, progress_bar
 
 
 def _drive(bar, steps: int) -> None:
-    """What `executor.train.run` does with the bar."""
+    """What `trainplan.executor.train.run` does with the bar."""
     for step in range(steps):
         bar.set_postfix(loss=f"{10 - step / 10:.3f}", refresh=False)
         bar.update(1)

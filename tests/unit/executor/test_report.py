@@ -1,4 +1,4 @@
-"""executor.reporting: compare table, frames, report folder, load_run, text table."""
+"""trainplan.executor.reporting: compare table, frames, report folder, load_run, text table."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ import math
 import pandas as pd
 import pytest
 
-from executor.record import RunRecord
-from executor.reporting.compare import COLUMNS, compare, format_table
-from executor.reporting.frames import loss_frame, memory_frame, report_frames, step_time_frame
-from executor.reporting.plots import STEP_TIME_NOTE, plot_report
-from executor.reporting.report import load_run, report
 from tests.support import MIB, make_plan, make_record
-from trainplan_errors import PlanMismatchError
+from trainplan.errors import PlanMismatchError
+from trainplan.executor.record import RunRecord
+from trainplan.executor.reporting.compare import COLUMNS, compare, format_table
+from trainplan.executor.reporting.frames import loss_frame, memory_frame, report_frames, step_time_frame
+from trainplan.executor.reporting.plots import STEP_TIME_NOTE, plot_report
+from trainplan.executor.reporting.report import load_run, report
 
 
 def cuda_record(**overrides) -> RunRecord:
@@ -74,7 +74,7 @@ def test_short_run_reports_unmeasured_terms_as_not_measured():
     """A 2-step run never reaches the memory (step 2) or FLOPs (step 3) measurement, nor a
     timed step after the two warm-up steps: those terms are "not measured", not misses (the
     record's defaults are {} and 0 FLOPs; its step times only the warm-up steps')."""
-    from executor.reporting.verdicts import NOT_MEASURED, summary_line, verdict_frame
+    from trainplan.executor.reporting.verdicts import NOT_MEASURED, summary_line, verdict_frame
 
     rec = make_record(steps=2, step_times_s=[0.4, 0.5], peak_memory_bytes={}, flops_per_step=0.0)
     v = verdict_frame(compare(make_plan(), rec)).set_index("term")

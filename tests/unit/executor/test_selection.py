@@ -1,5 +1,5 @@
 """Data selection: scoring methods, exact-fraction selection, the score cache, the dynamic
-selector, and the data-value loss model (`costmodels.data.value`)."""
+selector, and the data-value loss model (`trainplan.costmodels.data.value`)."""
 
 from __future__ import annotations
 
@@ -11,18 +11,18 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from costmodels.data.fit import fit_local_law, fit_quality
-from costmodels.data.quality import DEFAULT_QUALITY, QualityFit, selection_quality
-from costmodels.data.scoring import ScoringFlops, scoring_flops, selection_menu
-from costmodels.data.value import predicted_loss, subset_loss
-from costmodels.loss.law import LossLaw, effective_tokens
-from executor.data import scorers as selection_scorers
-from executor.data import selection
-from executor.data.batches import TokenBatches
-from executor.data.dynamic_selection import DynamicSelector
-from executor.data.scorers import ReferenceConfig
-from executor.data.selection import apply_criterion, score_windows, select
-from trainplan_errors import TrainplanError
+from trainplan.costmodels.data.fit import fit_local_law, fit_quality
+from trainplan.costmodels.data.quality import DEFAULT_QUALITY, QualityFit, selection_quality
+from trainplan.costmodels.data.scoring import ScoringFlops, scoring_flops, selection_menu
+from trainplan.costmodels.data.value import predicted_loss, subset_loss
+from trainplan.costmodels.loss.law import LossLaw, effective_tokens
+from trainplan.errors import TrainplanError
+from trainplan.executor.data import scorers as selection_scorers
+from trainplan.executor.data import selection
+from trainplan.executor.data.batches import TokenBatches
+from trainplan.executor.data.dynamic_selection import DynamicSelector
+from trainplan.executor.data.scorers import ReferenceConfig
+from trainplan.executor.data.selection import apply_criterion, score_windows, select
 
 VOCAB, SEQ = 64, 16
 REF = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
@@ -127,7 +127,7 @@ def test_random_scores_deterministic_given_seed(tmp_path):
 
 
 def test_loss_scores_deterministic_and_equal_to_lm_loss(ref, tmp_path):
-    from modeling.loss import lm_loss
+    from trainplan.modeling.loss import lm_loss
 
     t = _tokens()
     a = score_windows(t, seq_len=SEQ, method="loss", reference=ref, criterion="high",
@@ -337,7 +337,7 @@ def test_dynamic_random_and_initial_keep(ref):
     assert len(red.maybe_rescore(2, ref)) == 20
 
 
-# ---- costmodels.data.value ------------------------------------------------------------------
+# ---- trainplan.costmodels.data.value ------------------------------------------------------------------
 
 
 def test_quality_form():
@@ -428,7 +428,7 @@ def test_scoring_flops_parts_and_menu():
 def test_default_reference_flops_predicted_before_scoring(tmp_path):
     """The planner's pre-scoring charge (`reference_scoring_flops`, defaults mirroring
     ReferenceConfig) agrees with what scoring with the default reference counts."""
-    from costmodels.data.scoring import reference_scoring_flops
+    from trainplan.costmodels.data.scoring import reference_scoring_flops
 
     toks, _, target = _two_kinds(16)
     cfg = ReferenceConfig(steps=2)

@@ -1,4 +1,4 @@
-"""executor.reporting.trackers: a synthetic run reported to TensorBoard (read back with
+"""trainplan.executor.reporting.trackers: a synthetic run reported to TensorBoard (read back with
 TensorBoard's reader, equal to the record), rank 0 only, resumed runs, wandb and trackio through
 stand-in modules, missing extras and the command-line flags (the real run's TensorBoard files
 are checked in test_train.py)."""
@@ -13,9 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from executor import worker
-from executor.record import RunRecord
-from executor.reporting.trackers import (
+from tests.support import MIB, make_plan, tensorboard_scalars
+from trainplan.errors import MissingExtraError, OutputPathError, TrainplanError
+from trainplan.executor import worker
+from trainplan.executor.record import RunRecord
+from trainplan.executor.reporting.trackers import (
     Cursor,
     RunTrackers,
     TrackerSpec,
@@ -23,16 +25,14 @@ from executor.reporting.trackers import (
     open_trackers,
     step_scalars,
 )
-from planner.cli.main import build_parser
-from tests.support import MIB, make_plan, tensorboard_scalars
-from trainplan_errors import MissingExtraError, OutputPathError, TrainplanError
+from trainplan.planner.cli.main import build_parser
 
 STEPS = 6
 TOKENS_PER_STEP = 4096
 
 
 def simulate(tracker: RunTrackers | None, rec: RunRecord, steps: int = STEPS) -> RunRecord:
-    """Fill `rec` as `executor.train.run` does, step by step (steps 0-1 warm-up, 2 memory, 3
+    """Fill `rec` as `trainplan.executor.train.run` does, step by step (steps 0-1 warm-up, 2 memory, 3
     FLOPs, then timed; held-out loss every 3 steps), calling `tracker.log` after each."""
     for step in range(rec.steps, rec.steps + steps):
         if step == 2:

@@ -1,4 +1,4 @@
-"""executor.train.run: a solved tiny-llama plan run for real on this CPU (prediction against
+"""trainplan.executor.train.run: a solved tiny-llama plan run for real on this CPU (prediction against
 measurement, STYLE 11) and the report folder (the 2-process run through `trainplan run` is in
 tests/integration/test_resume.py)."""
 
@@ -10,15 +10,15 @@ import random
 
 import pytest
 
-from executor.data.batches import load_corpus
-from executor.record import RunRecord
-from executor.reporting.report import report
-from executor.reporting.trackers import TrackerSpec, comparison_scalars
-from executor.train import run
-from planner.api import solve
-from planner.budget import Budget
-from planner.plan import Plan, layout_fields
 from tests.support import tensorboard_scalars
+from trainplan.executor.data.batches import load_corpus
+from trainplan.executor.record import RunRecord
+from trainplan.executor.reporting.report import report
+from trainplan.executor.reporting.trackers import TrackerSpec, comparison_scalars
+from trainplan.executor.train import run
+from trainplan.planner.api import solve
+from trainplan.planner.budget import Budget
+from trainplan.planner.plan import Plan, layout_fields
 
 SEQ_LEN = 64
 STEPS = 6
@@ -122,7 +122,7 @@ def test_flops_per_step_exact(ran, plan):
 
 def test_peak_memory_within_1_percent(ran, plan):
     """A known gap until #20 (1.2% under, in the last block's backward): an autograd node's saved
-    tensors are now held to the end of its backward (`planner.capture.trace`)."""
+    tensors are now held to the end of its backward (`trainplan.planner.capture.trace`)."""
     record, _ = ran
     pred, meas = plan.predictions.memory_bytes["total"], record.peak_memory_bytes["total"]
     assert math.isclose(pred, meas, rel_tol=RTOL), (
@@ -160,12 +160,12 @@ def test_run_prints_progress_lines_when_stderr_is_not_a_terminal(plan, corpus, t
 def test_run_refuses_a_plan_whose_memory_exceeds_this_machine(plan, corpus, tmp_path, monkeypatch):
     """Checked before the model is built: one typed error naming both numbers and the fix. The
     available RAM is fixed at 8 GiB: read twice, the machine's own changes with other processes."""
-    import executor.fit_check
-    from executor.fit_check import PlanDoesNotFitError
-    from trainplan_errors import TrainplanError
+    import trainplan.executor.fit_check
+    from trainplan.errors import TrainplanError
+    from trainplan.executor.fit_check import PlanDoesNotFitError
 
     have = 8 * 2**30
-    monkeypatch.setattr(executor.fit_check, "available_ram_bytes", lambda: have)
+    monkeypatch.setattr(trainplan.executor.fit_check, "available_ram_bytes", lambda: have)
     mem = dict(plan.predictions.memory_bytes, total=2.0 * have)
     big = dataclasses.replace(plan, predictions=dataclasses.replace(plan.predictions, memory_bytes=mem))
     with pytest.raises(PlanDoesNotFitError, match=r"RAM.*available.*trainplan solve .*--hw cpu") as e:
@@ -176,9 +176,9 @@ def test_run_refuses_a_plan_whose_memory_exceeds_this_machine(plan, corpus, tmp_
 
 
 def test_launch_refuses_more_processes_than_this_machine_can_host(plan, tmp_path, monkeypatch):
-    import executor.fit_check as fit
-    import executor.worker as worker
-    from executor.fit_check import PlanDoesNotFitError
+    import trainplan.executor.fit_check as fit
+    import trainplan.executor.worker as worker
+    from trainplan.executor.fit_check import PlanDoesNotFitError
 
     monkeypatch.setattr(fit.os, "cpu_count", lambda: 1)
     n = fit.CPU_PROCESSES_PER_CORE + 1
@@ -194,7 +194,7 @@ def test_launch_refuses_more_processes_than_this_machine_can_host(plan, tmp_path
 def test_fit_check_on_cuda_counts_devices_and_each_ranks_free_memory(plan, monkeypatch):
     import torch
 
-    from executor.fit_check import PlanDoesNotFitError, check_fits
+    from trainplan.executor.fit_check import PlanDoesNotFitError, check_fits
 
     gib = 2**30
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
@@ -218,8 +218,8 @@ def test_fit_check_refuses_decisions_edited_after_the_predictions(plan):
     (the predictions kept) is refused before anything is built, on any device."""
     import torch
 
-    from executor.fit_check import check_fits
-    from trainplan_errors import PlanMismatchError
+    from trainplan.errors import PlanMismatchError
+    from trainplan.executor.fit_check import check_fits
 
     edited = dataclasses.replace(plan, decisions=dataclasses.replace(plan.decisions, micro_batch=100000))
     n = len(plan.decisions.checkpoint)  # an edit that keeps tokens per step: Predictions.made_for

@@ -1,5 +1,5 @@
-"""The cache root (`hardware_profiles.cache`): one function, platformdirs under it, the
-TRAINPLAN_CACHE_DIR override kept; and the threads per rank (`hardware_profiles.threads`) that
+"""The cache root (`trainplan.hardware_profiles.cache`): one function, platformdirs under it, the
+TRAINPLAN_CACHE_DIR override kept; and the threads per rank (`trainplan.hardware_profiles.threads`) that
 runs use and the cpu profile is keyed by."""
 
 import json
@@ -9,20 +9,21 @@ from pathlib import Path
 
 import pytest
 
-from hardware_profiles import cpu
-from hardware_profiles.cache import cache_root
-from hardware_profiles.threads import threads_per_rank, torch_threads, usable_cores, user_threads
-from trainplan_errors import TrainplanError
+from trainplan.errors import TrainplanError
+from trainplan.hardware_profiles import cpu
+from trainplan.hardware_profiles.cache import cache_root
+from trainplan.hardware_profiles.threads import threads_per_rank, torch_threads, usable_cores, user_threads
 
 ROOT = Path(__file__).resolve().parents[3]
-PACKAGES = ("trainplan_errors", "hardware_profiles", "costmodels", "modeling", "planner", "executor")
+FOLDERS = ("trainplan", "hardware_profiles", "costmodels", "modeling", "planner", "executor")
+"""The source folders (tests/unit/test_import_graph.py says why these)."""
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="platformdirs reads XDG_CACHE_HOME on Linux")
 def test_every_cache_lands_under_xdg_cache_home(monkeypatch, tmp_path, cpu_profile):
-    from costmodels.data.quality_cache import quality_path
-    from costmodels.loss.cache import law_path
-    from executor.reporting.figures import calibration_history_path
+    from trainplan.costmodels.data.quality_cache import quality_path
+    from trainplan.costmodels.loss.cache import law_path
+    from trainplan.executor.reporting.figures import calibration_history_path
 
     monkeypatch.delenv("TRAINPLAN_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
@@ -51,8 +52,8 @@ def test_cache_paths_are_built_in_one_place():
     """No package module but hardware_profiles/cache.py builds a cache folder from the home
     directory or platformdirs."""
     offenders = []
-    for pkg in PACKAGES:
-        for path in (ROOT / pkg).rglob("*.py"):
+    for folder in FOLDERS:
+        for path in (ROOT / folder).rglob("*.py"):
             if path == ROOT / "hardware_profiles" / "cache.py":
                 continue
             text = path.read_text()

@@ -14,17 +14,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import hardware_profiles
-from hardware_profiles import HardwareProfile, cpu, load
-from hardware_profiles.profile import NUMERIC_FIELDS
-from trainplan_errors import TrainplanError, UnknownNameError
+import trainplan.hardware_profiles
+from trainplan.errors import TrainplanError, UnknownNameError
+from trainplan.hardware_profiles import HardwareProfile, cpu, load
+from trainplan.hardware_profiles.profile import NUMERIC_FIELDS
 
 GIB = 2**30
 DATASHEET = ["a100-40gb", "a100", "h100", "h200", "mi300a", "mi300x"]  # sorted by file name
 
 
 def _toml_files():
-    files = importlib.resources.files("hardware_profiles").iterdir()
+    files = importlib.resources.files("trainplan.hardware_profiles").iterdir()
     return sorted((f for f in files if f.name.endswith(".toml")), key=lambda f: f.name)
 
 
@@ -92,7 +92,8 @@ def test_a_profile_file_not_named_toml_gets_a_hint(tmp_path):
 
 
 def test_known_names():
-    assert hardware_profiles.known_names() == ["a100", "a100-40gb", "cpu", "h100", "h200", "mi300", "mi300a", "mi300x"]
+    assert trainplan.hardware_profiles.known_names() == ["a100", "a100-40gb", "cpu", "h100", "h200", "mi300", "mi300a",
+                                                         "mi300x"]
 
 
 def test_datasheet_values():
@@ -350,9 +351,9 @@ def test_save_profile_is_what_load_returns(counted, quick_cpu):
 
 
 def test_list_and_describe_profiles(counted):
-    names = [p.name for p in hardware_profiles.list_profiles()]
+    names = [p.name for p in trainplan.hardware_profiles.list_profiles()]
     assert names == ["a100", "a100-40gb", "cpu", "h100", "h200", "mi300a", "mi300x"]
-    rows = hardware_profiles.describe_profiles(include_cpu=False)
+    rows = trainplan.hardware_profiles.describe_profiles(include_cpu=False)
     by_name = {r["name"]: r for r in rows}
     assert set(by_name) == set(DATASHEET)
     assert by_name["mi300x"]["aliases"] == "mi300"
@@ -360,11 +361,12 @@ def test_list_and_describe_profiles(counted):
     assert by_name["h100"]["intra_node_gb_per_s"] == 450.0 and by_name["h100"]["inter_node_gb_per_s"] == 50.0
     assert by_name["a100"]["hbm_tb_per_s"] == 2.039
     assert all(r["source"] for r in rows)
-    assert len(hardware_profiles.describe_profiles()) == 7
+    assert len(trainplan.hardware_profiles.describe_profiles()) == 7
 
 
 def test_import_does_not_import_torch():
-    code = "import sys, hardware_profiles; hardware_profiles.load('h100'); assert 'torch' not in sys.modules"
+    code = ("import sys, trainplan.hardware_profiles; trainplan.hardware_profiles.load('h100'); "
+            "assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -378,7 +380,7 @@ def _fake_sweep(monkeypatch, op_s):
 
     import torch
 
-    from hardware_profiles import cpu_probes as probes
+    from trainplan.hardware_profiles import cpu_probes as probes
 
     clock = [0.0]
     monkeypatch.setattr(probes, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
@@ -418,7 +420,7 @@ def test_matmul_sweep_stops_after_a_size_that_is_really_slow(monkeypatch):
 def test_optimizer_rate_validated_and_used_by_the_step_model():
     """A measured seconds-per-parameter rate replaces the optimizer step's roofline; bad keys
     and values name the field."""
-    from planner.api import plan_for_choice
+    from trainplan.planner.api import plan_for_choice
 
     base = load("h100")
     with pytest.raises(TrainplanError, match="optimizer_s_per_param"):

@@ -1,5 +1,5 @@
 """Profiles in files: `HardwareProfile.from_file`, `load(path.toml)`, the TOML writer and the template
-(`hardware_profiles.profile_file`), `trainplan profiles --template`, and each bad file's one-line error."""
+(`trainplan.hardware_profiles.profile_file`), `trainplan profiles --template`, and each bad file's one-line error."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import tomllib
 
 import pytest
 
-import planner.cli.main as cli
-from hardware_profiles import HardwareProfile, load
-from hardware_profiles.profile_file import TEMPLATE_HEADER, profile_toml, template_toml, write_profile_file
-from trainplan_errors import OutputPathError, TrainplanError
+import trainplan.planner.cli.main as cli
+from trainplan.errors import OutputPathError, TrainplanError
+from trainplan.hardware_profiles import HardwareProfile, load
+from trainplan.hardware_profiles.profile_file import TEMPLATE_HEADER, profile_toml, template_toml, write_profile_file
 
 SHIPPED = ["a100", "h100", "h200", "mi300a", "mi300x"]
 

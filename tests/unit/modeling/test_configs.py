@@ -1,4 +1,4 @@
-"""modeling.configs: a causal LM built from a transformers config dict or config.json (no
+"""trainplan.modeling.configs: a causal LM built from a transformers config dict or config.json (no
 download), its name and stored config, the attention it runs, its dtype and seed; the typed
 errors of a config that cannot be read or built; the positions a model was configured for."""
 
@@ -11,7 +11,8 @@ import torch
 import transformers
 from torch import nn
 
-from modeling.configs import (
+from trainplan.errors import ModelConfigError
+from trainplan.modeling.configs import (
     build_from_config,
     check_config,
     config_n_params,
@@ -20,7 +21,6 @@ from modeling.configs import (
     max_positions,
     position_warning,
 )
-from trainplan_errors import ModelConfigError
 
 QWEN2 = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 128}

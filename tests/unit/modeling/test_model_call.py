@@ -1,7 +1,7 @@
-"""modeling.model_call: a model is called as its forward takes token ids (keyword, positional,
+"""trainplan.modeling.model_call: a model is called as its forward takes token ids (keyword, positional,
 with or without `use_cache` and `position_ids`), its logits are taken from a tensor, `.logits`, a
 tuple or a dict, and what holds no logits is refused with a message naming it; and
-`executor.apply_plan` trains a module that is not a transformers model."""
+`trainplan.executor.apply_plan` trains a module that is not a transformers model."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ import torch.nn.functional as F
 import transformers
 from torch import nn
 
-import executor
-from executor.apply import applied as applied_module
-from modeling.model_call import accepts_position_ids, forward_call, forward_logits, forward_signature
-from modeling.tiling import TiledHead
-from planner.api import plan_for_choice
-from trainplan_errors import CaptureError, PlanMismatchError, TrainplanError
+import trainplan.executor
+from trainplan.errors import CaptureError, PlanMismatchError, TrainplanError
+from trainplan.executor.apply import applied as applied_module
+from trainplan.modeling.model_call import accepts_position_ids, forward_call, forward_logits, forward_signature
+from trainplan.modeling.tiling import TiledHead
+from trainplan.planner.api import plan_for_choice
 
 V = 100
 
@@ -203,7 +203,7 @@ def test_apply_plan_trains_a_module_that_is_not_a_transformers_model(llama_plan,
     torch.manual_seed(0)
     model = TinyGPT()
     plan = _as_plan_for(llama_plan, model)
-    applied = executor.apply_plan(plan, model, check_ops=False)  # its blocks' ops are not the Llama's
+    applied = trainplan.executor.apply_plan(plan, model, check_ops=False)  # its blocks' ops are not the Llama's
     before = [p.detach().clone() for p in model.parameters()]
     x = _ids(2, 32)
     y = torch.roll(x, -1, dims=1)
@@ -225,13 +225,13 @@ def test_the_op_check_calls_a_positional_forward(llama_plan):
     model = NanoGPT()  # `forward(self, idx, targets=None)`: traced with the ids passed positionally
     with pytest.raises(PlanMismatchError, match=r"blocks\.1 is not the block the plan was captured from .* op 0 of "
                                                 r"its forward is aten\.native_layer_norm\.default"):
-        executor.apply_plan(_as_plan_for(llama_plan, model), model)
+        trainplan.executor.apply_plan(_as_plan_for(llama_plan, model), model)
 
 
 def test_a_tiled_loss_needs_an_output_embedding(llama_plan):
     model = TinyGPT()
     with pytest.raises(TrainplanError, match=r"TinyGPT has no output embedding \(get_output_embeddings\(\)\)"):
-        executor.apply_plan(_as_plan_for(llama_plan, model, loss_chunks=2), model, check_ops=False)
+        trainplan.executor.apply_plan(_as_plan_for(llama_plan, model, loss_chunks=2), model, check_ops=False)
 
 
 def test_sequence_parallelism_is_refused_for_a_model_without_position_ids(llama_plan, monkeypatch):
@@ -240,4 +240,4 @@ def test_sequence_parallelism_is_refused_for_a_model_without_position_ids(llama_
     plan = _as_plan_for(llama_plan, model, sp_degree=2, devices=2)
     with pytest.raises(PlanMismatchError, match=r"sequence parallelism \(sp_degree=2\).* NanoGPT.forward takes no "
                                                 r"position_ids"):
-        executor.apply_plan(plan, model, check_ops=False)
+        trainplan.executor.apply_plan(plan, model, check_ops=False)

@@ -1,4 +1,4 @@
-"""modeling.offload: saved activations in host memory, bit-exact round trips, what the hooks see
+"""trainplan.modeling.offload: saved activations in host memory, bit-exact round trips, what the hooks see
 under activation checkpointing, the stats, parameters left alone; the accelerator path (pinned
 buffers, side stream) runs where an accelerator is."""
 
@@ -10,10 +10,16 @@ import pytest
 import torch
 from torch import nn
 
-from executor.apply.checkpointing import apply_checkpointing
-from modeling import offload
-from modeling.offload import OffloadedTensor, OffloadStats, offload_block, offload_saved_activations, unoffload_block
-from trainplan_errors import TrainplanError
+from trainplan.errors import TrainplanError
+from trainplan.executor.apply.checkpointing import apply_checkpointing
+from trainplan.modeling import offload
+from trainplan.modeling.offload import (
+    OffloadedTensor,
+    OffloadStats,
+    offload_block,
+    offload_saved_activations,
+    unoffload_block,
+)
 
 B, S, HIDDEN, LAYERS = 2, 24, 64, 2
 """The step's shape: b*s = 48 rows, no parameter has 48 rows or columns."""

@@ -1,4 +1,4 @@
-"""modeling.tiling: tiled logits+loss and TiledMLP equal the untiled computation (values and
+"""trainplan.modeling.tiling: tiled logits+loss and TiledMLP equal the untiled computation (values and
 gradients, fp32 and bf16 autocast, nested in the executor's block checkpointing), save the memory
 one chunk's intermediates imply (MemTracker), and trace with make_fx on fake tensors as the
 capture traces a region (the recompute in the backward)."""
@@ -12,8 +12,9 @@ import pytest
 import torch
 from torch import nn
 
-from modeling.loss import lm_loss
-from modeling.tiling import (
+from trainplan.errors import TrainplanError
+from trainplan.modeling.loss import lm_loss
+from trainplan.modeling.tiling import (
     UNTILED_FORWARD_ATTR,
     check_chunks,
     find_mlp,
@@ -22,7 +23,6 @@ from modeling.tiling import (
     tiled_lm_loss,
     untile_mlp,
 )
-from trainplan_errors import TrainplanError
 
 RTOL = 1e-5
 """fp32: tiling changes only the summation order of the loss and the weight gradients."""
@@ -179,7 +179,7 @@ def _model_loss_and_grads(model, ids, labels):
 def test_tiled_llama_mlp_equals_untiled(llama, policy):
     """Each layer's MLP tiled (3 chunks of 13 tokens: uneven), alone and with each block's
     forward under the executor's checkpointing: loss and every parameter gradient as untiled."""
-    from executor.apply.checkpointing import apply_checkpointing
+    from trainplan.executor.apply.checkpointing import apply_checkpointing
 
     torch.manual_seed(1)
     ids, labels = torch.randint(0, 128, (2, 13)), torch.randint(0, 128, (2, 13))
@@ -284,8 +284,8 @@ def test_tiled_mlp_in_checkpointed_block_memory(policy):
     """Nested in the block's checkpoint, tiling lowers the backward peak by at least 0.8 x 3/4
     of three (b, s, intermediate) tensors; what the block keeps after its forward does not
     change: nothing of the MLP under `full`, and under `save_matmuls` every chunk's gate and up
-    matmul outputs, kept by SAC's cache (whole, as untiled: a known limit, modeling.tiling)."""
-    from executor.apply.checkpointing import apply_checkpointing
+    matmul outputs, kept by SAC's cache (whole, as untiled: a known limit, trainplan.modeling.tiling)."""
+    from trainplan.executor.apply.checkpointing import apply_checkpointing
 
     b, s, inter, chunks = 1, 512, 1024, 4
     base = _llama(layers=1, intermediate=inter)
@@ -320,7 +320,7 @@ def test_find_mlp(llama):
         find_mlp(block)
 
 
-# --- tracing (make_fx on fake tensors, as planner.capture traces a region) --------------------
+# --- tracing (make_fx on fake tensors, as trainplan.planner.capture traces a region) --------------------
 
 
 def test_tiled_loss_traces_with_recompute():

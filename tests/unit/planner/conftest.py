@@ -11,7 +11,7 @@ def problems():
     session; micro-batches 1 and 4 (those test_solver.py's test_joint_memory_is_evaluates_phase_by_phase
     checks; fewer block shapes to solve menus for in its test_solved_plans_fit_by_their_own_prediction).
     The planning problems are read, never changed (test_polish.py builds its combos from tiny-llama's)."""
-    from planner.joint.problem import prepare
+    from trainplan.planner.joint.problem import prepare
 
     return {m: prepare(m, "h100", seq_len=s, micro_batches=(1, 4))
             for m, s in (("tiny-llama", 2048), ("llama3-8b", 8192), ("llama3-70b", 8192))}

@@ -1,4 +1,4 @@
-"""planner.capture.graph: presets capture on fake tensors, identical blocks share a region, node
+"""trainplan.planner.capture.graph: presets capture on fake tensors, identical blocks share a region, node
 attributes, and FLOP polynomials that equal FlopCounterMode on a real step, exactly."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ import transformers
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from costmodels.graph import poly_at
-from modeling.flop_counting import CPU_ATTENTION_FLOP_FORMULAS
-from modeling.loss import lm_loss
-from modeling.presets import build_model
-from planner.capture.graph import capture
-from trainplan_errors import TrainplanError
+from trainplan.costmodels.graph import poly_at
+from trainplan.errors import TrainplanError
+from trainplan.modeling.flop_counting import CPU_ATTENTION_FLOP_FORMULAS
+from trainplan.modeling.loss import lm_loss
+from trainplan.modeling.presets import build_model
+from trainplan.planner.capture.graph import capture
 
 
 def _region_names(graph) -> list[str]:
@@ -70,7 +70,7 @@ def test_different_blocks_get_their_own_region(tiny_llama):
 
 def test_sentinel_collision_is_an_error(tiny_llama):
     # every (micro-batch, sequence) sentinel pair has a prime dividing a config integer
-    from planner.capture.sentinels import SENTINELS
+    from trainplan.planner.capture.sentinels import SENTINELS
     model = tiny_llama(device="meta", **{f"s{b0}": 3 * b0 for b0, _ in SENTINELS})
     with pytest.raises(TrainplanError, match="sentinel"):
         capture(model)

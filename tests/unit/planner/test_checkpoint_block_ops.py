@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from costmodels.checkpoint_sets import node_keys
-from planner.api import plan_for_choice
-from planner.capture.graph import capture
-from planner.plan import Plan
-from planner.schema_files import SCHEMA_DIR
-from trainplan_errors import PlanMismatchError
+from trainplan.costmodels.checkpoint_sets import node_keys
+from trainplan.errors import PlanMismatchError
+from trainplan.planner.api import plan_for_choice
+from trainplan.planner.capture.graph import capture
+from trainplan.planner.plan import Plan
+from trainplan.planner.schema_files import SCHEMA_DIR
 
 ROOT = Path(__file__).resolve().parents[3]
 CHECKPOINT = ("none", "full", "none", "save_matmuls")

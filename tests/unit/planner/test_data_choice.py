@@ -1,5 +1,5 @@
 """The data subset wired in: the planner chooses the scoring method with the kept fraction
-(`planner.data_choice`), and `executor.train.run` trains on exactly the windows the method
+(`trainplan.planner.data_choice`), and `trainplan.executor.train.run` trains on exactly the windows the method
 selects (static: scored once; dynamic: re-scored every K steps), resuming to the same selection
 and losses. Selection determinism, the exact fraction, the score cache and the law fits are in
 tests/unit/executor/test_selection.py."""
@@ -15,13 +15,14 @@ import numpy as np
 import pytest
 import torch
 
-from costmodels.data.quality import DEFAULT_QUALITY, QualityFit
-from costmodels.data.quality_cache import load_quality_fits, quality_path, save_quality_fits
-from costmodels.loss.bits import bits_loss_penalty
-from costmodels.loss.law import LossLaw
-from costmodels.loss.planned import run_loss
-from planner import data_choice
-from planner.data_choice import (
+from trainplan.costmodels.data.quality import DEFAULT_QUALITY, QualityFit
+from trainplan.costmodels.data.quality_cache import load_quality_fits, quality_path, save_quality_fits
+from trainplan.costmodels.loss.bits import bits_loss_penalty
+from trainplan.costmodels.loss.law import LossLaw
+from trainplan.costmodels.loss.planned import run_loss
+from trainplan.errors import TrainplanError
+from trainplan.planner import data_choice
+from trainplan.planner.data_choice import (
     check_data_methods,
     choose_data_method,
     data_options,
@@ -29,8 +30,7 @@ from planner.data_choice import (
     predicted_scoring_flops,
     with_data_method,
 )
-from planner.plan import Decisions, Plan, Predictions, SolverFacts
-from trainplan_errors import TrainplanError
+from trainplan.planner.plan import Decisions, Plan, Predictions, SolverFacts
 
 LAW = LossLaw.besiroglu2024()
 FRACTIONS = (0.25, 0.5, 0.75, 1.0)
@@ -94,7 +94,7 @@ def test_picks_a_method_exactly_when_its_gain_beats_its_scoring_cost(a, flops_pe
         assert d.max_tokens == d.max_steps * plan.predictions.tokens_per_step
         assert out.predictions.final_loss == pytest.approx(sel)
         assert out.predictions.scoring_flops == predicted_scoring_flops(plan, "loss") > 0
-        assert any("planner.data_choice" in n for n in out.notes)
+        assert any("trainplan.planner.data_choice" in n for n in out.notes)
     else:
         assert out is plan  # random wins: the solver's own plan, untouched
         assert rand_f == 1.0 and rand == pytest.approx(plan.predictions.final_loss)
@@ -125,7 +125,7 @@ def test_random_at_fraction_one_and_random_only():
     # ("random",) keeps today's behaviour
     assert choose_data_method(plan, LAW, methods=("random",), fits=fit) is plan
     # no corpus size: nothing to score
-    from planner.budget import UNLIMITED_DATA_TOKENS
+    from trainplan.planner.budget import UNLIMITED_DATA_TOKENS
 
     unlimited = dataclasses.replace(plan, data_tokens=UNLIMITED_DATA_TOKENS)
     assert choose_data_method(unlimited, LAW, fits=fit) is unlimited
@@ -173,7 +173,7 @@ def test_check_data_methods():
 
 
 def test_target_windows_mirror_the_executor():
-    from executor.data.dynamic_selection import TARGET_WINDOWS
+    from trainplan.executor.data.dynamic_selection import TARGET_WINDOWS
 
     assert data_choice.TARGET_WINDOWS == TARGET_WINDOWS
 
@@ -194,8 +194,8 @@ def test_with_data_method_keeps_steps_and_predicts_quality():
 
 
 def test_solve_chooses_the_method_with_the_fraction(cpu_profile):
-    from planner.api import solve
-    from planner.budget import Budget
+    from trainplan.planner.api import solve
+    from trainplan.planner.budget import Budget
 
     fit = {"dsir": QualityFit(method="dsir", a=3.0, b=1.0)}
     plan = solve("tiny-llama", cpu_profile, Budget(flops=2e13), seq_len=64, vocab_size=512,
@@ -212,7 +212,7 @@ def test_solve_chooses_the_method_with_the_fraction(cpu_profile):
 
 
 def test_cli_rejects_unknown_data_method(capsys):
-    from planner.cli.main import main
+    from trainplan.planner.cli.main import main
 
     rc = main(["solve", "--model", "tiny-llama", "--hw", "cpu", "--budget-flops", "1e12",
                "--data-methods", "random,perplexity"])
@@ -230,7 +230,7 @@ WORDS = ["the", "king", "is", "dead", "long", "live", "the", "queen", "now", "is
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    from executor.data.batches import load_corpus
+    from trainplan.executor.data.batches import load_corpus
 
     rng = random.Random(3)
     path = tmp_path_factory.mktemp("corpus") / "tiny.txt"
@@ -242,7 +242,7 @@ def corpus(tmp_path_factory):
 @pytest.fixture
 def spy(monkeypatch):
     """Every (kept windows, windows read) of `TokenBatches.window_indices` calls."""
-    from executor.data.batches import TokenBatches
+    from trainplan.executor.data.batches import TokenBatches
 
     calls = []
     orig = TokenBatches.window_indices
@@ -257,7 +257,7 @@ def spy(monkeypatch):
 
 
 def _fixed(cpu_profile, corpus, **kw):
-    from planner.api import plan_for_choice
+    from trainplan.planner.api import plan_for_choice
 
     return plan_for_choice("tiny-llama", cpu_profile, seq_len=SEQ, micro_batch=MB,
                            max_steps=STEPS, vocab_size=corpus.vocab_size,
@@ -265,7 +265,7 @@ def _fixed(cpu_profile, corpus, **kw):
 
 
 def _run(plan, corpus, out, **kw):
-    from executor.train import run
+    from trainplan.executor.train import run
 
     torch.use_deterministic_algorithms(True)
     try:
@@ -281,10 +281,10 @@ def _close(a, b):
 
 def test_static_dsir_run_trains_on_exactly_the_selected_windows_and_resumes(
         cpu_profile, corpus, spy, tmp_path, one_thread):
-    from executor.data.batches import heldout_batches
-    from executor.data.dynamic_selection import target_slice
-    from executor.data.selection import score_windows, select
-    from executor.train import eval_batches
+    from trainplan.executor.data.batches import heldout_batches
+    from trainplan.executor.data.dynamic_selection import target_slice
+    from trainplan.executor.data.selection import score_windows, select
+    from trainplan.executor.train import eval_batches
 
     plan = _fixed(cpu_profile, corpus, data_fraction=0.5, data_method="dsir")
     assert plan.decisions.data_method == "dsir" and plan.predictions.scoring_flops > 0

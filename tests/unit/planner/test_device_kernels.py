@@ -1,4 +1,4 @@
-"""Capture with the target device's kernels (`planner.capture.device_kernels`): a plan for a GPU
+"""Capture with the target device's kernels (`trainplan.planner.capture.device_kernels`): a plan for a GPU
 profile sees flash attention and 1-byte dropout masks; the CPU profile keeps the CPU's."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from planner.capture.device_kernels import gpu_dropout, gpu_sdpa, target_kernels
+from trainplan.planner.capture.device_kernels import gpu_dropout, gpu_sdpa, target_kernels
 
 
 def _llama(attention_dropout: float):
@@ -28,14 +28,14 @@ def _attention_ops(graph) -> list[str]:
 
 
 def _retained_at(graph, s: int) -> float:
-    from costmodels.step.memory import simulate_region
+    from trainplan.costmodels.step.memory import simulate_region
 
     return simulate_region(graph.regions["block0"], 1, s).retained
 
 
 @pytest.fixture(scope="module")
 def captures():
-    from planner.capture.setup import capture_model
+    from trainplan.planner.capture.setup import capture_model
 
     out = {}
     for device in ("cpu", "cuda"):

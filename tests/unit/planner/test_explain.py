@@ -1,4 +1,4 @@
-"""planner.joint.explain: an infeasible budget names its binding constraint with both numbers, and
+"""trainplan.planner.joint.explain: an infeasible budget names its binding constraint with both numbers, and
 every suggested change re-solves feasible; cases built so that memory, then the budget, binds."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import re
 
 import pytest
 
-from planner.api import solve
-from planner.budget import Budget
-from planner.cli.main import main
-from trainplan_errors import InfeasibleError
+from trainplan.errors import InfeasibleError
+from trainplan.planner.api import solve
+from trainplan.planner.budget import Budget
+from trainplan.planner.cli.main import main
 
 MIB, GIB = 2**20, 2**30
 TINY = dict(seq_len=256, micro_batches=(1, 2, 4), optimizer_bits=(32, 8))
@@ -133,9 +133,9 @@ def test_time_limit_before_any_plan_asks_for_a_longer_limit(monkeypatch, capsys)
     to start from, as when only mixed checkpointing fits, and a 1 ms limit), nothing is known to
     bind: the message says so and asks for a longer limit, without an explanation's re-solves.
     (tiny-llama: a 1 ms search ends before any plan just as llama3-8b's does.)"""
-    import planner.joint.solver
+    import trainplan.planner.joint.solver
 
-    monkeypatch.setattr(planner.joint.solver, "uniform_start", lambda *a, **k: None)
+    monkeypatch.setattr(trainplan.planner.joint.solver, "uniform_start", lambda *a, **k: None)
     args = ["solve", "--model", "tiny-llama", "--hw", "h100", "--devices", "3", "--seq-len", "2048",
             "--budget-device-hours", "100"]
     rc = main(args + ["--time-limit", "0.001"])

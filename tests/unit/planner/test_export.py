@@ -1,4 +1,4 @@
-"""`trainplan export` (planner.export): each target's file loaded by the framework's own parser where
+"""`trainplan export` (trainplan.planner.export): each target's file loaded by the framework's own parser where
 it installs on CPU (DeepSpeed's `DeepSpeedConfig`; accelerate's `load_config_from_file`, its
 launcher's argument handling and its plugin classes), else checked against the keys transcribed
 from the framework's source (torchtitan 0.2.2's `JobConfig`; also read by torchtitan's own
@@ -17,12 +17,12 @@ from typing import Any
 
 import pytest
 
-from planner.cli.main import build_parser, main
-from planner.export import accelerate_yaml, common, deepspeed_json, torchtitan_job
-from planner.export.targets import TARGETS, export_plan
-from planner.plan import Plan
 from tests.support import make_plan
-from trainplan_errors import TrainplanError
+from trainplan.errors import TrainplanError
+from trainplan.planner.cli.main import build_parser, main
+from trainplan.planner.export import accelerate_yaml, common, deepspeed_json, torchtitan_job
+from trainplan.planner.export.targets import TARGETS, export_plan
+from trainplan.planner.plan import Plan
 
 S, N, F, B = str, int, float, bool
 TORCHTITAN_KEYS: dict[str, dict[str, Any]] = {
@@ -166,7 +166,7 @@ def _torchtitan_lr_factor(step: int, warmup: int, total: int, decay_ratio: float
 
 @pytest.mark.parametrize("max_steps,warmup", [(100, 20), (8, 2), (37, 3), (1000, 20)])
 def test_torchtitan_schedule_is_the_executors_but_the_floor(max_steps, warmup):
-    from executor.apply.applied import lr_at
+    from trainplan.executor.apply.applied import lr_at
 
     plan = plan_of(max_steps=max_steps, warmup_steps=warmup, lr=1.0)
     sched = tomllib.loads(export_plan(plan, "torchtitan").text)["lr_scheduler"]
@@ -177,7 +177,7 @@ def test_torchtitan_schedule_is_the_executors_but_the_floor(max_steps, warmup):
 
 
 def test_accelerate_scripts_schedule_is_the_executors():
-    from executor.apply.applied import lr_at
+    from trainplan.executor.apply.applied import lr_at
 
     plan = plan_of(max_steps=37, warmup_steps=3, lr=1.0)
     lines = accelerate_yaml.python_settings(plan, accelerate_yaml.settings(plan))
@@ -188,7 +188,7 @@ def test_accelerate_scripts_schedule_is_the_executors():
 
 
 def test_torchtitan_flavors_are_the_presets_sizes():
-    from modeling.presets import get_preset
+    from trainplan.modeling.presets import get_preset
 
     for preset, (name, flavor) in torchtitan_job.FLAVORS.items():
         dim, layers, heads, kv, mult, multiple = TORCHTITAN_LLAMA3[flavor]
@@ -344,7 +344,7 @@ def test_deepspeed_pure_bf16_without_zero_keeps_fp32_master_weights(ds_config):
 
 
 def test_cli_targets_and_constants_agree():
-    from executor.optimizers import BETAS, WEIGHT_DECAY
+    from trainplan.executor.optimizers import BETAS, WEIGHT_DECAY
 
     sub = next(a for a in build_parser()._actions if getattr(a, "choices", None) and "export" in a.choices)
     to = next(a for a in sub.choices["export"]._actions if a.dest == "to")

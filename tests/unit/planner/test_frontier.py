@@ -1,4 +1,4 @@
-"""planner.joint.frontier: the Pareto frontier has no dominated plans, holds the chosen plan (the one
+"""trainplan.planner.joint.frontier: the Pareto frontier has no dominated plans, holds the chosen plan (the one
 `solve` returns), and reaches the CLI (frontier.csv/.png) and the run folder."""
 
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from planner.api import solve
-from planner.budget import Budget
-from planner.cli.frontier_files import copy_frontier, write_frontier
-from planner.joint.frontier import OBJECTIVES, format_frontier, frontier, non_dominated
+from trainplan.planner.api import solve
+from trainplan.planner.budget import Budget
+from trainplan.planner.cli.frontier_files import copy_frontier, write_frontier
+from trainplan.planner.joint.frontier import OBJECTIVES, format_frontier, frontier, non_dominated
 
 BUDGET = Budget(flops=4e12)
 TINY = dict(seq_len=256, data_tokens=10**6)
@@ -64,7 +64,7 @@ def test_chosen_row_is_the_plan_solve_returns(tiny_frontier):
 
 
 def test_write_frontier_is_read_by_the_report_figure(tiny_frontier, tmp_path):
-    from executor.reporting.figures import frontier_figure, frontier_frame
+    from trainplan.executor.reporting.figures import frontier_figure, frontier_frame
 
     files = write_frontier(tiny_frontier, tmp_path / "f")
     assert files["csv"].is_file() and files["png"].stat().st_size > 1000
@@ -74,7 +74,7 @@ def test_write_frontier_is_read_by_the_report_figure(tiny_frontier, tmp_path):
 
 
 def test_cli_solve_frontier_writes_beside_the_plan_and_run_copies_it(tmp_path, capsys):
-    from planner.cli.main import main
+    from trainplan.planner.cli.main import main
 
     plan = tmp_path / "p" / "plan.json"
     plan.parent.mkdir()

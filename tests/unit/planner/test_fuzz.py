@@ -1,7 +1,7 @@
 """Fuzz: random models through capture and planning end in a plan or a `TrainplanError`, never
 another exception.
 
-- random small modules laid out like an HF causal LM (the layout `planner.capture.graph` reads), whose
+- random small modules laid out like an HF causal LM (the layout `trainplan.planner.capture.graph` reads), whose
   blocks are random stacks of Linear / ReLU / GELU / LayerNorm with residual adds and random
   widths;
 - random small Llama configs (transformers `LlamaConfig`: dims, heads, KV heads, layers,
@@ -22,10 +22,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from planner.api import solve
-from planner.budget import Budget
 from tests.support import Rotary
-from trainplan_errors import CaptureError, TrainplanError
+from trainplan.errors import CaptureError, TrainplanError
+from trainplan.planner.api import solve
+from trainplan.planner.budget import Budget
 
 FUZZ = settings(max_examples=8, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow])

@@ -10,16 +10,16 @@ import math
 
 import pytest
 
-from costmodels.checkpoint_sets import resolve
-from costmodels.step.model import Choice
-from planner.api import plan_for_choice
-from planner.budget import Budget, check_global_batch_tokens
-from planner.joint.combos import accumulated_grad_bytes, make_combo, micro_step, phase_peaks
-from planner.joint.frontier import frontier_for
-from planner.joint.problem import prepare, solve_problem
-from planner.joint.space import default_space, grad_accum_for, shapes
-from planner.plan import Plan, edited_layout
-from trainplan_errors import BudgetError
+from trainplan.costmodels.checkpoint_sets import resolve
+from trainplan.costmodels.step.model import Choice
+from trainplan.errors import BudgetError
+from trainplan.planner.api import plan_for_choice
+from trainplan.planner.budget import Budget, check_global_batch_tokens
+from trainplan.planner.joint.combos import accumulated_grad_bytes, make_combo, micro_step, phase_peaks
+from trainplan.planner.joint.frontier import frontier_for
+from trainplan.planner.joint.problem import prepare, solve_problem
+from trainplan.planner.joint.space import default_space, grad_accum_for, shapes
+from trainplan.planner.plan import Plan, edited_layout
 
 SEQ = 256
 MICRO_BATCHES = (1, 2, 4, 8)

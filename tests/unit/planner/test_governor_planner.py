@@ -19,12 +19,12 @@ import math
 import numpy as np
 import pytest
 
-from costmodels.stopping.heldout_curve import HeldoutCurve, PilotCurve
-from costmodels.stopping.heldout_fit import fit_heldout_curve
-from costmodels.stopping.prediction import predict_stop_step_from_curve, threshold_from_value
-from costmodels.stopping.rule import Governor
 from tests.support import TPS, TRUE, U
-from trainplan_errors import TrainplanError
+from trainplan.costmodels.stopping.heldout_curve import HeldoutCurve, PilotCurve
+from trainplan.costmodels.stopping.heldout_fit import fit_heldout_curve
+from trainplan.costmodels.stopping.prediction import predict_stop_step_from_curve, threshold_from_value
+from trainplan.costmodels.stopping.rule import Governor
+from trainplan.errors import TrainplanError
 
 EVERY = 5  # held-out evaluation every this many steps
 LAW = dict(E=3.0, A=20.0, alpha=0.5, t0=1.0)
@@ -51,7 +51,7 @@ def pilot(unique, max_steps, every, *, seed=0, noise=0.005, final=False):
 
 
 def test_predicted_stop_step_from_the_planner_loss_law():
-    from costmodels.loss.law import LossLaw, learning_curve
+    from trainplan.costmodels.loss.law import LossLaw, learning_curve
 
     law, n, tps = LossLaw.besiroglu2024(), 7.1e6, 1024
     loss_at = lambda s: float(learning_curve([s * tps], law=law, n_params=n)[0])  # noqa: E731
@@ -69,9 +69,9 @@ def test_threshold_from_value_is_cost_over_value():
 
 # -- the planner: threshold from economics, stop predicted from the loss law ---------------------
 def test_predicted_stop_from_the_law_matches_the_closed_form_and_repetition_brings_it_forward():
-    from costmodels.loss.law import LossLaw
-    from costmodels.stopping.prediction import predict_stop_from_law
-    from costmodels.stopping.schedule import cooldown_steps, governed_stop_step
+    from trainplan.costmodels.loss.law import LossLaw
+    from trainplan.costmodels.stopping.prediction import predict_stop_from_law
+    from trainplan.costmodels.stopping.schedule import cooldown_steps, governed_stop_step
 
     law, n, tps, thr = LossLaw.besiroglu2024(), 7.1e6, 1024.0, 1e-4
     # no repetition: -dL/ds = beta B tps^-beta s^-(beta+1) = thr
@@ -95,7 +95,7 @@ def test_simulated_stop_is_the_governor_on_the_predicted_curve():
     """The planner's model of the governor: its own rule replayed over a predicted curve with
     evaluation noise. It decides at or after the curve's crossing (it waits for an upper bound),
     later with more noise, and a curve that stays steep runs the budget out."""
-    from costmodels.stopping.simulation import simulated_stop_step
+    from trainplan.costmodels.stopping.simulation import simulated_stop_step
 
     exact = analytic_stop(1e-3, **LAW)
     loss_at = lambda s: float(law_loss(s, **LAW))  # noqa: E731
@@ -114,17 +114,17 @@ def test_simulated_stop_is_the_governor_on_the_predicted_curve():
 @pytest.fixture(scope="module")
 def small_plan():
     """tiny-llama on the cpu profile, a 12,800-token subset of a 400k-token corpus repeated."""
-    from planner.api import plan_for_choice
+    from trainplan.planner.api import plan_for_choice
 
     return plan_for_choice("tiny-llama", "cpu", seq_len=128, micro_batch=8, max_steps=2000,
                            vocab_size=8192, data_tokens=400_000, data_fraction=0.032)
 
 
 def test_with_governor_prices_a_step_and_predicts_the_stop(small_plan):
-    from costmodels.loss.law import LossLaw
-    from costmodels.stopping.prediction import predict_stop_from_law
-    from planner.governor import governed_plan, plan_law, with_governor
-    from planner.plan import Plan
+    from trainplan.costmodels.loss.law import LossLaw
+    from trainplan.costmodels.stopping.prediction import predict_stop_from_law
+    from trainplan.planner.governor import governed_plan, plan_law, with_governor
+    from trainplan.planner.plan import Plan
 
     plan = small_plan
     assert plan.decisions.governor_threshold == 0.0 and plan.predictions.predicted_stop_step is None
@@ -160,7 +160,7 @@ def test_with_governor_prices_a_step_and_predicts_the_stop(small_plan):
 
 
 def test_a_plan_written_before_the_governor_fields_still_loads(small_plan):
-    from planner.plan import Plan
+    from trainplan.planner.plan import Plan
 
     raw = json.loads(small_plan.to_json())
     del raw["decisions"]["governor_threshold"], raw["predictions"]["predicted_stop_step"]
@@ -171,8 +171,8 @@ def test_a_plan_written_before_the_governor_fields_still_loads(small_plan):
 
 
 def test_cli_solve_with_a_value_of_loss_turns_the_governor_on(capsys, tmp_path):
-    from planner.cli.main import main
-    from planner.plan import Plan
+    from trainplan.planner.cli.main import main
+    from trainplan.planner.plan import Plan
 
     path = tmp_path / "p.json"
     rc = main(["solve", "--model", "tiny-llama", "--hw", "cpu", "--seq-len", "128",
@@ -229,7 +229,7 @@ def test_the_plan_predicts_where_the_governor_stops_a_run_that_overfits(overfit_
     15% of where the governor, replayed over noisy evaluations of the true curve, decides, at
     every threshold; at low thresholds the curve fitted without the repeated pilots, which
     cannot rise, predicts a stop more than 15% later (the old benchmark's misses)."""
-    from planner.governor import with_governor
+    from trainplan.planner.governor import with_governor
 
     settings = dict(refit_every=10, min_points=8, confidence=0.9)
     fit = fit_heldout_curve([pilot(None, 400, 10), pilot(U / 2, 200, 5, seed=1),
@@ -260,8 +260,8 @@ def test_the_plan_predicts_where_the_governor_stops_a_run_that_overfits(overfit_
 def test_pilot_curve_keeps_a_runs_constant_rate_points(overfit_plan):
     """A pilot's points: after warm-up, up to the cooldown's start (80% of the budget), less the
     first `skip_fraction`; its final loss when the budget ran out; no unique tokens on fresh data."""
-    from executor.governor import pilot_curve
-    from executor.record import RunRecord
+    from trainplan.executor.governor import pilot_curve
+    from trainplan.executor.record import RunRecord
 
     heldout = [(s, s * 1024, 5.0 + 1.0 / s) for s in range(10, 401, 10)]
     rec = RunRecord(model="tiny-llama", hw_planned="cpu", device="cpu", same_hardware=True, steps=400,
@@ -284,8 +284,8 @@ def test_the_plan_picks_its_budget_from_the_curve_with_room_for_the_stop(overfit
     where it does under the full one (the budget does not bind first); tokens, device-hours and
     the final loss follow the budget; without a curve (the law's crossing, a lower bound) the
     budget is kept."""
-    from costmodels.stopping.schedule import cooldown_steps
-    from planner.governor import BUDGET_MARGIN, picked_budget, with_governor
+    from trainplan.costmodels.stopping.schedule import cooldown_steps
+    from trainplan.planner.governor import BUDGET_MARGIN, picked_budget, with_governor
 
     settings = dict(refit_every=10, min_points=8, confidence=0.9)
     long = dataclasses.replace(overfit_plan, decisions=dataclasses.replace(overfit_plan.decisions, max_steps=1000))
@@ -321,8 +321,8 @@ def test_the_plan_picks_its_budget_from_the_curve_with_room_for_the_stop(overfit
 
 def test_cli_solve_with_a_heldout_curve_picks_the_budget(capsys, tmp_path):
     """`trainplan solve --heldout-curve` predicts the stop on the curve and lowers the budget."""
-    from planner.cli.main import main
-    from planner.plan import Plan
+    from trainplan.planner.cli.main import main
+    from trainplan.planner.plan import Plan
 
     curve = tmp_path / "curve.json"
     curve.write_text(json.dumps(TRUE.to_dict()))

@@ -44,7 +44,7 @@ def test_tiny_under_a_cap_joint_beats_every_order(bj):
     _check_never_worse(by)
     assert by["defaults"]["checkpoint"].endswith("full") and by["defaults"]["micro_batch"] == 16
     # no single knob gets there; knob after knob (greedy) does, since the loss law's batch term
-    # makes the smaller micro-batch the first step of both (costmodels.loss.batch)
+    # makes the smaller micro-batch the first step of both (trainplan.costmodels.loss.batch)
     singles = min(r["predicted_loss"] for m, r in by.items() if m.startswith("only_"))
     assert by["joint"]["predicted_loss"] < singles - 1e-3, by
     assert by["joint"]["predicted_loss"] <= by["greedy_best"]["predicted_loss"] + 1e-9
@@ -59,7 +59,7 @@ def test_8b_under_a_40gib_cap_joint_beats_every_order(bj, monkeypatch):
     """The joint search over the checkpoint entries the per-knob baselines choose from
     (`CHECKPOINTS`, the built-ins; without the per-block CP-SAT menus): proven optimal in a
     fraction of a second, the same plan as the default space's 10 s search finds (FEASIBLE)."""
-    import planner.joint.problem as problem
+    import trainplan.planner.joint.problem as problem
 
     prepare = problem.prepare
     monkeypatch.setattr(problem, "prepare", lambda *a, **k: prepare(*a, policies=bj.CHECKPOINTS, **k))
@@ -73,8 +73,8 @@ def test_8b_under_a_40gib_cap_joint_beats_every_order(bj, monkeypatch):
 
 
 def test_greedy_never_raises_the_loss(bj):
-    from planner.budget import Budget
-    from planner.joint.problem import prepare
+    from trainplan.planner.budget import Budget
+    from trainplan.planner.joint.problem import prepare
 
     pr = prepare("tiny-llama", "cpu", seq_len=256)
     kn = bj.Knobs(pr, Budget(flops=2e12), memory_limit_bytes=300 * 2**20)

@@ -1,4 +1,4 @@
-"""planner.cli.launching and the multi-node half of executor.worker.launch, without starting
+"""trainplan.planner.cli.launching and the multi-node half of trainplan.executor.worker.launch, without starting
 torchrun: the node flags and the launcher's environment are checked before the plan is read,
 each node starts its share of the processes (and the fit check counts those), and the node
 without global rank 0 says so instead of reporting. The launches themselves:
@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-import executor.worker as worker
-from executor.parallel.launch import RDZV_JOIN_TIMEOUT_S, Rendezvous
-from planner.cli.launching import check_launch_flags, check_world, env_rank, is_other_rank, launch_plan
-from planner.cli.main import build_parser
-from trainplan_errors import PlanMismatchError, TrainplanError
+import trainplan.executor.worker as worker
+from trainplan.errors import PlanMismatchError, TrainplanError
+from trainplan.executor.parallel.launch import RDZV_JOIN_TIMEOUT_S, Rendezvous
+from trainplan.planner.cli.launching import check_launch_flags, check_world, env_rank, is_other_rank, launch_plan
+from trainplan.planner.cli.main import build_parser
 
 
 @pytest.fixture
@@ -51,7 +51,7 @@ def test_bad_node_flags_are_named(no_launcher, flags, needle):
 
 
 def test_good_node_flags_give_this_nodes_rendezvous(no_launcher):
-    from planner.cli.launching import rendezvous
+    from trainplan.planner.cli.launching import rendezvous
 
     args = _args("--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "[::1]:29500", "--rdzv-id", "job7")
     assert check_launch_flags(args) is None
@@ -96,7 +96,7 @@ def test_node_flags_under_a_launcher_are_refused(no_launcher):
 
 
 def test_processes_must_match_the_plan():
-    from planner.cli.launching import EnvRank
+    from trainplan.planner.cli.launching import EnvRank
 
     assert worker.processes_per_node(8, 2) == 4 and worker.processes_per_node(3, 1) == 3
     with pytest.raises(PlanMismatchError, match=r"3 device\(s\), which --nnodes 2 cannot split equally.*one of 1, 3"):
@@ -108,7 +108,7 @@ def test_processes_must_match_the_plan():
 
 @pytest.fixture(scope="module")
 def plan8(cpu_profile):
-    from planner.api import plan_for_choice
+    from trainplan.planner.api import plan_for_choice
 
     return plan_for_choice("tiny-llama", cpu_profile, seq_len=64, micro_batch=1, devices=8, max_steps=2)
 
@@ -117,8 +117,8 @@ def test_each_node_starts_its_share_and_the_fit_check_counts_those(plan8, tmp_pa
     """On 1 core at most CPU_PROCESSES_PER_CORE (4) processes fit: all 8 of the plan do not,
     2 nodes x 4 do; each node's torchrun gets 4 processes, its rendezvous, its own log folder
     and plan copy, and the file global rank 0 marks."""
-    import executor.fit_check as fit
-    from executor.fit_check import PlanDoesNotFitError
+    import trainplan.executor.fit_check as fit
+    from trainplan.executor.fit_check import PlanDoesNotFitError
 
     monkeypatch.setattr(fit.os, "cpu_count", lambda: 1)
     plan8.to_json(tmp_path / "plan.json")
@@ -142,7 +142,7 @@ def test_each_node_starts_its_share_and_the_fit_check_counts_those(plan8, tmp_pa
 def test_the_node_without_rank_0_says_so(tmp_path, monkeypatch, capsys, no_launcher):
     """`launch_plan` reads the record only on the node that ran global rank 0; another node
     prints one line (exit 0), or is interrupted (exit 130) when its job was."""
-    import executor.reporting.report as report
+    import trainplan.executor.reporting.report as report
 
     seen = {"interrupted": False}
     monkeypatch.setattr(worker, "launch", lambda plan_path, out, data, device, **k: seen["interrupted"])
@@ -166,13 +166,13 @@ def test_the_node_without_rank_0_says_so(tmp_path, monkeypatch, capsys, no_launc
     (None, "budget", "reports"),
 ])
 def test_a_rank_of_the_users_launcher_trains_in_place(monkeypatch, no_launcher, env, reason, expect):
-    """Under the user's torchrun each rank runs `executor.train.run` itself (no launch); rank 0
+    """Under the user's torchrun each rank runs `trainplan.executor.train.run` itself (no launch); rank 0
     gets (plan, record) to report, another rank only its exit status."""
-    import executor.train
-    from planner.cli.launching import EnvRank, run_processes
+    import trainplan.executor.train
+    from trainplan.planner.cli.launching import EnvRank, run_processes
 
     record = types.SimpleNamespace(stop_reason=reason)
-    monkeypatch.setattr(executor.train, "run", lambda plan, **k: record)
+    monkeypatch.setattr(trainplan.executor.train, "run", lambda plan, **k: record)
     monkeypatch.setattr(worker, "launch", lambda *a, **k: pytest.fail("launched torchrun inside a rank"))
     plan = types.SimpleNamespace(decisions=types.SimpleNamespace(devices=2 if env else 1))
     args = _args()

@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from planner.api import plan_for_choice, solve, solve_longest
-from planner.budget import Budget
-from planner.plan import Plan
-from trainplan_errors import InfeasibleError, PlanMismatchError, TrainplanError
+from trainplan.errors import InfeasibleError, PlanMismatchError, TrainplanError
+from trainplan.planner.api import plan_for_choice, solve, solve_longest
+from trainplan.planner.budget import Budget
+from trainplan.planner.plan import Plan
 
 MIB = 2**20
 KNOBS = dict(loss_chunks=(1, 4, 16), mlp_chunks=(1, 4))

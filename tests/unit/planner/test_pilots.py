@@ -10,16 +10,16 @@ import types
 
 import pytest
 
-import planner.pilots as pilots
-from costmodels.loss.law import LOCAL, LossLaw
-from costmodels.loss.pilots import PILOT_BUDGET_FRAC, PilotResult
-from costmodels.loss.planned import run_loss
-from planner import Budget, solve
-from planner.joint.problem import prepare
+import trainplan.planner.pilots as pilots
+from trainplan.costmodels.loss.law import LOCAL, LossLaw
+from trainplan.costmodels.loss.pilots import PILOT_BUDGET_FRAC, PilotResult
+from trainplan.costmodels.loss.planned import run_loss
+from trainplan.planner import Budget, solve
+from trainplan.planner.joint.problem import prepare
 
 TRUTH = LossLaw(E=3.0, A=0.0, B=40.0, beta=0.3, b_crit_tokens=3000.0)
 """The stand-in pilots' law; its E is replaced by the floor the planner pins (the published law's
-E + A / N^alpha for the model: `planner.pilots.calibrate`)."""
+E + A / N^alpha for the model: `trainplan.planner.pilots.calibrate`)."""
 CORPUS = types.SimpleNamespace(sha256="test-corpus", tokenizer_path="")
 DATA_TOKENS = 1_373_953
 

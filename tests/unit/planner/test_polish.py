@@ -1,4 +1,4 @@
-"""planner.joint.polish: the cheapest tokens per combo, solved exactly, against brute force over
+"""trainplan.planner.joint.polish: the cheapest tokens per combo, solved exactly, against brute force over
 every assignment of tiny-llama's 4 blocks to the built-in checkpoint entries, at memory caps from
 binding every combo to binding none, under a time and a FLOP budget."""
 
@@ -9,12 +9,12 @@ import math
 
 import pytest
 
-from costmodels.checkpoint_sets import resolve
-from costmodels.step.model import Choice
-from planner.budget import Budget
-from planner.joint.combos import BYTES_PER_UNIT, combo_memory, make_combo, memory_rows, units
-from planner.joint.polish import cheapest_tokens
-from planner.joint.search import budget_terms
+from trainplan.costmodels.checkpoint_sets import resolve
+from trainplan.costmodels.step.model import Choice
+from trainplan.planner.budget import Budget
+from trainplan.planner.joint.combos import BYTES_PER_UNIT, combo_memory, make_combo, memory_rows, units
+from trainplan.planner.joint.polish import cheapest_tokens
+from trainplan.planner.joint.search import budget_terms
 
 ENTRIES = ["none", "save_matmuls", "save_attention", "full"]
 SEQ = 2048

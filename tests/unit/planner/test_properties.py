@@ -20,10 +20,10 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from planner.budget import Budget
-from planner.joint.problem import prepare, solve_problem
-from planner.plan import relative_gap
-from trainplan_errors import InfeasibleError
+from trainplan.errors import InfeasibleError
+from trainplan.planner.budget import Budget
+from trainplan.planner.joint.problem import prepare, solve_problem
+from trainplan.planner.plan import relative_gap
 
 PROPERTY = settings(max_examples=25, deadline=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture,
@@ -93,7 +93,7 @@ def limited(llama8b_3dev):
 
 
 def test_time_limit_gives_the_best_feasible_plan_with_its_gap(limited, capsys):
-    from planner.cli.plan_text import print_plan
+    from trainplan.planner.cli.plan_text import print_plan
 
     plan = limited
     s = plan.solver
@@ -128,7 +128,7 @@ def test_same_inputs_and_seed_give_the_same_plan(tiny, seed):
 
 
 def test_time_limited_solve_is_deterministic(llama8b_3dev, limited):
-    """The limit is CP-SAT's deterministic time (`planner.joint.solver._deterministic`): a search it
+    """The limit is CP-SAT's deterministic time (`trainplan.planner.joint.solver._deterministic`): a search it
     ends is the same on any load; the plan still reports FEASIBLE with its gap. (One limit: a
     longer one ends the same sequential search later, by the same work count.)"""
     first = limited

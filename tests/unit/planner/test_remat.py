@@ -18,7 +18,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from costmodels.checkpoint_sets import (
+from trainplan.costmodels.checkpoint_sets import (
     BUILTIN,
     CheckpointSet,
     KeyCounter,
@@ -27,17 +27,17 @@ from costmodels.checkpoint_sets import (
     resolve,
     sets_from_mapping,
 )
-from costmodels.step.memory import simulate_region
-from costmodels.step.model import Choice
-from costmodels.step.remat_cost import BlockCase, evaluate
-from costmodels.step.roofline import region_cost
-from executor.apply.checkpointing import apply_checkpointing, sac_forward
-from hardware_profiles import load
-from modeling.flop_counting import CPU_ATTENTION_FLOP_FORMULAS
-from planner.capture.graph import capture
-from planner.joint.remat_solver import BlockModel, linear_memory, pareto_menu, solve_block
-from planner.joint.remat_strategies import BASELINES, STRATEGIES, optimal
-from trainplan_errors import PlanMismatchError, TrainplanError
+from trainplan.costmodels.step.memory import simulate_region
+from trainplan.costmodels.step.model import Choice
+from trainplan.costmodels.step.remat_cost import BlockCase, evaluate
+from trainplan.costmodels.step.roofline import region_cost
+from trainplan.errors import PlanMismatchError, TrainplanError
+from trainplan.executor.apply.checkpointing import apply_checkpointing, sac_forward
+from trainplan.hardware_profiles import load
+from trainplan.modeling.flop_counting import CPU_ATTENTION_FLOP_FORMULAS
+from trainplan.planner.capture.graph import capture
+from trainplan.planner.joint.remat_solver import BlockModel, linear_memory, pareto_menu, solve_block
+from trainplan.planner.joint.remat_strategies import BASELINES, STRATEGIES, optimal
 
 SHAPES = [(1, 16), (2, 64), (1, 1024), (4, 4096)]
 FRACTIONS = [0.0, 0.02, 0.1, 0.3, 0.6, 1.0]
@@ -155,7 +155,7 @@ def test_below_full_checkpointing_is_infeasible(region, cap_of_full):
 
 @pytest.fixture(scope="module")
 def cases(region):
-    from planner.capture.setup import capture_model
+    from trainplan.planner.capture.setup import capture_model
 
     big = capture_model("llama3-8b", "bf16-mixed")[0].regions["block0"]
     out = [_case(region, b, s, "h100") for b, s in SHAPES if s != 1024] + [_case(region, 1, 1024, "cpu")]
@@ -211,7 +211,7 @@ def test_menu_is_a_pareto_front_with_none_and_full(region, b, s):
 def test_sequence_decides_what_is_kept():
     """At AutoSP's memory, a Llama-3-8B block keeps attention at long sequence and projections
     at short sequence: from the cost model, not from a rule."""
-    from planner.capture.setup import capture_model
+    from trainplan.planner.capture.setup import capture_model
 
     r = capture_model("llama3-8b", "bf16-mixed")[0].regions["block0"]
     kept = {}
@@ -228,7 +228,7 @@ def test_block_solve_of_a_70b_block_is_optimal(region):
     optimality. Its time limit is wall-clock seconds, so the test gives it 60 (a loaded machine
     must not end the search early); how long it takes is a benchmark figure, `block_solve_s` in
     benchmarks/solve_speed.py (was asserted here under 2 s)."""
-    from planner.capture.setup import capture_model
+    from trainplan.planner.capture.setup import capture_model
 
     r = capture_model("llama3-70b", "bf16-mixed")[0].regions["block0"]
     case = BlockCase(region=r, b=1, s=16384, sp=8, hw=load("mi300"), dtype="bf16", stack=80)
@@ -318,9 +318,9 @@ def test_measured_recompute_flops_equal_predicted(tiny_llama, solved_sets, cpu_p
 
 
 def test_plan_names_solved_entries_and_the_executor_rebuilds_them(tiny_llama):
-    from planner.api import plan_for_choice, solve
-    from planner.budget import Budget
-    from planner.plan import Plan
+    from trainplan.planner.api import plan_for_choice, solve
+    from trainplan.planner.budget import Budget
+    from trainplan.planner.plan import Plan
 
     kw = dict(seq_len=512, vocab_size=512)
     peak = {e: plan_for_choice("tiny-llama", "cpu", micro_batch=1, checkpoint=e, **kw)

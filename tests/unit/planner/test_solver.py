@@ -1,4 +1,4 @@
-"""planner.solve: slack, binding and infeasible cases; a larger budget is never worse; the same
+"""trainplan.planner.solve: slack, binding and infeasible cases; a larger budget is never worse; the same
 inputs give the same plan; Plan JSON; Budget validation."""
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ import re
 
 import pytest
 
-from costmodels.step.model import Choice, StepModel
-from hardware_profiles import load
-from planner.api import solve
-from planner.budget import Budget
-from planner.capture.setup import capture_model
-from planner.plan import Plan
-from trainplan_errors import InfeasibleError, PlanMismatchError, TrainplanError
+from trainplan.costmodels.step.model import Choice, StepModel
+from trainplan.errors import InfeasibleError, PlanMismatchError, TrainplanError
+from trainplan.hardware_profiles import load
+from trainplan.planner.api import solve
+from trainplan.planner.budget import Budget
+from trainplan.planner.capture.setup import capture_model
+from trainplan.planner.plan import Plan
 
 GIB = 2**30
 LONG_SEQ = 131072
@@ -123,8 +123,8 @@ ends FEASIBLE, where a larger budget is not bound to be better)."""
 def test_larger_budget_is_never_worse(model, hw, devices, seq_len, kind, budgets, policies):
     """Each budget solved as `solve` does (`solve_problem`, then `choose_data_method`), the model
     captured once."""
-    from planner.data_choice import choose_data_method
-    from planner.joint.problem import prepare, solve_problem
+    from trainplan.planner.data_choice import choose_data_method
+    from trainplan.planner.joint.problem import prepare, solve_problem
 
     pr = prepare(model, hw, seq_len=seq_len, policies=policies)
     plans = [solve_problem(pr, Budget(devices=devices, **{kind: b})) for b in budgets]
@@ -150,7 +150,7 @@ def test_same_inputs_same_plan(slack_plan):
 def test_cli_solve_70b_at_128k_writes_the_plan_solve_returns(plan_70b, tmp_path, capsys):
     """`trainplan solve` with devices and a 128K sequence: the plan `solve` returns (its speed is a
     benchmark figure, `solve_s_llama3_70b` in benchmarks/solve_speed.py, not a test)."""
-    from planner.cli.main import main
+    from trainplan.planner.cli.main import main
 
     rc = main(["solve", "--model", "llama3-70b", "--hw", "mi300", "--devices", "8", "--seq-len", str(LONG_SEQ),
                "--budget-device-hours", "1000", "--json", str(tmp_path / "p.json")])
@@ -265,8 +265,8 @@ def test_budget_kind_and_wall_time(budget, kind, wall_for_4):
 
 
 def test_sp_degrees_stay_inside_a_node():
-    from costmodels.step.comm import nodes_for, sp_degrees_within_node
-    from planner.joint.space import default_space
+    from trainplan.costmodels.step.comm import nodes_for, sp_degrees_within_node
+    from trainplan.planner.joint.space import default_space
 
     assert sp_degrees_within_node([1, 2, 4, 8, 16, 32], devices=8, devices_per_node=8) == [1, 2, 4, 8, 16, 32]
     assert sp_degrees_within_node([1, 2, 4, 8, 16, 32], devices=16, devices_per_node=8) == [1, 2, 4, 8]
@@ -284,7 +284,7 @@ def test_sp_degrees_stay_inside_a_node():
 @pytest.fixture(scope="module")
 def problem_405b():
     """llama3.1-405b on MI300X at 8192 tokens, captured once for the device counts below."""
-    from planner.joint.problem import prepare
+    from trainplan.planner.joint.problem import prepare
 
     return prepare("llama3.1-405b", "mi300", seq_len=8192)
 
@@ -296,7 +296,7 @@ def test_plans_from_one_to_1024_devices(problem_405b, devices):
     MI300X node) and data parallelism runs across nodes. Solved as `solve(..., explain=False)`
     solves (no corpus size: no data method to choose). (The 1024-device solve's speed is a
     benchmark figure, `solve_s_405b_1024` in benchmarks/solve_speed.py.)"""
-    from planner.joint.problem import solve_problem
+    from trainplan.planner.joint.problem import solve_problem
 
     budget = Budget(devices=devices, device_hours=1e6 if devices > 1 else 1e5)
     if devices == 1:
@@ -315,8 +315,8 @@ def test_plans_from_one_to_1024_devices(problem_405b, devices):
 
 def _evaluate_phases(sm: StepModel, c: Choice) -> dict[str, float]:
     """The highest bytes of each phase kind as `StepModel.evaluate` composes them (its peak is
-    their maximum): `costmodels.step.memory.step_phases` over the same inputs."""
-    from costmodels.step.memory import step_phases
+    their maximum): `trainplan.costmodels.step.memory.step_phases` over the same inputs."""
+    from trainplan.costmodels.step.memory import step_phases
 
     states = sm.model_states(c)
     head = sm.head_memory(c)
@@ -332,9 +332,9 @@ def _evaluate_phases(sm: StepModel, c: Choice) -> dict[str, float]:
 def test_joint_memory_is_evaluates_phase_by_phase(problems, model):
     """Over devices 1/2/8/64, ZeRO 0-3, the smallest and largest SP degree, micro-batches 1 and
     4, both optimizer widths and uniform and mixed checkpoint plans: the joint model's bytes at
-    each phase kind (`planner.joint.combos.phase_peaks`) are `evaluate`'s, and so is their peak."""
-    from costmodels.checkpoint_sets import resolve
-    from planner.joint.combos import make_combo, phase_peaks
+    each phase kind (`trainplan.planner.joint.combos.phase_peaks`) are `evaluate`'s, and so is their peak."""
+    from trainplan.costmodels.checkpoint_sets import resolve
+    from trainplan.planner.joint.combos import make_combo, phase_peaks
 
     pr = problems[model]
     sm, L, seq = pr.step_model, len(pr.step_model.blocks), pr.seq_len
@@ -378,7 +378,7 @@ def test_solved_plans_fit_by_their_own_prediction(problems):
     for it (`Solution.peak_bytes`) is that prediction (within 0.5%; in fact exact). Both hold
     for any plan the search returns, optimal or not: a short search (0.2 s of deterministic
     time) checks them as well as a long one."""
-    from planner.joint.solver import solve_joint
+    from trainplan.planner.joint.solver import solve_joint
 
     worst, mixed = 0.0, 0
     for model, devices, zeros, share in SOLVE_GRID:

@@ -1,11 +1,11 @@
 """Typed errors shared by every trainplan package.
 
 This package is the bottom of the import graph (`planner`, `executor` -> `modeling` ->
-`costmodels` -> `hardware_profiles` -> `trainplan_errors`; the import-linter contract in
+`costmodels` -> `hardware_profiles` -> `trainplan.errors`; the import-linter contract in
 pyproject.toml) and imports nothing of trainplan, so every package can raise these errors and
 imports them from here. The CLI catches `TrainplanError`, prints its message on one line and
 exits with status 2 (bad input), 3 (`InfeasibleError`) or 1 (a run that failed:
-`TrainingDivergedError`, out of memory, a dead worker); `planner.cli.main.EXIT_CODES`.
+`TrainingDivergedError`, out of memory, a dead worker); `trainplan.planner.cli.main.EXIT_CODES`.
 """
 
 from __future__ import annotations
@@ -33,12 +33,12 @@ class InfeasibleError(TrainplanError):
     The planner sets, where it knows them (absent otherwise, `getattr(err, name, None)`):"""
 
     binding: str
-    """What binds: "time limit" (the solver stopped before any plan, `planner.joint.solver`), or,
-    once explained (`planner.joint.explain`), "memory", "budget" or "memory and budget"."""
+    """What binds: "time limit" (the solver stopped before any plan, `trainplan.planner.joint.solver`), or,
+    once explained (`trainplan.planner.joint.explain`), "memory", "budget" or "memory and budget"."""
     explanation: object
-    """The diagnosis, a `planner.joint.explain.Explanation`."""
+    """The diagnosis, a `trainplan.planner.joint.explain.Explanation`."""
     suggestions: tuple[object, ...]
-    """The changes that fit, smallest first: `planner.joint.explain.Suggestion`s."""
+    """The changes that fit, smallest first: `trainplan.planner.joint.explain.Suggestion`s."""
     solver_message: str
     """The solver's own message, before the explanation replaced it."""
 

@@ -1,8 +1,8 @@
 """One line from a pydantic `ValidationError`: the field, its value and what is valid.
 
 trainplan's file formats are each declared once, as a strict pydantic model beside the format's
-reader: a plan (`planner.plan_schema`), a hardware profile (`hardware_profiles.profile_schema`)
-and a held-out curve (`costmodels.stopping.heldout_curve.HeldoutCurveSchema`). Why pydantic: its
+reader: a plan (`trainplan.planner.plan_schema`), a hardware profile (`trainplan.hardware_profiles.profile_schema`)
+and a held-out curve (`trainplan.costmodels.stopping.heldout_curve.HeldoutCurveSchema`). Why pydantic: its
 strict mode refuses what a hand check forgot (`true` for a number, `8.0` for a whole number,
 `NaN`), the same declaration gives the published JSON Schema (`docs/schemas/`), and the
 constraints live in one place instead of `isinstance` guards in every reader. A reader turns the
