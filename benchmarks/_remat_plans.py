@@ -96,7 +96,7 @@ class Planner:
         except InfeasibleError:
             return None
         d = p.decisions
-        return dict(policies=d.checkpoint, sets=d.checkpoint_sets, loss_chunks=d.loss_chunks,
+        return dict(policies=d.activation_checkpoint, sets=d.checkpoint_sets, loss_chunks=d.loss_chunks,
                     mlp_chunks=d.mlp_chunks, peak=p.predictions.memory_bytes["total"],
                     step_s=p.predictions.step_time_s, solve_s=p.solver.wall_s,
                     phase=self.sm.evaluate(Choice.from_decisions(d)).memory.phase)
@@ -117,7 +117,8 @@ def plan_for(planner: Planner, choice: dict, seq: int, mb: int):
     """The fixed Plan (`trainplan.planner.api.plan_for_choice`, STEPS steps) of a `Planner.plan` choice."""
     from trainplan.planner.api import plan_for_choice
 
-    return plan_for_choice(MODEL, planner.hw, seq_len=seq, micro_batch=mb, checkpoint=tuple(choice["policies"]),
+    return plan_for_choice(MODEL, planner.hw, seq_len=seq, micro_batch=mb,
+                           activation_checkpoint=tuple(choice["policies"]),
                            checkpoint_sets=choice["sets"], vocab_size=VOCAB, max_steps=STEPS,
                            loss_chunks=choice["loss_chunks"], mlp_chunks=choice["mlp_chunks"])
 

@@ -29,7 +29,7 @@ def run_key(plan) -> tuple:
     """What makes two plans the same run: sequence, micro-batch, each block's saved set and the
     tiling."""
     d = plan.decisions
-    return (d.seq_len, d.micro_batch, tuple(frozenset(d.checkpoint_sets.get(e, [e])) for e in d.checkpoint),
+    return (d.seq_len, d.micro_batch, tuple(frozenset(d.checkpoint_sets.get(e, [e])) for e in d.activation_checkpoint),
             d.loss_chunks, d.mlp_chunks)
 
 

@@ -48,11 +48,11 @@ def grid(quick: bool, multi: bool = True) -> list[dict]:
     seqs, mbs = ((128,), (2, 4)) if quick else ((128, 256), (2, 4))
     ckpts = ("none", "full", "planned")
     bits = (32, 8)
-    cases = [dict(seq_len=s, micro_batch=b, checkpoint=c, sp_degree=1, devices=1, zero_stage=0,
+    cases = [dict(seq_len=s, micro_batch=b, activation_checkpoint=c, sp_degree=1, devices=1, zero_stage=0,
                   optimizer_bits=o) for s, b, c, o in itertools.product(seqs, mbs, ckpts, bits)]
     pairs = [(2, 2, 0), (2, 2, 3), (2, 1, 2), (2, 2, 2)] if not quick else [(2, 2, 0), (2, 1, 2)]
     for devices, sp, zero in pairs if multi else []:
-        cases.append(dict(seq_len=128, micro_batch=2, checkpoint="full" if zero == 3 else "none",
+        cases.append(dict(seq_len=128, micro_batch=2, activation_checkpoint="full" if zero == 3 else "none",
                           sp_degree=sp, devices=devices, zero_stage=zero, optimizer_bits=32))
     return cases
 
@@ -65,7 +65,7 @@ def planned_plan(case: dict, vocab: int):
     checkpointing's, its knobs but the checkpoint sets pinned to the case, run for STEPS steps."""
     import dataclasses
 
-    peak = {ck: plan_for_choice("tiny-llama", HW, **{**case, "checkpoint": ck}, precision=PRECISION,
+    peak = {ck: plan_for_choice("tiny-llama", HW, **{**case, "activation_checkpoint": ck}, precision=PRECISION,
                                 vocab_size=vocab).predictions.memory_bytes["total"]
             for ck in ("none", "full")}
     cap = peak["full"] + 0.5 * (peak["none"] - peak["full"])
@@ -82,13 +82,13 @@ def run_case(case: dict, data, out: Path) -> dict:
     from trainplan.executor.worker import launch
 
     vocab = data.vocab_size
-    ck = case["checkpoint"]
+    ck = case["activation_checkpoint"]
     if ck == "planned":
         plan = planned_plan(case, vocab)
     else:
         plan = plan_for_choice("tiny-llama", HW, **case, precision=PRECISION, vocab_size=vocab,
                                max_steps=STEPS)
-    policies = plan.decisions.checkpoint
+    policies = plan.decisions.activation_checkpoint
     run_dir = out / "runs" / "_".join(f"{k}{v}" for k, v in case.items())
     shutil.rmtree(run_dir, ignore_errors=True)
     if case["devices"] > 1:
@@ -102,7 +102,7 @@ def run_case(case: dict, data, out: Path) -> dict:
         record = run(plan, data=data, out=run_dir, progress=False, device=DEVICE, checkpoint_every=0)
         plan.to_json(run_dir / "plan.json")
     df = compare(plan, record).set_index("term")
-    row = dict(case, checkpoint=ck, policies="+".join(policies))
+    row = dict(case, policies="+".join(policies))
     for term in ("peak_memory", "flops_per_step", "step_time"):
         if term in df.index:
             row[f"{term}_predicted"] = df.loc[term, "predicted"]
@@ -147,12 +147,12 @@ def calibrated_step_times(df: pd.DataFrame, out: Path) -> pd.DataFrame:
               time_basis="cpu" if (df.loc[df["calibration_set"], "step_time_basis"] == "cpu").all() else "wall")
     after = []
     for _, r in df.iterrows():
-        if r["checkpoint"] == "planned":  # solved sets are not re-predicted here
+        if r["activation_checkpoint"] == "planned":  # solved sets are not re-predicted here
             after.append(float("nan"))
             continue
         case = {k: r[k] for k in ("seq_len", "micro_batch", "sp_degree", "devices", "zero_stage",
                                   "optimizer_bits")}
-        plan = plan_for_choice("tiny-llama", "cpu", **case, checkpoint=tuple(r["policies"].split("+")),
+        plan = plan_for_choice("tiny-llama", "cpu", **case, activation_checkpoint=tuple(r["policies"].split("+")),
                                vocab_size=8192)
         after.append(plan.predictions.step_time_s)
     df["step_time_calibrated_predicted"] = after

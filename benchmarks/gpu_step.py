@@ -191,7 +191,8 @@ def bounded_plan(path: str, steps: int, largest_micro_batch: int) -> None:
     d = plan.decisions
     plan_for_choice(plan.model, plan.hw, seq_len=d.seq_len, micro_batch=min(d.micro_batch, largest_micro_batch or
                                                                               d.micro_batch),
-                    grad_accum=d.grad_accum, checkpoint=d.checkpoint, checkpoint_sets=d.checkpoint_sets,
+                    grad_accum=d.grad_accum, activation_checkpoint=d.activation_checkpoint,
+                    checkpoint_sets=d.checkpoint_sets,
                     sp_degree=d.sp_degree, devices=d.devices, zero_stage=d.zero_stage,
                     optimizer_bits=d.optimizer_bits, activation_bits=d.activation_bits, precision=d.precision,
                     max_steps=min(d.max_steps, steps), vocab_size=plan.vocab_size, lr=d.lr,

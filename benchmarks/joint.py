@@ -205,7 +205,7 @@ def case_rows(case: dict) -> tuple[list[dict], dict]:
     base = dict(case=case["name"], model=case["model"], hw=case["hw"], devices=case["devices"],
                 seq_len=case["seq_len"], budget=json.dumps(budget.to_dict()),
                 memory_limit_gib=(cap or pr.profile.usable_bytes) / GIB)
-    ck = ", ".join(f"{d.checkpoint.count(e)} x {e}" for e in dict.fromkeys(d.checkpoint))
+    ck = ", ".join(f"{d.activation_checkpoint.count(e)} x {e}" for e in dict.fromkeys(d.activation_checkpoint))
     rows = [base | dict(method="joint", sp_degree=d.sp_degree, zero_stage=d.zero_stage,
                         micro_batch=d.micro_batch, checkpoint=ck, optimizer_bits=d.optimizer_bits,
                         data_fraction=d.data_fraction, tokens=p.total_tokens,
@@ -228,7 +228,7 @@ def case_rows(case: dict) -> tuple[list[dict], dict]:
         steps = kn.step(best_k)[1]
         runnable["greedy_best"] = plan_for_choice(
             case["model"], case["hw"], seq_len=case["seq_len"], micro_batch=best_k["micro_batch"],
-            checkpoint=best_k["checkpoint"], sp_degree=best_k["sp_degree"], devices=case["devices"],
+            activation_checkpoint=best_k["checkpoint"], sp_degree=best_k["sp_degree"], devices=case["devices"],
             zero_stage=best_k["zero_stage"], optimizer_bits=best_k["optimizer_bits"],
             data_fraction=best_k["data_fraction"], max_steps=steps, data_tokens=data_tokens,
             vocab_size=case.get("vocab_size"), law=pr.law, seed=d.seed)

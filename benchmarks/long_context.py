@@ -42,12 +42,12 @@ import torch
 
 MODEL, VOCAB, SEQ, MB, STEPS = "tiny-llama", 8192, 256, 2, 4
 PLANS = {
-    "none": dict(checkpoint="none"),
-    "full": dict(checkpoint="full"),
-    "none+loss8": dict(checkpoint="none", loss_chunks=8),
-    "none+mlp4": dict(checkpoint="none", mlp_chunks=4),
-    "full+loss8+mlp4": dict(checkpoint="full", loss_chunks=8, mlp_chunks=4),
-    "full+offload": dict(checkpoint="full", offload=True),
+    "none": dict(activation_checkpoint="none"),
+    "full": dict(activation_checkpoint="full"),
+    "none+loss8": dict(activation_checkpoint="none", loss_chunks=8),
+    "none+mlp4": dict(activation_checkpoint="none", mlp_chunks=4),
+    "full+loss8+mlp4": dict(activation_checkpoint="full", loss_chunks=8, mlp_chunks=4),
+    "full+offload": dict(activation_checkpoint="full", offload=True),
 }
 QUICK = ("none", "none+loss8", "full+loss8+mlp4")
 

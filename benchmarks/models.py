@@ -145,12 +145,12 @@ def run_sp(arch: str, data, out: Path, reference: dict | None) -> dict:
     from trainplan.executor.record import RunRecord
     from trainplan.planner.api import plan_for_choice
 
-    row = dict(arch=arch, kind="sp", sp_degree=2, devices=2, checkpoint="none", **SP_CELL)
+    row = dict(arch=arch, kind="sp", sp_degree=2, devices=2, activation_checkpoint="none", **SP_CELL)
     t0 = time.perf_counter()
     if reference is None or reference.get("status") != "ok":
         return row | dict(status="skipped: its 1-process run did not run", run_s=0.0)
     try:
-        plan = plan_for_choice(tiny(arch, data.vocab_size), "cpu", **SP_CELL, checkpoint="none", sp_degree=2,
+        plan = plan_for_choice(tiny(arch, data.vocab_size), "cpu", **SP_CELL, activation_checkpoint="none", sp_degree=2,
                                devices=2, max_steps=STEPS, vocab_size=data.vocab_size,
                                data_tokens=data.n_train_tokens, optimizer_bits=32, precision="fp32")
     except TrainplanError as e:
@@ -227,7 +227,7 @@ def run_full(arch: str, solve_it: bool = True) -> dict:
     except Exception as e:
         return row | dict(status=f"error: solve: {one_line(e)}")
     d, p = plan.decisions, plan.predictions
-    ckpt = ", ".join(f"{d.checkpoint.count(c)} x {c}" for c in dict.fromkeys(d.checkpoint))
+    ckpt = ", ".join(f"{d.activation_checkpoint.count(c)} x {c}" for c in dict.fromkeys(d.activation_checkpoint))
     return row | dict(status="ok", solver_s=plan.solver.wall_s, solver_status=plan.solver.status,
                       sp_degree=d.sp_degree, zero_stage=d.zero_stage, micro_batch=d.micro_batch,
                       plan_checkpoint=ckpt, optimizer_bits=d.optimizer_bits,
@@ -245,7 +245,7 @@ def run_arch(arch: str, data, root: Path, quick: bool) -> list[dict]:
     for seq in QUICK_SEQS if quick else SEQS:
         for mb in MICRO_BATCHES:
             for ck in CHECKPOINTS:
-                cell = dict(seq_len=seq, micro_batch=mb, checkpoint=ck)
+                cell = dict(seq_len=seq, micro_batch=mb, activation_checkpoint=ck)
                 if failed_plan:
                     rows.append(dict(arch=arch, kind="tiny", sp_degree=1, devices=1, **cell,
                                      status=f"skipped: planning failed at {failed_plan}"))
@@ -256,7 +256,7 @@ def run_arch(arch: str, data, root: Path, quick: bool) -> list[dict]:
                 if r["status"].startswith("error: plan"):
                     failed_plan = f"s{seq} mb{mb} {ck}"
     if not quick:
-        ref = next((r for r in rows if r["kind"] == "tiny" and r["checkpoint"] == "none"
+        ref = next((r for r in rows if r["kind"] == "tiny" and r["activation_checkpoint"] == "none"
                     and r["micro_batch"] == SP_CELL["micro_batch"] and r["seq_len"] == SP_CELL["seq_len"]), None)
         r = run_sp(arch, data, root / arch / "sp2", ref)
         rows.append(r)
@@ -329,7 +329,7 @@ def summarize(df: pd.DataFrame, archs: pd.DataFrame, quick: bool, wall_s: float)
         i = frame[col].abs().idxmax()
         r = frame.loc[i]
         where = f"{r['arch']} {r['kind']} s{int(r['seq_len'])}" + (
-            f" mb{int(r['micro_batch'])} {r['checkpoint']}" if r["kind"] != "full_size" else "")
+            f" mb{int(r['micro_batch'])} {r['activation_checkpoint']}" if r["kind"] != "full_size" else "")
         return float(abs(r[col])), where
 
     peak, peak_at = worst("peak_rel_err", runs)

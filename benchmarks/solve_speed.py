@@ -114,7 +114,8 @@ def joint(model: str, devices: int, seq_len: int, device_hours: float) -> dict:
                 zero_stage=d.zero_stage, micro_batch=d.micro_batch,
                 solver_s=plan.solver.wall_s, status=plan.solver.status,
                 joint_variables=plan.solver.n_variables, joint_constraints=plan.solver.n_constraints,
-                checkpoint=", ".join(f"{d.checkpoint.count(e)} x {e}" for e in dict.fromkeys(d.checkpoint)),
+                checkpoint=", ".join(f"{d.activation_checkpoint.count(e)} x {e}"
+                                     for e in dict.fromkeys(d.activation_checkpoint)),
                 predicted_step_s=plan.predictions.step_time_s, predicted_loss=plan.predictions.final_loss)
 
 

@@ -179,7 +179,7 @@ def with_model_facts(plan: Plan, model: nn.Module | str) -> Plan:
 
 
 def plan_for_choice(model: nn.Module | str, hw: str | HardwareProfile, *, seq_len: int,
-                    micro_batch: int, grad_accum: int = 1, checkpoint: tuple[str, ...] | str = "none",
+                    micro_batch: int, grad_accum: int = 1, activation_checkpoint: tuple[str, ...] | str = "none",
                     checkpoint_sets: dict[str, list[str]] | None = None, sp_degree: int = 1,
                     devices: int = 1, zero_stage: int = 0, optimizer_bits: int | None = None,
                     activation_bits: int = 32, precision: str | None = None, data_fraction: float = 1.0,
@@ -216,9 +216,10 @@ def plan_for_choice(model: nn.Module | str, hw: str | HardwareProfile, *, seq_le
     if isinstance(optimizer_bits, bool) or optimizer_bits not in valid_bits:
         raise TrainplanError(f"optimizer_bits={optimizer_bits!r} cannot run with precision={precision!r}: "
                              f"use {', '.join(map(str, valid_bits))}")
-    policies = (checkpoint,) * graph.n_layers if isinstance(checkpoint, str) else tuple(checkpoint)
+    policies = ((activation_checkpoint,) * graph.n_layers if isinstance(activation_checkpoint, str)
+                else tuple(activation_checkpoint))
     if len(policies) != graph.n_layers:
-        raise TrainplanError(f"checkpoint has {len(policies)} entries; {name} has {graph.n_layers} layers")
+        raise TrainplanError(f"activation_checkpoint has {len(policies)} entries; {name} has {graph.n_layers} layers")
     sets = sets_from_mapping(checkpoint_sets)
     for p in policies:
         check_policy(p, sets)

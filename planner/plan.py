@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,9 @@ from trainplan.errors.validation import one_line
 from trainplan.planner.plan_schema import PlanSchema
 
 PLAN_FORMAT = 1
+_log = logging.getLogger(__name__)
+RENAMED_DECISIONS = {"checkpoint": "activation_checkpoint"}
+"""Decision keys renamed within plan format 1: old name -> new name (`upgraded`)."""
 
 
 DEFAULT_LR = 3e-3
@@ -39,9 +43,12 @@ class Decisions:
     dp_degree x micro_batch x grad_accum sequences. Plans written before the field read 1."""
     seq_len: int
     """Tokens per sequence (the whole sequence; each SP rank holds seq_len / sp_degree)."""
-    checkpoint: tuple[str, ...]
-    """Per transformer block, the checkpoint menu entry: `none`, `full`, a built-in selective
-    policy (`trainplan.costmodels.checkpoint_sets.BUILTIN`) or a solved entry named in `checkpoint_sets`."""
+    activation_checkpoint: tuple[str, ...]
+    """Per transformer block, its activation checkpoint entry (what the block's forward saves for
+    the backward, the rest recomputed; not a run's saved state, `trainplan.executor.checkpoint`):
+    `none`, `full`, a built-in selective policy (`trainplan.costmodels.checkpoint_sets.BUILTIN`) or
+    a solved entry named in `checkpoint_sets`. Plan files written before the name read their
+    `checkpoint` key here (`upgraded`, with a one-line deprecation note)."""
     precision: str
     """`fp32`, `bf16-mixed` (bf16 compute, fp32 master) or `bf16`."""
     optimizer_bits: int
@@ -258,13 +265,15 @@ class Plan:
                 f"{raw.get('format') if isinstance(raw, dict) else type(raw).__name__!r}; give a plan "
                 "written by `trainplan solve --json`")
         corrupt = "the plan file is corrupt or edited: solve it again"
+        raw = upgraded(raw, where)
         try:
             p = PlanSchema.model_validate(raw)
         except ValidationError as e:
             raise PlanMismatchError(f"{where}: {one_line(e, PlanSchema)}; {corrupt}") from None
         plan = cls(**{**p.model_dump(exclude={"decisions", "predictions", "solver"}), "notes": tuple(p.notes),
                       "warnings": tuple(p.warnings)},
-                   decisions=Decisions(**{**p.decisions.model_dump(), "checkpoint": tuple(p.decisions.checkpoint)}),
+                   decisions=Decisions(**{**p.decisions.model_dump(),
+                                         "activation_checkpoint": tuple(p.decisions.activation_checkpoint)}),
                    predictions=Predictions(**p.predictions.model_dump()), solver=SolverFacts(**p.solver.model_dump()))
         edited = edited_layout(plan)
         if edited is not None:
@@ -272,8 +281,29 @@ class Plan:
         return plan
 
 
+def upgraded(raw: dict[str, Any], where: str) -> dict[str, Any]:
+    """`raw` (a plan file's JSON object) with the decision keys renamed since it was written
+    (`RENAMED_DECISIONS`) under their new names, in `decisions` and in `predictions.made_for`;
+    logs one line (a warning of the `trainplan` logger) per renamed key. Unchanged when it holds
+    no old name, or holds old and new together (the schema then refuses the old one as unknown)."""
+    dec, pred = raw.get("decisions"), raw.get("predictions")
+    if not isinstance(dec, dict):
+        return raw
+    old = [k for k in RENAMED_DECISIONS if k in dec and RENAMED_DECISIONS[k] not in dec]
+    if not old:
+        return raw
+    for k in old:
+        _log.warning("%s: decisions.%s is deprecated, read as decisions.%s (plans solved now write the new name)",
+                     where, k, RENAMED_DECISIONS[k])
+    out = {**raw, "decisions": {RENAMED_DECISIONS.get(k, k) if k in old else k: v for k, v in dec.items()}}
+    if isinstance(pred, dict) and isinstance(made := pred.get("made_for"), dict):
+        out["predictions"] = {**pred, "made_for": {RENAMED_DECISIONS.get(k, k) if k in old else k: v
+                                                   for k, v in made.items()}}
+    return out
+
+
 LAYOUT_FIELDS = ("devices", "sp_degree", "dp_degree", "zero_stage", "micro_batch", "seq_len",
-                 "checkpoint", "checkpoint_sets", "precision", "optimizer_bits", "activation_bits",
+                 "activation_checkpoint", "checkpoint_sets", "precision", "optimizer_bits", "activation_bits",
                  "grad_accum", "loss_chunks", "mlp_chunks", "offload")
 """The decisions that set a step's memory, FLOPs and time (`Predictions.made_for`)."""
 
@@ -281,7 +311,7 @@ LAYOUT_FIELDS = ("devices", "sp_degree", "dp_degree", "zero_stage", "micro_batch
 def layout_fields(d: Decisions) -> dict[str, Any]:
     """`d`'s LAYOUT_FIELDS as JSON values (tuples as lists): what `Predictions.made_for` holds."""
     out = {k: getattr(d, k) for k in LAYOUT_FIELDS}
-    out["checkpoint"] = list(d.checkpoint)
+    out["activation_checkpoint"] = list(d.activation_checkpoint)
     sets = d.checkpoint_sets
     out["checkpoint_sets"] = {k: list(v) for k, v in sets.items()} if isinstance(sets, dict) else sets
     return out

@@ -62,7 +62,7 @@ class DecisionsSchema(BaseModel):
     micro_batch: Count
     grad_accum: Count = 1
     seq_len: Count
-    checkpoint: Names
+    activation_checkpoint: Names
     precision: Literal["fp32", "bf16-mixed", "bf16"]
     optimizer_bits: Annotated[Literal[32, 16, 8, 4], BeforeValidator(_whole)]
     activation_bits: Annotated[Literal[32, 16, 8], BeforeValidator(_whole)] = 32
@@ -100,9 +100,9 @@ class DecisionsSchema(BaseModel):
                              "solved plan warms up over a tenth of its steps, at most 20)")
         if self.seq_len % self.sp_degree:
             raise ValueError(f"sp_degree={self.sp_degree} must divide seq_len={self.seq_len}")
-        if self.mlp_chunks > 1 and set(self.checkpoint) - {"none", "full"}:
+        if self.mlp_chunks > 1 and set(self.activation_checkpoint) - {"none", "full"}:
             raise ValueError(f"mlp_chunks={self.mlp_chunks} runs with the checkpoint entries none and full "
-                             f"only, not {sorted(set(self.checkpoint) - {'none', 'full'})}")
+                             f"only, not {sorted(set(self.activation_checkpoint) - {'none', 'full'})}")
         return self
 
 
@@ -192,9 +192,10 @@ class PlanSchema(BaseModel):
 
     @model_validator(mode="after")
     def _one_entry_per_layer(self) -> PlanSchema:
-        n = len(self.decisions.checkpoint)
+        n = len(self.decisions.activation_checkpoint)
         if n != self.model_n_layers:
-            raise ValueError(f"checkpoint has {n} entries, must be one name per layer ({self.model_n_layers})")
+            raise ValueError(f"activation_checkpoint has {n} entries, must be one name per layer "
+                             f"({self.model_n_layers})")
         for kind, entry in self.decisions.checkpoint_block_ops.items():
             if max(entry.layers) >= n:
                 raise ValueError(f"checkpoint_block_ops[{kind!r}] names layer {max(entry.layers)}, the model has "

@@ -47,7 +47,7 @@ def make_plan(**pred_overrides) -> Plan:
         model="tiny-llama", model_n_params=1_000_000, model_n_layers=2, hw="h200",
         budget={"device_hours": 1.0, "devices": 1}, data_tokens=1_000_000, vocab_size=256,
         decisions=Decisions(devices=1, sp_degree=1, dp_degree=1, zero_stage=0, micro_batch=4,
-                            seq_len=1024, checkpoint=("none", "full"), precision="bf16-mixed",
+                            seq_len=1024, activation_checkpoint=("none", "full"), precision="bf16-mixed",
                             optimizer_bits=32, data_fraction=1.0, data_method="random",
                             max_tokens=409_600, max_steps=100, governor_threshold=0.0),
         predictions=Predictions(**pred),

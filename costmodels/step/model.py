@@ -67,7 +67,7 @@ class Choice:
     def from_decisions(cls, d) -> Choice:
         """The choice a Plan's `Decisions` (`trainplan.planner.plan`) fixes, its solved entries included."""
         return cls(sp_degree=d.sp_degree, zero_stage=d.zero_stage, micro_batch=d.micro_batch,
-                   seq_len=d.seq_len, policies=tuple(d.checkpoint), precision=d.precision,
+                   seq_len=d.seq_len, policies=tuple(d.activation_checkpoint), precision=d.precision,
                    optimizer_bits=d.optimizer_bits, devices=d.devices,
                    activation_bits=getattr(d, "activation_bits", 32),
                    grad_accum=getattr(d, "grad_accum", 1), loss_chunks=getattr(d, "loss_chunks", 1),

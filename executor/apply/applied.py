@@ -311,7 +311,7 @@ def apply_plan(plan: Plan, model: nn.Module, *, device_mesh=None, device: str | 
     head = TiledHead(model, d.loss_chunks) if d.loss_chunks > 1 else None
     if check_ops:
         _check_ops(plan, model, blocks_name, blocks, dev, mixed_precision=mp is not None)
-    apply_checkpointing(model, d.checkpoint, d.checkpoint_sets, blocks=blocks, early_stop=d.mlp_chunks == 1)
+    apply_checkpointing(model, d.activation_checkpoint, d.checkpoint_sets, blocks=blocks, early_stop=d.mlp_chunks == 1)
     stats = _offload(d, blocks) if d.offload else None
     model.train()
     factory = partial(build_optimizer, bits=d.optimizer_bits, lr=d.lr, precision=d.precision)
@@ -336,7 +336,7 @@ def _offload(d, blocks: nn.ModuleList) -> OffloadStats:
     the backward prefetches block i-1's input while block i runs."""
     stats = OffloadStats()
     sets = sets_from_mapping(d.checkpoint_sets)
-    for layer, policy in zip(blocks, d.checkpoint, strict=True):
+    for layer, policy in zip(blocks, d.activation_checkpoint, strict=True):
         if resolve(policy, sets).checkpointed:
             offload_block(layer, stats=stats)
     return stats

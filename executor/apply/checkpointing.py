@@ -94,7 +94,7 @@ def sac_forward(orig, entry: CheckpointSet, *args, early_stop: bool = True, **kw
 def apply_checkpointing(model: nn.Module, policies: Sequence[str], sets: Mapping[str, list[str]] | None = None,
                         *, blocks: nn.ModuleList | None = None, early_stop: bool = True) -> None:
     """Wrap each transformer block's forward in the checkpoint its entry names (parameter
-    names are unchanged). `policies`: one entry per block (`Decisions.checkpoint`); `sets`: the
+    names are unchanged). `policies`: one entry per block (`Decisions.activation_checkpoint`); `sets`: the
     plan's `Decisions.checkpoint_sets`, the saved node keys of each solved entry (`remat:k`) that
     `policies` names; `blocks`: the blocks (None: `find_blocks(model, len(policies))`).
     `early_stop=False`: the recompute runs the whole forward (`set_checkpoint_early_stop`), as a

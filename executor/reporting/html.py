@@ -81,7 +81,7 @@ def _verdict_rows(v: pd.DataFrame) -> list[dict[str, str]]:
 
 def _facts(plan: Plan, record: RunRecord, run_dir: Path) -> list[tuple[str, str]]:
     d, p, s = plan.decisions, plan.predictions, plan.solver
-    ck = {e: d.checkpoint.count(e) for e in dict.fromkeys(d.checkpoint)}
+    ck = {e: d.activation_checkpoint.count(e) for e in dict.fromkeys(d.activation_checkpoint)}
     dev = f"{d.devices} device{'s' if d.devices != 1 else ''}"
     ran = (f"{record.device}, world size {record.world_size}: "
            + ("the plan's hardware, times compared" if record.same_hardware

@@ -14,7 +14,7 @@ def print_plan(plan: Plan) -> None:
     """Print `plan` as `trainplan solve` shows it: decisions, memory, step, run, governor, solver,
     and its warnings (`Plan.warnings`), one line each."""
     d, p = plan.decisions, plan.predictions
-    ck = {e: d.checkpoint.count(e) for e in dict.fromkeys(d.checkpoint)}
+    ck = {e: d.activation_checkpoint.count(e) for e in dict.fromkeys(d.activation_checkpoint)}
     gib = 2**30
     print(f"plan: {plan.model} ({plan.model_n_params / 1e9:.3g}B params, {plan.model_n_layers} layers) "
           f"on {d.devices} x {plan.hw}, seq_len {d.seq_len}")

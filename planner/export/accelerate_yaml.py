@@ -95,10 +95,11 @@ def settings(plan: Plan) -> AccelerateSettings:
     """The accelerate settings of `plan` and the decisions accelerate cannot express."""
     d = plan.decisions
     backend = _backend(d, plan.hw == "cpu")
-    checkpointed = set(d.checkpoint) != {"none"}
+    checkpointed = set(d.activation_checkpoint) != {"none"}
     notes: list[NotExpressed] = []
-    if checkpointed and set(d.checkpoint) != {"full"}:
-        notes.append(NotExpressed("checkpoint", checkpoint_summary(d), "accelerate checkpoints every transformer "
+    if checkpointed and set(d.activation_checkpoint) != {"full"}:
+        notes.append(NotExpressed("activation_checkpoint", checkpoint_summary(d),
+                                  "accelerate checkpoints every transformer "
                                   "block or none; used every block fully checkpointed: more recompute, no more "
                                   "memory"))
     mixed = "bf16" if d.precision == "bf16-mixed" or (d.precision == "bf16" and backend == "DEEPSPEED") else "no"
@@ -182,7 +183,7 @@ def python_settings(plan: Plan, s: AccelerateSettings) -> list[str]:
     lines.append(f"accelerator = Accelerator({', '.join([_kwargs(kw), *plugins])})")
     if d.precision == "bf16":
         lines.append("model = model.to(torch.bfloat16)  # pure bf16: parameters, gradients, Adam states")
-    if s.fsdp_plugin is None and set(d.checkpoint) != {"none"}:
+    if s.fsdp_plugin is None and set(d.activation_checkpoint) != {"none"}:
         lines.append("model.gradient_checkpointing_enable()  # every block (HF models)")
     lines.append(f"optimizer = {s.optimizer}")
     lines.append(f"def lr_factor(t):  # warmup-stable-decay over {sch.total_steps} steps")

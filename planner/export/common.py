@@ -35,7 +35,7 @@ class NotExpressed:
     """One decision of the plan a framework's config cannot express, and what it uses instead."""
 
     decision: str
-    """The `Decisions` field (or `model`), e.g. `checkpoint`."""
+    """The `Decisions` field (or `model`), e.g. `activation_checkpoint`."""
     planned: str
     """The plan's value, as the plan file writes it."""
     instead: str
@@ -81,9 +81,9 @@ def schedule(d: Decisions) -> Schedule:
 def checkpoint_summary(d: Decisions) -> str:
     """The per-block checkpoint entries, run-length style: `full x 30, none x 2` in block order
     of first appearance; a solved entry with the op count it keeps (`remat:3 (keeps 7 ops)`)."""
-    counts = Counter(d.checkpoint)
+    counts = Counter(d.activation_checkpoint)
     parts = []
-    for name in dict.fromkeys(d.checkpoint):
+    for name in dict.fromkeys(d.activation_checkpoint):
         kept = f" (keeps {len(d.checkpoint_sets[name])} ops)" if name in d.checkpoint_sets else ""
         parts.append(f"{name}{kept} x {counts[name]}")
     return ", ".join(parts)
@@ -93,7 +93,7 @@ def every_nth_full(d: Decisions) -> int | None:
     """n when the blocks checkpointed are exactly blocks n-1, 2n-1, ... (0-based) and the others
     are `none`: every n-th block fully checkpointed (n = 1: all of them); None otherwise or
     when no block is checkpointed."""
-    entries = d.checkpoint
+    entries = d.activation_checkpoint
     if not entries or set(entries) - {"full", "none"} or "full" not in entries:
         return None
     first = entries.index("full") + 1

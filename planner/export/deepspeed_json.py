@@ -73,9 +73,9 @@ def ds_config(plan: Plan) -> tuple[dict[str, Any], list[NotExpressed]]:
         notes.append(NotExpressed(bits.decision, bits.planned, bits.instead + "; to keep them, pass the optimizer "
                                   "to deepspeed.initialize(optimizer=...), drop the \"optimizer\" key and set "
                                   "\"zero_allow_untested_optimizer\": true"))
-    if set(d.checkpoint) != {"none"}:
+    if set(d.activation_checkpoint) != {"none"}:
         notes.append(NotExpressed(
-            "checkpoint", checkpoint_summary(d), "DeepSpeed's config does not choose checkpointed blocks; "
+            "activation_checkpoint", checkpoint_summary(d), "DeepSpeed's config does not choose checkpointed blocks; "
             "nothing set: call model.gradient_checkpointing_enable() for every block fully, or "
             "trainplan.executor.apply_plan for the plan's per-block sets"))
     notes.append(NotExpressed(

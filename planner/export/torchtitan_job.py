@@ -105,7 +105,7 @@ def _parallelism(d: Decisions) -> tuple[dict[str, Any], list[NotExpressed]]:
 
 
 def _checkpointing(d: Decisions) -> tuple[dict[str, Any], list[NotExpressed]]:
-    kinds = {"none" if e == "none" else "full" if e == "full" else "op" for e in d.checkpoint}
+    kinds = {"none" if e == "none" else "full" if e == "full" else "op" for e in d.activation_checkpoint}
     nth = every_nth_full(d)
     planned = checkpoint_summary(d)
     if kinds == {"none"}:
@@ -116,13 +116,13 @@ def _checkpointing(d: Decisions) -> tuple[dict[str, Any], list[NotExpressed]]:
         return {"mode": "selective", "selective_ac_option": str(nth)}, []
     if kinds == {"op"}:
         return {"mode": "selective", "selective_ac_option": "op"}, [NotExpressed(
-            "checkpoint", planned, "torchtitan has no per-block checkpoint sets; used its per-op policy on every "
-            "block (selective_ac_option = \"op\": matmul and attention outputs saved, every other matmul "
+            "activation_checkpoint", planned, "torchtitan has no per-block checkpoint sets; used its per-op policy on "
+            "every block (selective_ac_option = \"op\": matmul and attention outputs saved, every other matmul "
             "recomputed), not the plan's saved ops")]
     mode = "full" if "full" in kinds else "selective"
     cfg = {"mode": mode} if mode == "full" else {"mode": mode, "selective_ac_option": "op"}
     used = "mode = \"full\" on every block" if mode == "full" else "the per-op policy (\"op\") on every block"
-    return cfg, [NotExpressed("checkpoint", planned, "torchtitan applies one checkpoint mode to every block "
+    return cfg, [NotExpressed("activation_checkpoint", planned, "torchtitan applies one checkpoint mode to every block "
                               f"(or fully to every n-th block); used {used}: more recompute, no more memory")]
 
 

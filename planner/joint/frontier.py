@@ -102,7 +102,7 @@ def non_dominated(frame: pd.DataFrame, columns: tuple[str, ...] = OBJECTIVES) ->
 
 def _row(plan: Plan, *, fraction: float, cap: float | None, chosen: bool) -> dict[str, Any]:
     d, p = plan.decisions, plan.predictions
-    ck = ", ".join(f"{d.checkpoint.count(e)} x {e}" for e in dict.fromkeys(d.checkpoint))
+    ck = ", ".join(f"{d.activation_checkpoint.count(e)} x {e}" for e in dict.fromkeys(d.activation_checkpoint))
     return dict(memory_bytes=p.memory_bytes["total"], cost_device_hours=p.device_hours,
                 time_s=p.step_time_s * d.max_steps, loss=p.final_loss, chosen=chosen,
                 budget_fraction=fraction, memory_cap_bytes=math.nan if cap is None else cap,

@@ -260,7 +260,7 @@ def make_plan(step_model: StepModel, profile: HardwareProfile, graph: ModelGraph
     decisions = Decisions(
         devices=c.devices, sp_degree=c.sp_degree, dp_degree=c.devices // c.sp_degree,
         zero_stage=c.zero_stage, micro_batch=c.micro_batch, grad_accum=c.grad_accum, seq_len=c.seq_len,
-        checkpoint=c.policies,
+        activation_checkpoint=c.policies,
         checkpoint_sets={x.name: sorted(x.saved or ()) for x in c.sets if x.name in c.policies},
         checkpoint_block_ops=checkpoint_block_ops(step_model, graph.blocks, c, profile.device_type),
         precision=c.precision, optimizer_bits=c.optimizer_bits, activation_bits=c.activation_bits,

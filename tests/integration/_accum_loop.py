@@ -25,7 +25,7 @@ def main(out: str, *, seq_len: int, micro_batch: int, grad_accum: int, checkpoin
     torch.manual_seed(0)  # the same weights on every rank
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG))
     plan = plan_for_choice(model, "cpu", seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum,
-                           max_steps=MAX_STEPS, checkpoint=checkpoint if isinstance(checkpoint, str)
+                           max_steps=MAX_STEPS, activation_checkpoint=checkpoint if isinstance(checkpoint, str)
                            else tuple(checkpoint), devices=devices, zero_stage=zero_stage, sp_degree=sp_degree)
     applied = trainplan.executor.apply_plan(plan, model)
     opt, sched = applied.optimizer, applied.scheduler

@@ -17,7 +17,7 @@ def main(out: str, devices: int = 1) -> None:
     torch.manual_seed(0)  # the same weights on every rank
     model = transformers.LlamaForCausalLM(config)  # your model
     plan = plan_for_choice(model, "cpu", seq_len=128, micro_batch=2 // devices, grad_accum=2, max_steps=6,
-                           checkpoint=("full", "save_matmuls", "none", "none"), devices=devices,
+                           activation_checkpoint=("full", "save_matmuls", "none", "none"), devices=devices,
                            zero_stage=3 if devices > 1 else 0)  # or trainplan.planner.api.solve(model, "cpu", budget)
     applied = trainplan.executor.apply_plan(plan, model)  # checkpoint sets, FSDP2 (and DDP, ZeRO-1, Ulysses SP), AdamW
     opt, sched = applied.optimizer, applied.scheduler

@@ -22,7 +22,8 @@ def main(out: str, devices: int, loss_chunks: int, zero_stage: int) -> None:
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg)
     plan = plan_for_choice(model, "cpu", seq_len=64, micro_batch=2 // devices, max_steps=3, devices=devices,
-                           zero_stage=zero_stage, loss_chunks=loss_chunks, checkpoint="full", optimizer_bits=32)
+                           zero_stage=zero_stage, loss_chunks=loss_chunks, activation_checkpoint="full",
+                           optimizer_bits=32)
     applied = trainplan.executor.apply_plan(plan, model)
     data = torch.Generator().manual_seed(0)
     losses = []

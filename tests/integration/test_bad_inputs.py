@@ -70,7 +70,7 @@ def workdir(tmp_path_factory, cpu_profile) -> Path:
                        "plan_warmup.json": {"decisions": raw["decisions"] | {"warmup_steps": 1000}},
                        "plan_mb_edited.json": {"decisions": raw["decisions"] | {"micro_batch": 100000}},
                        "plan_ckpt_edited.json": {"decisions": raw["decisions"] | {
-                           "checkpoint": ["full"] * len(raw["decisions"]["checkpoint"])}},
+                           "activation_checkpoint": ["full"] * len(raw["decisions"]["activation_checkpoint"])}},
                        "plan_step_time.json": {"predictions": raw["predictions"] | {"step_time_s": -1}},
                        "plan_format_2.json": {"format": 2}, "plan_format_true.json": {"format": True},
                        "plan_format_float.json": {"format": 1.0},
@@ -303,7 +303,8 @@ CLI_ROWS: dict[str, tuple[str, type, list[str]]] = {
                               ["predictions.tokens_per_step=128 is not micro_batch=100000",
                                "edited after the predictions"]),
     "plan-checkpoint-edited": ("run plan_ckpt_edited.json --out out", PlanMismatchError,
-                               ['decisions.checkpoint=["full", "full", "full", "full"] (predicted for ["none"',
+                               ['decisions.activation_checkpoint=["full", "full", "full", "full"] '
+                                '(predicted for ["none"',
                                 "edited after the predictions"]),
     "plan-step-time-negative": ("run plan_step_time.json --out out", PlanMismatchError,
                                 ["predictions.step_time_s=-1", "must be a finite number > 0"]),
@@ -597,7 +598,7 @@ def _apply_to_another_model(edit) -> None:
     import trainplan.executor
     from trainplan.modeling.presets import build_model
 
-    plan = plan_for_choice("tiny-llama", "cpu", seq_len=64, micro_batch=1, checkpoint="full", vocab_size=512)
+    plan = plan_for_choice("tiny-llama", "cpu", seq_len=64, micro_batch=1, activation_checkpoint="full", vocab_size=512)
     model = build_model("tiny-llama", device="cpu", vocab_size=512)
     edit(model)
     trainplan.executor.apply_plan(plan, model)
@@ -641,7 +642,7 @@ API_ROWS = {
         lambda: solve("tiny-llama", "cpu", Budget(wall_clock_s=60), seq_len=128, loss_chunks=(1, 3)),
         TrainplanError, ["loss_chunks=(1, 3) is not valid", "powers of two", "e.g. (1, 8)"]),
     "tiled-mlp-with-selective-entry": (
-        lambda: plan_for_choice("tiny-llama", "cpu", seq_len=128, micro_batch=1, checkpoint="save_matmuls",
+        lambda: plan_for_choice("tiny-llama", "cpu", seq_len=128, micro_batch=1, activation_checkpoint="save_matmuls",
                                 mlp_chunks=4),
         TrainplanError, ["mlp_chunks=4 runs with the checkpoint entries none and full only", "'save_matmuls'"]),
     "seq-past-learned-positions": (

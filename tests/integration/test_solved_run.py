@@ -19,14 +19,15 @@ def test_solved_checkpoint_sets_run_and_match(tmp_path, cpu_profile):
     path.write_text(TEXT)
     data = load_corpus([path], vocab_size=320, cache_dir=tmp_path / "cache")
     case = dict(seq_len=128, micro_batch=4, sp_degree=1, devices=1, zero_stage=0, optimizer_bits=32)
-    peak = {ck: plan_for_choice("tiny-llama", cpu_profile, **case, checkpoint=ck,
+    peak = {ck: plan_for_choice("tiny-llama", cpu_profile, **case, activation_checkpoint=ck,
                                 vocab_size=data.vocab_size).predictions.memory_bytes["total"]
             for ck in ("none", "full")}
     cap = peak["full"] + 0.5 * (peak["none"] - peak["full"])
     plan = solve("tiny-llama", cpu_profile, Budget(wall_clock_s=60), seq_len=128,
                  vocab_size=data.vocab_size, micro_batches=(4,), optimizer_bits=(32,),
                  memory_limit_bytes=cap)
-    assert any(p.startswith("remat:") for p in plan.decisions.checkpoint), plan.decisions.checkpoint
+    entries = plan.decisions.activation_checkpoint
+    assert any(p.startswith("remat:") for p in entries), entries
     assert plan.predictions.memory_bytes["total"] <= cap
     plan = dataclasses.replace(plan, decisions=dataclasses.replace(  # 5 steps, the warm-up within them
         plan.decisions, max_steps=5, warmup_steps=min(plan.decisions.warmup_steps, 5)))

@@ -73,6 +73,6 @@ def test_max_context_bisection(ctx, monkeypatch, limit_tokens, expected):
             memory_bytes={"total": float(seq_len)}, memory_limit_bytes=float(limit_tokens)))
 
     monkeypatch.setattr(ctx, "plan_at", fake_plan)
-    tokens, plan, _ = ctx.max_context("h100", sp_degree=8, checkpoint="full", zero_stage=3)
+    tokens, plan, _ = ctx.max_context("h100", sp_degree=8, activation_checkpoint="full", zero_stage=3)
     assert tokens == expected
     assert (plan is None) == (expected == 0)

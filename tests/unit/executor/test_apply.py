@@ -24,7 +24,8 @@ CHECKPOINT = ("none", "full")  # layer 1 checkpointed: its ops are checked
 
 @pytest.fixture(scope="module")
 def plan(tiny_llama):
-    return plan_for_choice(tiny_llama(), "cpu", seq_len=32, micro_batch=2, checkpoint=CHECKPOINT, max_steps=10)
+    return plan_for_choice(tiny_llama(), "cpu", seq_len=32, micro_batch=2, activation_checkpoint=CHECKPOINT,
+                           max_steps=10)
 
 
 class _Scaled(nn.Module):

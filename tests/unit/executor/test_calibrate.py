@@ -75,7 +75,7 @@ def make_plan(*, n_params=7_096_576, micro_batch=2, seq_len=64, hw="cpu", step_t
         budget={"wall_clock_s": 60.0, "devices": 1, "seq_len": seq_len}, data_tokens=10**9,
         vocab_size=VOCAB,
         decisions=Decisions(devices=1, sp_degree=1, dp_degree=1, zero_stage=0,
-                            micro_batch=micro_batch, seq_len=seq_len, checkpoint=("none",) * LAYERS,
+                            micro_batch=micro_batch, seq_len=seq_len, activation_checkpoint=("none",) * LAYERS,
                             precision="fp32", optimizer_bits=32, data_fraction=1.0,
                             data_method="random", max_tokens=2_000_000, max_steps=100,
                             governor_threshold=0.0),
@@ -107,7 +107,7 @@ def predict(profile: HardwareProfile, g, numels, plan: Plan) -> float:
     model = StepModel(g.regions, g.blocks, numels, profile, n_heads=g.n_heads,
                       n_kv_heads=g.n_kv_heads, head_dim=g.head_dim)
     return model.evaluate(Choice(sp_degree=1, zero_stage=0, micro_batch=d.micro_batch,
-                                 seq_len=d.seq_len, policies=d.checkpoint, precision="fp32",
+                                 seq_len=d.seq_len, policies=d.activation_checkpoint, precision="fp32",
                                  optimizer_bits=32, devices=1)).time_s
 
 

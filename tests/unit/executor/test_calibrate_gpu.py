@@ -21,7 +21,8 @@ GIB = 2**30
 MODEL, VOCAB, PRECISION = "tiny-llama", 8192, "bf16-mixed"
 SCALE = {"matmul": 0.6, "memory": 0.85, "network": 0.5}
 TRUE_OVERHEAD_S = 2e-5
-SHAPES = [dict(micro_batch=2, seq_len=256, checkpoint="none"), dict(micro_batch=4, seq_len=512, checkpoint="full")]
+SHAPES = [dict(micro_batch=2, seq_len=256, activation_checkpoint="none"), dict(micro_batch=4, seq_len=512,
+                                                                               activation_checkpoint="full")]
 
 
 @pytest.fixture(scope="module")

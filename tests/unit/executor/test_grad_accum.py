@@ -42,7 +42,7 @@ def _plan(micro_batch: int, grad_accum: int, model, steps: int = 1) -> Plan:
     layers = model.config.num_hidden_layers
     tps = micro_batch * SEQ * grad_accum
     d = Decisions(devices=1, sp_degree=1, dp_degree=1, zero_stage=0, micro_batch=micro_batch,
-                  grad_accum=grad_accum, seq_len=SEQ, checkpoint=("none",) * layers, precision="fp32",
+                  grad_accum=grad_accum, seq_len=SEQ, activation_checkpoint=("none",) * layers, precision="fp32",
                   optimizer_bits=32, data_fraction=1.0, data_method="random", max_tokens=steps * tps,
                   max_steps=steps,
                   warmup_steps=1, lr=0.1, seed=0)

@@ -46,13 +46,13 @@ def _run(tiny_llama, out, **knobs) -> tuple[RunRecord, object, list[float]]:
 @pytest.fixture(scope="module")
 def untiled(tiny_llama, tmp_path_factory, torch_threads):
     with torch_threads(1):
-        return _run(tiny_llama, tmp_path_factory.mktemp("untiled"), checkpoint="full")
+        return _run(tiny_llama, tmp_path_factory.mktemp("untiled"), activation_checkpoint="full")
 
 
 KNOBS = {
-    "tiled loss": dict(checkpoint="none", loss_chunks=8),
-    "tiled MLP": dict(checkpoint="none", mlp_chunks=4),
-    "tiled loss and MLP, full AC": dict(checkpoint="full", loss_chunks=8, mlp_chunks=4),
+    "tiled loss": dict(activation_checkpoint="none", loss_chunks=8),
+    "tiled MLP": dict(activation_checkpoint="none", mlp_chunks=4),
+    "tiled loss and MLP, full AC": dict(activation_checkpoint="full", loss_chunks=8, mlp_chunks=4),
 }
 
 
@@ -73,8 +73,8 @@ def test_tiled_loss_lowers_the_measured_peak(tiny_llama, tmp_path, torch_threads
     """The loss head's logits dominate this model's peak: 8 chunks must lower the measured peak,
     by at least half of 7/8 of one fp32 logits tensor (b x s x V x 4 bytes)."""
     with torch_threads(1):
-        plain, _, _ = _run(tiny_llama, tmp_path / "plain", checkpoint="none")
-        tiled, _, _ = _run(tiny_llama, tmp_path / "tiled", checkpoint="none", loss_chunks=8)
+        plain, _, _ = _run(tiny_llama, tmp_path / "plain", activation_checkpoint="none")
+        tiled, _, _ = _run(tiny_llama, tmp_path / "tiled", activation_checkpoint="none", loss_chunks=8)
     logits = MB * SEQ * VOCAB * 4
     saved = plain.peak_memory_bytes["total"] - tiled.peak_memory_bytes["total"]
     assert saved >= 0.5 * 7 / 8 * logits, (saved, logits)
@@ -86,7 +86,7 @@ def test_offload_trains_to_the_same_losses_bit_for_bit(tiny_llama, tmp_path, unt
     with torch_threads(1):
         model = tiny_llama(vocab_size=VOCAB)
         plan = plan_for_choice(model, "cpu", seq_len=SEQ, micro_batch=MB, max_steps=STEPS, optimizer_bits=32,
-                               checkpoint="full", offload=True)
+                               activation_checkpoint="full", offload=True)
         applied = trainplan.executor.apply_plan(plan, model)
         data = torch.Generator().manual_seed(0)
         losses = []
@@ -109,7 +109,7 @@ def test_full_checkpoint_peak_at_a_long_sequence_within_1_percent(tiny_llama, tm
     head hands the blocks to block 0's backward (`trainplan.costmodels.step.memory.step_phases`)."""
     model = tiny_llama(vocab_size=256, hidden_size=128, intermediate_size=352, max_position_embeddings=4096)
     plan = plan_for_choice(model, "cpu", seq_len=4096, micro_batch=1, max_steps=STEPS, optimizer_bits=32,
-                           checkpoint="full")
+                           activation_checkpoint="full")
     applied = trainplan.executor.apply_plan(plan, model)
     data = torch.Generator().manual_seed(0)
 

@@ -79,7 +79,7 @@ def ran(plan, corpus, tmp_path_factory, torch_threads):
 def test_plan_matches_the_corpus(plan, corpus):
     assert plan.vocab_size == corpus.vocab_size
     d = plan.decisions
-    assert (d.devices, d.micro_batch, d.seq_len, d.checkpoint, d.optimizer_bits, d.precision) == \
+    assert (d.devices, d.micro_batch, d.seq_len, d.activation_checkpoint, d.optimizer_bits, d.precision) == \
         (1, MICRO_BATCH, SEQ_LEN, ("none",) * 4, 32, "fp32"), d
 
 
@@ -222,13 +222,14 @@ def test_fit_check_refuses_decisions_edited_after_the_predictions(plan):
     from trainplan.executor.fit_check import check_fits
 
     edited = dataclasses.replace(plan, decisions=dataclasses.replace(plan.decisions, micro_batch=100000))
-    n = len(plan.decisions.checkpoint)  # an edit that keeps tokens per step: Predictions.made_for
-    full = dataclasses.replace(plan, decisions=dataclasses.replace(plan.decisions, checkpoint=("full",) * n,
+    n = len(plan.decisions.activation_checkpoint)  # an edit that keeps tokens per step: Predictions.made_for
+    full = dataclasses.replace(plan, decisions=dataclasses.replace(plan.decisions, activation_checkpoint=("full",) * n,
                                                                    optimizer_bits=8))
     for dev in ("cpu", "cuda"):
         with pytest.raises(PlanMismatchError, match="micro_batch=100000 .* edited after the predictions"):
             check_fits(edited, torch.device(dev))
-        with pytest.raises(PlanMismatchError, match=r'checkpoint=\["full".* optimizer_bits=8 \(predicted for 32\)'):
+        with pytest.raises(PlanMismatchError,
+                           match=r'activation_checkpoint=\["full".* optimizer_bits=8 \(predicted for 32\)'):
             check_fits(full, torch.device(dev))
     old = dataclasses.replace(full, predictions=dataclasses.replace(full.predictions, made_for={}))
     check_fits(old, torch.device("cpu"))  # a plan written before made_for: not checked

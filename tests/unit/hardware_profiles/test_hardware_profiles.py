@@ -429,7 +429,7 @@ def test_optimizer_rate_validated_and_used_by_the_step_model():
         dataclasses.replace(base, optimizer_s_per_param={"8": -1.0})
     rated = dataclasses.replace(base, optimizer_s_per_param={"8": 2e-9})
     assert HardwareProfile.from_dict(json.loads(json.dumps(rated.to_dict()))) == rated
-    case = dict(seq_len=128, micro_batch=2, checkpoint="none", sp_degree=1, devices=2, zero_stage=1,
+    case = dict(seq_len=128, micro_batch=2, activation_checkpoint="none", sp_degree=1, devices=2, zero_stage=1,
                 optimizer_bits=8)
     plan = plan_for_choice("tiny-llama", rated, **case)
     n = plan.model_n_params

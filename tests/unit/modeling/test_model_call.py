@@ -191,7 +191,8 @@ def test_logits_of_another_shape_are_refused():
 def llama_plan(tiny_llama):
     """A plan of the tiny Llama's shape (2 layers, seq 32, micro-batch 2), its model fields then set to a
     TinyGPT's: `apply_plan` reads the blocks and the parameter count of the plan, not the model's class."""
-    return plan_for_choice(tiny_llama(), "cpu", seq_len=32, micro_batch=2, checkpoint=("none", "full"), max_steps=4)
+    return plan_for_choice(tiny_llama(), "cpu", seq_len=32, micro_batch=2, activation_checkpoint=("none", "full"),
+                           max_steps=4)
 
 
 def _as_plan_for(plan, model, **decisions):

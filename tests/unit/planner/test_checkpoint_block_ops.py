@@ -22,7 +22,8 @@ CHECKPOINT = ("none", "full", "none", "save_matmuls")
 
 @pytest.fixture(scope="module")
 def plan(tiny_llama) -> Plan:
-    return plan_for_choice(tiny_llama(num_hidden_layers=4), "cpu", seq_len=32, micro_batch=1, checkpoint=CHECKPOINT)
+    return plan_for_choice(tiny_llama(num_hidden_layers=4), "cpu", seq_len=32, micro_batch=1,
+                           activation_checkpoint=CHECKPOINT)
 
 
 def test_the_plan_records_the_captured_ops_of_each_checkpointed_block_kind(plan, tiny_llama):
@@ -50,7 +51,7 @@ def test_a_plan_written_before_the_field_still_loads(plan):
     raw = json.loads(plan.to_json())
     del raw["decisions"]["checkpoint_block_ops"]
     old = Plan.from_json(json.dumps(raw))
-    assert old.decisions.checkpoint_block_ops == {} and old.decisions.checkpoint == CHECKPOINT
+    assert old.decisions.checkpoint_block_ops == {} and old.decisions.activation_checkpoint == CHECKPOINT
 
 
 @pytest.mark.parametrize(("edit", "needle"), [

@@ -41,7 +41,7 @@ def _plan(*, steps: int = 1000, tokens_per_step: int = 4096, flops_per_step: flo
           fraction: float = 1.0, model: str = "m") -> Plan:
     """A plan without a solve: just the numbers the data choice reads."""
     d = Decisions(devices=1, sp_degree=1, dp_degree=1, zero_stage=0,
-                  micro_batch=tokens_per_step // seq_len, seq_len=seq_len, checkpoint=("none",),
+                  micro_batch=tokens_per_step // seq_len, seq_len=seq_len, activation_checkpoint=("none",),
                   precision="fp32", optimizer_bits=32, data_fraction=fraction,
                   data_method="random", max_tokens=steps * tokens_per_step, max_steps=steps)
     loss = run_loss(LAW, n_params, steps=steps, tokens_per_step=tokens_per_step,

@@ -62,9 +62,10 @@ def plan_of(model: str = "llama3.1-8b", vocab_size: int = 128256, **decisions) -
     p = make_plan()
     d = dataclasses.replace(p.decisions, **decisions)
     d = dataclasses.replace(d, dp_degree=d.devices // d.sp_degree,
-                            checkpoint=decisions.get("checkpoint", ("none",) * 4))
+                            activation_checkpoint=decisions.get("activation_checkpoint", ("none",) * 4))
     tps = d.micro_batch * d.seq_len * d.dp_degree * d.grad_accum
-    return dataclasses.replace(p, model=model, vocab_size=vocab_size, model_n_layers=len(d.checkpoint), decisions=d,
+    return dataclasses.replace(p, model=model, vocab_size=vocab_size, model_n_layers=len(d.activation_checkpoint),
+                               decisions=d,
                                predictions=dataclasses.replace(p.predictions, tokens_per_step=tps))
 
 
@@ -86,7 +87,7 @@ def _check_toml_keys(cfg: dict) -> None:
 
 def test_torchtitan_job_toml_has_only_its_documented_keys_and_the_plans_values():
     plan = plan_of(devices=8, sp_degree=2, zero_stage=3, micro_batch=2, grad_accum=4, precision="bf16-mixed",
-                   checkpoint=("none", "full", "none", "full"), max_steps=1000, seed=7)
+                   activation_checkpoint=("none", "full", "none", "full"), max_steps=1000, seed=7)
     e = export_plan(plan, "torchtitan")
     cfg = tomllib.loads(e.text)
     _check_toml_keys(cfg)
@@ -124,9 +125,9 @@ def _torchtitan_config_manager():
 
 
 @pytest.mark.parametrize("decisions", [
-    {"devices": 8, "sp_degree": 2, "zero_stage": 3, "checkpoint": ("none", "full", "none", "full")},
-    {"devices": 4, "zero_stage": 0, "precision": "bf16", "optimizer_bits": 16, "checkpoint": ("full",) * 4},
-    {"devices": 4, "zero_stage": 1, "optimizer_bits": 8, "checkpoint": ("remat:1",) * 4,
+    {"devices": 8, "sp_degree": 2, "zero_stage": 3, "activation_checkpoint": ("none", "full", "none", "full")},
+    {"devices": 4, "zero_stage": 0, "precision": "bf16", "optimizer_bits": 16, "activation_checkpoint": ("full",) * 4},
+    {"devices": 4, "zero_stage": 1, "optimizer_bits": 8, "activation_checkpoint": ("remat:1",) * 4,
      "checkpoint_sets": {"remat:1": ["aten.mm.default#0"]}},
 ])
 def test_torchtitan_job_toml_loads_in_torchtitan(tmp_path, decisions):
@@ -209,12 +210,13 @@ def test_torchtitan_refuses_a_model_it_has_no_flavor_for(model, needles):
 
 def test_unexpressible_decisions_are_listed_in_every_file():
     plan = plan_of(devices=4, sp_degree=2, zero_stage=1, optimizer_bits=4, activation_bits=8, data_fraction=0.5,
-                   data_method="dsir", governor_threshold=0.01, checkpoint=("full", "remat:1", "none", "none"),
+                   data_method="dsir", governor_threshold=0.01,
+                   activation_checkpoint=("full", "remat:1", "none", "none"),
                    checkpoint_sets={"remat:1": ["aten.mm.default#0"]})
     for to in TARGETS:
         e = export_plan(plan, to)
         names = {n.decision for n in e.not_expressed}
-        assert {"activation_bits", "data_fraction", "governor_threshold", "checkpoint"} <= names, (to, names)
+        assert {"activation_bits", "data_fraction", "governor_threshold", "activation_checkpoint"} <= names, (to, names)
         if to != "accelerate":  # accelerate's script builds torchao's AdamW4bit itself
             assert "optimizer_bits" in names, to
         text = json.loads(e.text)[deepspeed_json.NOTES_KEY]["not_expressed"] if to == "deepspeed" else e.text
@@ -279,7 +281,7 @@ def test_accelerate_yaml_loads_and_launches_in_accelerate(tmp_path, monkeypatch,
     from accelerate.utils import DeepSpeedSequenceParallelConfig, FullyShardedDataParallelPlugin, ParallelismConfig
     from accelerate.utils.launch import prepare_multi_gpu_env
 
-    plan = plan_of(devices=devices, sp_degree=sp, zero_stage=stage, grad_accum=2, checkpoint=("full",) * 4)
+    plan = plan_of(devices=devices, sp_degree=sp, zero_stage=stage, grad_accum=2, activation_checkpoint=("full",) * 4)
     path = tmp_path / "accelerate.yaml"
     path.write_text(export_plan(plan, "accelerate").text)
     cluster = load_config_from_file(str(path))

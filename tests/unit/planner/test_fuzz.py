@@ -100,7 +100,7 @@ BLOCK = st.tuples(st.lists(UNIT, min_size=0, max_size=4), st.booleans())
 def _check(plan) -> None:
     d, p = plan.decisions, plan.predictions
     assert d.sp_degree * d.dp_degree == d.devices and d.max_steps >= 1
-    assert len(d.checkpoint) == plan.model_n_layers
+    assert len(d.activation_checkpoint) == plan.model_n_layers
     assert p.memory_bytes["total"] <= p.memory_limit_bytes * (1 + 1e-9)
     assert p.flops_per_step > 0 and p.step_time_s > 0
 

@@ -26,7 +26,7 @@ def test_a_sequence_that_fits_untiled_is_not_tiled(tiny_llama):
     """Nothing tiles where the plan fits with every block unchecked, even with the knobs searched
     wherever they may pay: they only add time."""
     plan = solve(tiny_llama(device="meta"), "cpu", Budget(wall_clock_s=600), seq_len=256, **KNOBS)
-    assert set(plan.decisions.checkpoint) == {"none"}
+    assert set(plan.decisions.activation_checkpoint) == {"none"}
     assert _long(plan) == (1, 1, False)
 
 
@@ -60,7 +60,8 @@ def test_longest_sequence_is_the_last_that_fits(tiny_llama):
 
 def test_a_tiled_mlp_under_a_selective_entry_is_refused(tiny_llama):
     with pytest.raises(TrainplanError, match="mlp_chunks=4 runs with the checkpoint entries none and full"):
-        plan_for_choice(tiny_llama(device="meta"), "cpu", seq_len=128, micro_batch=1, checkpoint="save_matmuls",
+        plan_for_choice(tiny_llama(device="meta"), "cpu", seq_len=128, micro_batch=1,
+                        activation_checkpoint="save_matmuls",
                         mlp_chunks=4)
 
 
@@ -71,10 +72,10 @@ def test_bad_knob_values_are_refused_with_their_name(tiny_llama, knob, value):
 
 
 def test_plan_file_refuses_a_tiled_mlp_with_a_selective_entry(tiny_llama):
-    plan = plan_for_choice(tiny_llama(device="meta"), "cpu", seq_len=128, micro_batch=1, checkpoint="full",
+    plan = plan_for_choice(tiny_llama(device="meta"), "cpu", seq_len=128, micro_batch=1, activation_checkpoint="full",
                            mlp_chunks=4)
     data = json.loads(plan.to_json())
-    data["decisions"]["checkpoint"] = ["save_matmuls"] * len(data["decisions"]["checkpoint"])
+    data["decisions"]["activation_checkpoint"] = ["save_matmuls"] * len(data["decisions"]["activation_checkpoint"])
     with pytest.raises(PlanMismatchError, match="mlp_chunks=4"):
         Plan.from_json(json.dumps(data))
     old = json.loads(plan.to_json())

@@ -323,15 +323,15 @@ def test_plan_names_solved_entries_and_the_executor_rebuilds_them(tiny_llama):
     from trainplan.planner.plan import Plan
 
     kw = dict(seq_len=512, vocab_size=512)
-    peak = {e: plan_for_choice("tiny-llama", "cpu", micro_batch=1, checkpoint=e, **kw)
+    peak = {e: plan_for_choice("tiny-llama", "cpu", micro_batch=1, activation_checkpoint=e, **kw)
             .predictions.memory_bytes["total"] for e in ("none", "full")}
     cap = peak["full"] + 0.3 * (peak["none"] - peak["full"])
     plan = solve("tiny-llama", "cpu", Budget(wall_clock_s=600), micro_batches=(1,), optimizer_bits=(32,),
                  data_fractions=(1.0,), memory_limit_bytes=cap, **kw)
     d = plan.decisions
     assert plan.predictions.memory_bytes["total"] <= cap
-    assert any(e.startswith("remat:") for e in d.checkpoint), d.checkpoint
-    assert set(d.checkpoint_sets) == {e for e in d.checkpoint if e.startswith("remat:")}
+    assert any(e.startswith("remat:") for e in d.activation_checkpoint), d.activation_checkpoint
+    assert set(d.checkpoint_sets) == {e for e in d.activation_checkpoint if e.startswith("remat:")}
     back = Plan.from_json(plan.to_json())
     assert back == plan and back.decisions.checkpoint_sets == d.checkpoint_sets
     # the same plan without the menu predicts no lower loss
@@ -340,15 +340,15 @@ def test_plan_names_solved_entries_and_the_executor_rebuilds_them(tiny_llama):
                   policies=("none", "save_matmuls", "save_attention", "full"), **kw)
     assert plan.predictions.final_loss <= named.predictions.final_loss + 1e-12
     # predictions recomputed from the plan's decisions alone agree
-    fixed = plan_for_choice("tiny-llama", "cpu", micro_batch=1, checkpoint=d.checkpoint,
+    fixed = plan_for_choice("tiny-llama", "cpu", micro_batch=1, activation_checkpoint=d.activation_checkpoint,
                             checkpoint_sets=d.checkpoint_sets, **kw)
     assert fixed.predictions.memory_bytes == plan.predictions.memory_bytes
     assert Choice.from_decisions(d).sets and all(resolve(e, sets_from_mapping(d.checkpoint_sets))
-                                                 for e in d.checkpoint)
+                                                 for e in d.activation_checkpoint)
     model = tiny_llama(num_hidden_layers=4)
-    apply_checkpointing(model, d.checkpoint, d.checkpoint_sets)
+    apply_checkpointing(model, d.activation_checkpoint, d.checkpoint_sets)
     with pytest.raises(PlanMismatchError, match="remat:"):
-        apply_checkpointing(tiny_llama(num_hidden_layers=4), d.checkpoint)
+        apply_checkpointing(tiny_llama(num_hidden_layers=4), d.activation_checkpoint)
 
 
 def test_unknown_policy_is_a_typed_error():

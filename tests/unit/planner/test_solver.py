@@ -37,7 +37,7 @@ def plan_70b() -> Plan:
 def _check_consistent(plan: Plan) -> None:
     d, p = plan.decisions, plan.predictions
     assert d.sp_degree * d.dp_degree == d.devices, (d.sp_degree, d.dp_degree, d.devices)
-    assert len(d.checkpoint) == plan.model_n_layers, (len(d.checkpoint), plan.model_n_layers)
+    assert len(d.activation_checkpoint) == plan.model_n_layers, (len(d.activation_checkpoint), plan.model_n_layers)
     assert p.tokens_per_step == d.micro_batch * d.seq_len * d.dp_degree, (p.tokens_per_step, d)
     assert d.max_steps == math.ceil(d.max_tokens / p.tokens_per_step), (d.max_steps, d.max_tokens)
     parts = sum(v for k, v in p.memory_bytes.items() if k != "total")
@@ -53,7 +53,7 @@ def test_slack_budget_needs_no_checkpointing(slack_plan):
     p = slack_plan
     _check_consistent(p)
     assert p.solver.status == "OPTIMAL", p.solver
-    assert set(p.decisions.checkpoint) == {"none"}, p.decisions.checkpoint
+    assert set(p.decisions.activation_checkpoint) == {"none"}, p.decisions.activation_checkpoint
     mem, limit = p.predictions.memory_bytes["total"], p.predictions.memory_limit_bytes
     assert mem < 0.1 * limit, f"tiny-llama predicted {mem / GIB:.3f} GiB of {limit / GIB:.1f} GiB usable"
     assert p.predictions.device_hours * 3600 <= 3600 * 1.001, p.predictions.device_hours
@@ -63,7 +63,7 @@ def test_memory_binds_70b_at_128k(plan_70b):
     p = plan_70b
     _check_consistent(p)
     d = p.decisions
-    assert any(e != "none" for e in d.checkpoint), d.checkpoint
+    assert any(e != "none" for e in d.activation_checkpoint), d.activation_checkpoint
     mem, limit = p.predictions.memory_bytes["total"], p.predictions.memory_limit_bytes
     usable = load("mi300").usable_bytes
     assert limit == usable, (limit, usable)
@@ -170,8 +170,27 @@ def test_plan_json_round_trip(slack_plan, tmp_path):
     for src in (text, tmp_path / "plan.json", str(tmp_path / "plan.json")):
         back = Plan.from_json(src)
         assert back == slack_plan
-        assert isinstance(back.decisions.checkpoint, tuple) and isinstance(back.notes, tuple)
+        assert isinstance(back.decisions.activation_checkpoint, tuple) and isinstance(back.notes, tuple)
     assert json.loads(back.to_json()) == json.loads(text)
+
+
+def test_a_plan_of_the_old_checkpoint_name_loads_with_one_deprecation_line(slack_plan, caplog):
+    """Plan files written before `Decisions.activation_checkpoint` was renamed (from `checkpoint`,
+    which also named a run's saved state) still load, in `decisions` and `predictions.made_for`."""
+    raw = json.loads(slack_plan.to_json())
+    rename = {"activation_checkpoint": "checkpoint"}
+    raw["decisions"] = {rename.get(k, k): v for k, v in raw["decisions"].items()}
+    made = raw["predictions"]["made_for"]
+    raw["predictions"]["made_for"] = {rename.get(k, k): v for k, v in made.items()}
+    with caplog.at_level("WARNING", logger="trainplan"):
+        back = Plan.from_json(json.dumps(raw))
+    assert back == slack_plan
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "decisions.checkpoint is deprecated, read as decisions.activation_checkpoint" in lines[0]
+    assert "\n" not in lines[0]
+    raw["decisions"]["activation_checkpoint"] = raw["decisions"]["checkpoint"]  # both names: the old one is unknown
+    with pytest.raises(PlanMismatchError, match="unknown key"):
+        Plan.from_json(json.dumps(raw))
 
 
 def _valid_raw(plan: Plan) -> dict:
