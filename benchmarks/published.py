@@ -18,7 +18,7 @@ what is published); memory where a case publishes it, allocated (or active) memo
 comparison.
 
 Writes DIR/published.csv (one row per case), DIR/published_excluded.csv, DIR/published.md (the
-README's table) and DIR/published.json (summary: cases, sources, step_time_median_rel_err,
+docs/accuracy.md's table) and DIR/published.json (summary: cases, sources, step_time_median_rel_err,
 step_time_max_rel_err, step_time_median_rel_err_multinode, memory_median_rel_err, scaling
 ratios, targets_met). `--quick`: the first case of each source only.
 """
@@ -110,7 +110,7 @@ def scaling(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def markdown(frame: pd.DataFrame) -> str:
-    """The README's table: every case with source, predicted, published and error."""
+    """docs/accuracy.md's table: every case with source, predicted, published and error."""
     lines = ["| case | source | GPUs | knobs | predicted tok/s/GPU | published | step-time error | memory pred / pub |",
              "|---|---|---|---|---|---|---|---|"]
     for _, r in frame.iterrows():
@@ -127,7 +127,7 @@ def markdown(frame: pd.DataFrame) -> str:
 
 
 def scaling_markdown(sc: pd.DataFrame) -> str:
-    """The README's scaling table: throughput per device at 64+ GPUs over <= 8, predicted and
+    """docs/accuracy.md's scaling table: throughput per device at 64+ GPUs over <= 8, predicted and
     published."""
     lines = ["| model | GPU | seq | devices | published ratio | predicted ratio |", "|---|---|---|---|---|---|"]
     for _, r in sc.iterrows():

@@ -15,7 +15,8 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+from trainplan.modeling.torch_private import get_current_dispatch_mode_stack
 
 
 def accumulation_sync(model, *, zero_stage: int, world: int, last: bool) -> AbstractContextManager:
@@ -32,7 +33,7 @@ def reset_memory_tracker_modules() -> None:
     (`trainplan.executor.measure.measure_memory`): it refuses a module's second forward in one tracking
     ("does not support memory tracking for multiple iterative calls", torch 2.13), and its
     `reset_mod_stats` is the remedy it names. Its peak snapshot, which the record reads, stays."""
-    for mode in _get_current_dispatch_mode_stack():
+    for mode in get_current_dispatch_mode_stack():
         reset = getattr(mode, "reset_mod_stats", None)
         if callable(reset):
             reset()

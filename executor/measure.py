@@ -63,7 +63,7 @@ def measure_memory(step_fn, model, opt) -> dict[str, float]:
     """Run `step_fn()` under `MemTracker`; bytes at its peak by category: params (with buffers),
     grads, optimizer, activations, temporaries (with inputs and others), total. `model` and `opt`
     are tracked with `tracked_objects`, so sharded and ZeRO-1 states count."""
-    from torch.distributed._tools.mem_tracker import MemTracker
+    from trainplan.modeling.torch_private import MemTracker
 
     mt = MemTracker()
     mt.track_external(*tracked_objects(model, opt))

@@ -24,10 +24,10 @@ from __future__ import annotations
 from unittest import mock
 
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from trainplan.costmodels.step.precision import check_optimizer_bits as check_widths
 from trainplan.errors import require_extra
+from trainplan.modeling.torch_private import get_current_dispatch_mode
 
 BETAS = (0.9, 0.95)
 """AdamW's (beta1, beta2) for every width."""
@@ -46,7 +46,7 @@ def check_optimizer_bits(bits, precision: str) -> int:
 
 
 def _dispatch_mode_active() -> bool:
-    return _get_current_dispatch_mode() is not None
+    return get_current_dispatch_mode() is not None
 
 
 def _torchao_adamw4bit():

@@ -20,7 +20,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch._meta_registrations
+
+from trainplan.modeling.torch_private import meta_registrations
 
 
 @contextlib.contextmanager
@@ -48,7 +49,7 @@ def as_run() -> Iterator[None]:
         patches.append((mu, "_ignore_causal_mask_sdpa", ignore_causal_mask))
     if mu is not None and hasattr(mu, "find_packed_sequence_indices"):
         patches.append((mu, "find_packed_sequence_indices", lambda position_ids: None))
-    meta = torch._meta_registrations
+    meta = meta_registrations
     if hasattr(meta, "_meta_grouped_mm_common"):
         common = meta._meta_grouped_mm_common
 

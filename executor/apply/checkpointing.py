@@ -22,8 +22,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import (
     SAC_IGNORED_OPS,
     CheckpointPolicy,
@@ -43,6 +41,7 @@ from trainplan.costmodels.checkpoint_sets import (
 from trainplan.errors import PlanMismatchError, TrainplanError
 from trainplan.modeling.fake_run import as_run
 from trainplan.modeling.model_call import forward_call
+from trainplan.modeling.torch_private import FakeTensorMode, TorchDispatchMode
 
 
 def find_blocks(model: nn.Module, n_layers: int) -> tuple[str, nn.ModuleList]:

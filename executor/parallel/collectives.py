@@ -26,10 +26,8 @@ import warnings
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
-    DefaultAllGather,
-    DefaultReduceScatter,
-)
+
+from trainplan.modeling.torch_private import DefaultAllGather, DefaultReduceScatter
 
 RELEASE_TIMEOUT_S = 5.0
 """How long to wait for a backend to drop its references after the collective completed; past

@@ -6,13 +6,12 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-import torch
 from torch import nn
-from torch._subclasses import fake_tensor
 
 from trainplan.errors import CaptureError, TrainplanError
+from trainplan.modeling.torch_private import DataDependentOutputException, DynamicOutputShapeException, OpOverload
 
-_DATA_DEPENDENT = (fake_tensor.DataDependentOutputException, fake_tensor.DynamicOutputShapeException)
+_DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException)
 
 
 def _failed_op(exc: BaseException) -> str:
@@ -23,12 +22,12 @@ def _failed_op(exc: BaseException) -> str:
     while e is not None and id(e) not in seen:
         seen.add(id(e))
         func = getattr(e, "func", None)
-        if isinstance(func, torch._ops.OpOverload):
+        if isinstance(func, OpOverload):
             return str(func)
         tb = e.__traceback__
         while tb is not None:
             owner = tb.tb_frame.f_locals.get("self")
-            if isinstance(owner, torch._ops.OpOverload):
+            if isinstance(owner, OpOverload):
                 found = str(owner)
             tb = tb.tb_next
         if found:

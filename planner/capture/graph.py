@@ -37,14 +37,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils import _pytree as pytree
 
 from trainplan.costmodels.graph import Region, variant_key
 from trainplan.errors import CaptureError, TrainplanError
 from trainplan.modeling.activation_compression import check_activation_bits
 from trainplan.modeling.loss import lm_loss
 from trainplan.modeling.tiling import TiledHead, find_mlp, tile_mlp, untile_mlp
+from trainplan.modeling.torch_private import FakeTensorMode, pytree
 from trainplan.planner.capture.errors import capture_errors
 from trainplan.planner.capture.layout import (
     BlockCall,

@@ -22,11 +22,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
 from trainplan.errors import CaptureError
 from trainplan.modeling.fake_run import as_run
 from trainplan.modeling.model_call import accepts_position_ids, forward_call
+from trainplan.modeling.torch_private import pytree
 
 _SCALARS = (bool, int, float, str, type(None))
 

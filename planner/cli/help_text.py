@@ -3,7 +3,7 @@ each command's worked examples (its `--help` epilog).
 
 Every example is a command that runs as written, from the repository root after
 `source .venv/bin/activate` (`tests/integration/test_cli_conventions.py` parses each one with the
-real parser; the README's command-line section shows the same).
+real parser; docs/cli.md shows the same).
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ EXIT_CODES: dict[int, str] = {
     130: "interrupted (Ctrl-C, SIGTERM): the run keeps its record and checkpoint; continue it with "
          "`trainplan run --out DIR --resume`",
 }
-"""Exit status -> what it means; the one table of them (the README's is this one)."""
+"""Exit status -> what it means; the one table of them (docs/cli.md's is this one)."""
 
 RUN_FAILURES = ("trainplan.errors:TrainingDivergedError", "trainplan.executor.checkpoint:OutOfMemoryRunError",
                 "trainplan.executor.parallel.launch:WorkerFailedError")

@@ -27,10 +27,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from torch._functorch._activation_checkpointing import knapsack
-
 from trainplan.costmodels.checkpoint_sets import BUILTIN, CheckpointSet, keys_of
 from trainplan.costmodels.step.remat_cost import BlockCase, evaluate
+from trainplan.modeling.torch_private import dp_knapsack, greedy_knapsack, ilp_knapsack
 from trainplan.planner.joint.remat_solver import BlockModel, LinearMemory, linear_memory
 
 Strategy = Callable[[BlockCase, float], "CheckpointSet | None"]
@@ -67,7 +66,7 @@ def knapsack_set(case: BlockCase, budget: float, solver: str = "dp", *,
     runtime = [float(t) * 1e-12 for t in lm.time_ps]
     if not memory:
         return CheckpointSet(name=f"torch_knapsack_{solver}", saved=frozenset())
-    fn = {"dp": knapsack.dp_knapsack, "greedy": _greedy, "ilp": knapsack.ilp_knapsack}[solver]
+    fn = {"dp": dp_knapsack, "greedy": _greedy, "ilp": ilp_knapsack}[solver]
     _, keep, _ = fn(memory, runtime, budget)
     return CheckpointSet(name=f"torch_knapsack_{solver}",
                          saved=keys_of(case.region, [lm.candidates[i] for i in keep]))
@@ -76,7 +75,7 @@ def knapsack_set(case: BlockCase, budget: float, solver: str = "dp", *,
 def _greedy(memory: list[float], runtime: list[float], max_memory: float) -> tuple[float, list[int], list[int]]:
     # torch's greedy divides by memory; outputs of zero bytes are free to keep
     eps = min([m for m in memory if m > 0], default=1.0) * 1e-9
-    return knapsack.greedy_knapsack([m or eps for m in memory], runtime, max_memory)
+    return greedy_knapsack([m or eps for m in memory], runtime, max_memory)
 
 
 def torch_knapsack(solver: str = "dp") -> Strategy:

@@ -1,5 +1,5 @@
-"""A user's own training loop on a trainplan plan: the README's "Your own training loop", run by
-tests/integration/test_own_loop.py in this process (1 device) and under torchrun (2 devices:
+"""A user's own training loop on a trainplan plan: docs/where_you_train.md's "Your own training
+loop", run by tests/integration/test_own_loop.py in this process (1 device) and under torchrun (2 devices:
 `python -m torch.distributed.run --nproc-per-node 2 -m tests.integration._own_loop OUT 2`)."""
 
 import sys

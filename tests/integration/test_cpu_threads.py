@@ -32,7 +32,7 @@ of 0.2 cores over the profile's measurement made its 2-thread prediction 20x too
 BAND = 3.0
 """The prediction band of an uncalibrated, quick-measured `cpu` profile: the fastest timed step
 within a factor of 3 of the predicted step time either way. On the idle 2-core development
-machine this test's step measured 0.80x to 1.43x its prediction in 7 runs (the README's
+machine this test's step measured 0.80x to 1.43x its prediction in 7 runs (docs/accuracy.md's
 uncalibrated median: 20% too fast); the fault it guards against, threads contending for cores,
 made a step 150x slower than predicted, and with one busy process beside this test its profile
 and run were 0.04x to 6x apart (such runs skip)."""

@@ -1,5 +1,5 @@
-"""A user's own training loop on `trainplan.executor.apply_plan` (tests/integration/_own_loop.py, the README's
-"Your own training loop", public API only): on 1 process and on 2 (one torchrun launch, gloo,
+"""A user's own training loop on `trainplan.executor.apply_plan` (tests/integration/_own_loop.py,
+docs/where_you_train.md's "Your own training loop", public API only): on 1 process and on 2 (one torchrun launch, gloo,
 FSDP2), each rank's measured peak memory within 1% of the plan's prediction, FLOPs per step as
 predicted, and trainplan's report reading the loop's folder (`trainplan report OUT`)."""
 
