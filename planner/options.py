@@ -166,7 +166,9 @@ class SolveOptions:
             out["law"] = law_fields(self.law)
         if self.data is not None:
             d = self.data
-            out["data"] = {"name": d.name, "sha256": d.sha256, "n_train_tokens": len(d.train_tokens)}
+            tokens = getattr(d, "train_tokens", None)  # a corpus-like object may carry only what the pilots read
+            out["data"] = {"name": getattr(d, "name", type(d).__name__), "sha256": getattr(d, "sha256", None),
+                           "n_train_tokens": None if tokens is None else len(tokens)}
         return out
 
 

@@ -44,14 +44,14 @@ def test_one_process_accumulating_two_micro_steps_peaks_as_planned(tmp_path, tor
                                                                     micro_batch, checkpoint):
     with torch_threads(1):
         accum_loop.main(str(tmp_path / "run"), seq_len=seq_len, micro_batch=micro_batch, grad_accum=2,
-                        activation_checkpoint=checkpoint)
+                        checkpoint=checkpoint)
     _check_peak(tmp_path / "run", world=1)
 
 
 @pytest.mark.slow
 def test_two_process_zero1_accumulating_peaks_as_planned(tmp_path):
     """DDP + ZeroRedundancyOptimizer over two gloo ranks, the earlier micro-step under no_sync."""
-    kw = dict(seq_len=64, micro_batch=2, grad_accum=2, activation_checkpoint=MIXED, devices=2, zero_stage=1)
+    kw = dict(seq_len=64, micro_batch=2, grad_accum=2, checkpoint=MIXED, devices=2, zero_stage=1)
     run_torchrun("tests.integration._accum_loop", [str(tmp_path / "run"), json.dumps(kw)], 2,
                  timeout_s=LAUNCH_TIMEOUT_S, log_dir=tmp_path / "logs")
     _check_peak(tmp_path / "run", world=2)

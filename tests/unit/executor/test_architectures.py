@@ -136,7 +136,7 @@ CELLS = ([pytest.param(arch, 2, 128, "none", id=f"{arch}-b2s128",
 def test_tiny_run_peak_within_1_percent_flops_exact(arch, micro_batch, seq_len, checkpoint, tmp_path,
                                                       torch_threads):
     with torch_threads(1):
-        plan, record = run(arch, tmp_path, micro_batch=micro_batch, seq_len=seq_len, activation_checkpoint=checkpoint)
+        plan, record = run(arch, tmp_path, micro_batch=micro_batch, seq_len=seq_len, checkpoint=checkpoint)
     pred, meas = plan.predictions.memory_bytes["total"], record.peak_memory_bytes["total"]
     assert math.isclose(pred, meas, rel_tol=0.01), (
         f"{arch}: predicted peak {pred:.0f} B, MemTracker {meas:.0f} B ({(pred - meas) / meas:+.2%})")
