@@ -60,14 +60,13 @@ from trainplan.costmodels.loss.law import LossLaw
 from trainplan.costmodels.loss.planned import run_loss, warmup_steps_for
 from trainplan.errors import TrainplanError
 from trainplan.planner.budget import UNLIMITED_DATA_TOKENS
+from trainplan.planner.options import DEFAULT_DATA_METHODS
 from trainplan.planner.plan import Plan
 
-__all__ = ["DEFAULT_DATA_METHODS", "LARGE_MODEL_PARAMS", "TARGET_WINDOWS", "DataOption",
+__all__ = ["LARGE_MODEL_PARAMS", "TARGET_WINDOWS", "DataOption",
            "check_data_methods", "known_quality", "predicted_scoring_flops", "data_options",
            "choose_data_method", "with_data_method", "plan_law"]
 
-DEFAULT_DATA_METHODS = ("random", "dsir", "loss", "influence")
-"""Methods `trainplan.planner.api.solve` considers by default (those without a known multiplier drop out)."""
 LARGE_MODEL_PARAMS = 1e9
 """From this many parameters a method without a local fit gets its published default multiplier
 (Ankner et al. 2024 trained 1B and 3B models)."""

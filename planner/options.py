@@ -9,7 +9,8 @@ typed, documented, frozen object that the plan records (`trainplan.planner.plan.
 keywords given beside an object override its fields. The search-space options are tuples of the
 values the solver may choose from; the other fields are single values.
 
-This module imports neither torch nor the solver: `trainplan.SolveOptions` is cheap to build.
+This module imports neither torch nor the solver (the defaults `trainplan.planner.joint.space` and
+`trainplan.planner.data_choice` use are defined here): `trainplan.SolveOptions` is cheap to build.
 """
 
 from __future__ import annotations
@@ -19,13 +20,15 @@ import difflib
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Protocol
 
+from trainplan.costmodels.checkpoint_sets import MENU
 from trainplan.errors import TrainplanError
 
-if TYPE_CHECKING:  # annotations only: the cost models, not needed to build the object
+if TYPE_CHECKING:  # annotations only: not needed to build the object
     from trainplan.costmodels.data.quality import QualityFit
     from trainplan.costmodels.loss.law import LossLaw
 
-__all__ = ["DEFAULT_ACTIVATION_BITS", "Corpus", "DEFAULT_DATA_FRACTIONS", "DEFAULT_MICRO_BATCHES", "SolveOptions",
+__all__ = ["DEFAULT_ACTIVATION_BITS", "Corpus", "DEFAULT_DATA_FRACTIONS", "DEFAULT_DATA_METHODS",
+           "DEFAULT_MICRO_BATCHES", "DEFAULT_POLICIES", "SolveOptions",
            "options_from"]
 
 DEFAULT_ACTIVATION_BITS = (32,)
@@ -38,11 +41,10 @@ DEFAULT_MICRO_BATCHES = (1, 2, 4, 8, 16)
 """Sequences per device per micro-step that `solve` chooses from by default."""
 DEFAULT_DATA_FRACTIONS = (0.25, 0.5, 0.75, 1.0)
 """Shares of the corpus `solve` chooses from by default."""
-_DEFAULT_POLICIES = ("none", "save_matmuls", "save_attention", "full", "remat")
-"""`trainplan.planner.joint.space.DEFAULT_POLICIES`, spelled here so that this module stays light;
-tests/unit/planner/test_options.py asserts they agree."""
-_DEFAULT_DATA_METHODS = ("random", "dsir", "loss", "influence")
-"""`trainplan.planner.data_choice.DEFAULT_DATA_METHODS`, as above."""
+DEFAULT_POLICIES = ("none", "save_matmuls", "save_attention", "full", MENU)
+"""Checkpoint menu: the built-in entries plus each block shape's solved Pareto menu."""
+DEFAULT_DATA_METHODS = ("random", "dsir", "loss", "influence")
+"""Methods `trainplan.planner.api.solve` considers by default (those without a known multiplier drop out)."""
 
 
 class Corpus(Protocol):
@@ -91,7 +93,7 @@ class SolveOptions:
     activation_bits: tuple[int, ...] = DEFAULT_ACTIVATION_BITS
     """Saved-activation widths to choose from (32 = as computed, 16, 8;
     `trainplan.modeling.activation_compression`); each one below 32 is captured once more."""
-    policies: tuple[str, ...] = _DEFAULT_POLICIES
+    policies: tuple[str, ...] = DEFAULT_POLICIES
     """Activation checkpoint entries each block may take: `none`, `full`, the built-in selective
     policies (`trainplan.costmodels.checkpoint_sets.BUILTIN`) and `remat` (each block shape's solved
     Pareto menu of saved-op sets, `trainplan.costmodels.checkpoint_sets.MENU`)."""
@@ -105,7 +107,7 @@ class SolveOptions:
     offload: tuple[bool, ...] | None = None
     """Whether checkpointed blocks' inputs may live in host memory (`trainplan.modeling.offload`):
     (False,), (True,) or (False, True). None: the default tiling's choice."""
-    data_methods: tuple[str, ...] = _DEFAULT_DATA_METHODS
+    data_methods: tuple[str, ...] = DEFAULT_DATA_METHODS
     """Data-subset scoring methods to choose from with the fraction
     (`trainplan.planner.data_choice.choose_data_method`; a method without a known multiplier drops
     out); ("random",) keeps the solver's random subset. A comma-separated string is accepted."""
@@ -159,7 +161,9 @@ class SolveOptions:
         `data_quality` as each fit's fields."""
         out: dict[str, Any] = {}
         for f in fields(self):
-            out[f.name] = _json_value(getattr(self, f.name))
+            if f.name not in ("law", "data"):
+                out[f.name] = _json_value(getattr(self, f.name))
+        out["law"] = out["data"] = None
         if self.law is not None:
             from trainplan.costmodels.loss.cache import law_fields  # the cost models, only when a law is given
 

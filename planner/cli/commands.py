@@ -35,6 +35,7 @@ from trainplan.planner.cli.checks import (
 )
 from trainplan.planner.cli.launching import ENDED_REASONS
 from trainplan.planner.cli.plan_text import print_plan
+from trainplan.planner.options import DEFAULT_DATA_METHODS as SOLVE_DATA_METHODS
 from trainplan.planner.plan import Plan
 
 logger = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ budget, so the run's length does not depend on how well the cpu profile was meas
 is then predicted and compared, not used to size the run). The micro-batch is the solver's: the
 loss law's batch term (`trainplan.costmodels.loss.batch`) prices it."""
 DEMO_SEQ_LEN = 256
-DEFAULT_DATA_METHODS = "random,dsir,loss,influence"
+DEFAULT_DATA_METHODS = ",".join(SOLVE_DATA_METHODS)
 DATA_METHODS_HELP = ("data-subset scoring methods the planner chooses from with the kept fraction, "
                      "comma-separated (random, dsir, loss, influence; default all): a method without "
                      "a known quality multiplier drops out; 'random' keeps the solver's random subset")

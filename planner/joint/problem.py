@@ -47,14 +47,13 @@ from trainplan.planner.capture.setup import (
 from trainplan.planner.joint.remat_menu import BlockMenus, MenuSource
 from trainplan.planner.joint.solver import solve_joint
 from trainplan.planner.joint.space import (
-    DEFAULT_POLICIES,
     SearchSpace,
     check_chunk_options,
     check_offload_options,
     default_space,
     default_tiling,
 )
-from trainplan.planner.options import DEFAULT_ACTIVATION_BITS
+from trainplan.planner.options import DEFAULT_ACTIVATION_BITS, DEFAULT_POLICIES
 from trainplan.planner.plan import Decisions, Plan, Predictions, SolverFacts, layout_fields, relative_gap
 
 MEMORY_TOLERANCE = 1e-9

@@ -7,15 +7,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from trainplan.costmodels.checkpoint_sets import MENU
 from trainplan.costmodels.step import comm
 from trainplan.costmodels.step.precision import check_optimizer_bits, optimizer_bits_for
 from trainplan.errors import BudgetError, TrainplanError
 from trainplan.modeling.activation_compression import check_activation_bits
 from trainplan.modeling.tiling import check_chunks
-
-DEFAULT_POLICIES = ("none", "save_matmuls", "save_attention", "full", MENU)
-"""Checkpoint menu: the built-in entries plus each block shape's solved Pareto menu."""
+from trainplan.planner.options import DEFAULT_POLICIES
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

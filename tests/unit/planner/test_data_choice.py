@@ -21,7 +21,7 @@ from trainplan.costmodels.loss.bits import bits_loss_penalty
 from trainplan.costmodels.loss.law import LossLaw
 from trainplan.costmodels.loss.planned import run_loss
 from trainplan.errors import TrainplanError
-from trainplan.planner import data_choice
+from trainplan.planner import data_choice, options
 from trainplan.planner.data_choice import (
     check_data_methods,
     choose_data_method,
@@ -146,9 +146,9 @@ def test_idempotent_and_reversible():
 
 def test_known_quality_rules(tmp_path):
     small, large = 1e7, 7e10
-    assert set(known_quality("m", 512, small, data_choice.DEFAULT_DATA_METHODS,
+    assert set(known_quality("m", 512, small, options.DEFAULT_DATA_METHODS,
                              cache_dir=tmp_path)) == {"random"}
-    big = known_quality("m", 512, large, data_choice.DEFAULT_DATA_METHODS, cache_dir=tmp_path)
+    big = known_quality("m", 512, large, options.DEFAULT_DATA_METHODS, cache_dir=tmp_path)
     assert big["loss"] == DEFAULT_QUALITY["loss"] and big["dsir"].a == 0.0
     fit = QualityFit(method="dsir", a=1.3, b=1.0, n_points=2, source="pilot")
     path = save_quality_fits([fit], model="m", vocab_size=512, corpus="pool", cache_dir=tmp_path)

@@ -13,9 +13,7 @@ import pytest
 
 import trainplan
 from trainplan.errors import TrainplanError
-from trainplan.planner.data_choice import DEFAULT_DATA_METHODS
-from trainplan.planner.joint.space import DEFAULT_POLICIES
-from trainplan.planner.options import OPTION_NAMES, SolveOptions, options_from
+from trainplan.planner.options import DEFAULT_DATA_METHODS, DEFAULT_POLICIES, OPTION_NAMES, SolveOptions, options_from
 from trainplan.planner.plan import Plan
 
 BUDGET = trainplan.Budget(wall_clock_s=3600)
