@@ -5,7 +5,10 @@ stage, optimizer bits) it makes a plan with those knobs fixed (`trainplan.planne
 runs it with the real executor for a few steps, and compares predicted and measured peak
 memory (MemTracker), FLOPs (FlopCounterMode) and step time (median after warm-up).
 
-    python benchmarks/accuracy.py [--quick] [--out DIR]
+    python benchmarks/accuracy.py [--quick | --smoke] [--out DIR]
+
+`--smoke`: one case (the solver-planned checkpoint set, single process, the path `--quick`
+once crashed on), the same code path and output files; for the test suite.
 
 Writes DIR/accuracy.csv (one row per configuration) and DIR/accuracy.json (summary: median and
 maximum relative error of each term). Single-process runs use `--threads` torch threads
@@ -34,6 +37,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from trainplan.costmodels.loss.planned import warmup_steps_for
 from trainplan.executor.data.batches import load_corpus
 from trainplan.executor.reporting.compare import compare
 from trainplan.planner.api import plan_for_choice, solve
@@ -42,9 +46,12 @@ from trainplan.planner.budget import Budget
 STEPS = 9  # 2 warm-up, 1 MemTracker, 1 FlopCounterMode, 5 timed
 
 
-def grid(quick: bool, multi: bool = True) -> list[dict]:
+def grid(quick: bool, multi: bool = True, smoke: bool = False) -> list[dict]:
     """The configurations: single-process product plus SP/ZeRO runs over 2 processes (`multi`:
-    off on a single accelerator)."""
+    off on a single accelerator); `smoke`: one single-process case with solver-planned sets."""
+    if smoke:
+        return [dict(seq_len=128, micro_batch=2, activation_checkpoint="planned", sp_degree=1, devices=1,
+                     zero_stage=0, optimizer_bits=32)]
     seqs, mbs = ((128,), (2, 4)) if quick else ((128, 256), (2, 4))
     ckpts = ("none", "full", "planned")
     bits = (32, 8)
@@ -72,7 +79,9 @@ def planned_plan(case: dict, vocab: int):
     plan = solve("tiny-llama", HW, Budget(wall_clock_s=60, devices=case["devices"]), precision=PRECISION,
                  seq_len=case["seq_len"], vocab_size=vocab, micro_batches=(case["micro_batch"],),
                  optimizer_bits=(case["optimizer_bits"],), memory_limit_bytes=cap)
-    d = dataclasses.replace(plan.decisions, max_steps=STEPS,
+    # the solver's warmup is for its own step count; a shorter run needs the warmup of STEPS
+    # (the plan's rule: warmup_steps <= max_steps), the same rule plan_for_choice applies
+    d = dataclasses.replace(plan.decisions, max_steps=STEPS, warmup_steps=warmup_steps_for(STEPS),
                             max_tokens=STEPS * plan.predictions.tokens_per_step)
     return dataclasses.replace(plan, decisions=d)
 
@@ -165,6 +174,7 @@ def calibrated_step_times(df: pd.DataFrame, out: Path) -> pd.DataFrame:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smaller grid, about two minutes")
+    ap.add_argument("--smoke", action="store_true", help="one case, for the test suite (seconds)")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--hw", default="cpu", help="profile the plans are made for (e.g. h200)")
     ap.add_argument("--device", help="where to run, e.g. cuda (default: the profile's device)")
@@ -186,7 +196,7 @@ def main(argv=None) -> int:
     data = load_corpus(vocab_size=8192)
     rows = []
     multi = HW == "cpu" and (DEVICE or "cpu") == "cpu"
-    for i, case in enumerate(grid(a.quick, multi)):
+    for i, case in enumerate(grid(a.quick, multi, a.smoke)):
         row = run_case(case, data, out)
         rows.append(row)
         print(f"[{i + 1}] {case} peak {row['peak_memory_rel_err']:+.4%} flops "
@@ -215,6 +225,7 @@ def main(argv=None) -> int:
         "step_time_median_rel_err_uncalibrated": stat("step_time_rel_err", statistics.median),
         "step_time_test_cases": int(test["step_time_calibrated_rel_err"].notna().sum()),
         "quick": a.quick,
+        "smoke": a.smoke,
         "machine": f"{platform.node()} {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
                    + (f", {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ""),
         "hw": HW,
