@@ -86,7 +86,10 @@ def planned_plan(case: dict, vocab: int):
     return dataclasses.replace(plan, decisions=d)
 
 
-def run_case(case: dict, data, out: Path) -> dict:
+def run_case(case: dict, data, out: Path, smoke: bool = False) -> dict:
+    """One configuration planned, run and compared; `smoke`: the held-out loss on one micro-batch
+    every other step (the 4+ points calibration's law fit needs, at a fraction of the default
+    evaluation's cost)."""
     from trainplan.executor.train import run
     from trainplan.executor.worker import launch
 
@@ -108,7 +111,8 @@ def run_case(case: dict, data, out: Path) -> dict:
 
         plan, record = load_run(run_dir)
     else:
-        record = run(plan, data=data, out=run_dir, progress=False, device=DEVICE, checkpoint_every=0)
+        evals = dict(eval_every=2, eval_tokens=case["seq_len"] * case["micro_batch"]) if smoke else {}
+        record = run(plan, data=data, out=run_dir, progress=False, device=DEVICE, checkpoint_every=0, **evals)
         plan.to_json(run_dir / "plan.json")
     df = compare(plan, record).set_index("term")
     row = dict(case, policies="+".join(policies))
@@ -197,7 +201,7 @@ def main(argv=None) -> int:
     rows = []
     multi = HW == "cpu" and (DEVICE or "cpu") == "cpu"
     for i, case in enumerate(grid(a.quick, multi, a.smoke)):
-        row = run_case(case, data, out)
+        row = run_case(case, data, out, a.smoke)
         rows.append(row)
         print(f"[{i + 1}] {case} peak {row['peak_memory_rel_err']:+.4%} flops "
               f"{row['flops_per_step_rel_err']:+.4%} time {row.get('step_time_rel_err', float('nan')):+.1%}",
