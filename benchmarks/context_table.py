@@ -26,7 +26,10 @@ The model is captured once per (model, precision, device type) on the meta devic
 model of each profile prices the same regions (all four GPU profiles are `cuda`), and the tiled
 regions are traced on first use, once per model.
 
-    python benchmarks/context_table.py [--out DIR]
+    python benchmarks/context_table.py [--quick | --smoke] [--out DIR]
+
+`--quick`: llama3.1-8b only; `--smoke`: llama3.1-8b on h100 in the `sp` and `sp_all_knobs`
+settings (the test suite's run; the summary keys of the cells it has, the same files).
 
 Writes DIR/context_table.csv (one row per model x hardware x setting: maximum, ZeRO stage, peak
 phase, the constraint that binds one step above, the per-device memory breakdown, host bytes and
@@ -209,11 +212,12 @@ def best_stage(model: str, hw: str, setting: dict) -> tuple[int, Point | None, i
     return (*best, n)
 
 
-def table_rows() -> list[dict]:
+def table_rows(models: dict = MODELS, hardware: tuple = HARDWARE, settings: tuple = tuple(SETTINGS)) -> list[dict]:
+    """One row per model x hardware x setting (the names of `MODELS`, `HARDWARE`, `SETTINGS`)."""
     rows = []
-    for short, model in MODELS.items():
-        for hw in HARDWARE:
-            for name, setting in SETTINGS.items():
+    for short, model in models.items():
+        for hw in hardware:
+            for name, setting in ((n, SETTINGS[n]) for n in settings):
                 t0 = time.perf_counter()
                 tokens, plan, zero, n = best_stage(model, hw, setting)
                 nxt = plan_at(hw, tokens + STEP_TOKENS, model=model, zero_stage=zero, **setting)
@@ -276,7 +280,7 @@ def binding_note(df: pd.DataFrame) -> str:
     """Which phase of the step sets the predicted peak at the maxima, and which limit binds."""
     fit = df[df["max_seq_len"] > 0]
     parts = []
-    for name in SETTINGS:
+    for name in dict.fromkeys(df.setting):
         sub = fit[fit.setting == name]
         if len(sub):
             phases = ", ".join(f"{k} x{v}" for k, v in sub.memory_phase.value_counts().items())
@@ -317,17 +321,19 @@ def markdown(df: pd.DataFrame) -> str:
         f"{STEP_TOKENS} tokens (K = 1024 tokens, M = 2^20 tokens; ALST's 3.7M is read as 3.7e6 = "
         f"{fmt_tokens(ALST_TOKENS)} here). `python benchmarks/context_table.py`.",
     ]
-    for short, model in MODELS.items():
+    names = list(dict.fromkeys(df.setting))
+    for short, model in dict(zip(df.model_short, df.model, strict=True)).items():
         sub = df[df.model_short == short]
         tiles = sub[sub.setting == "sp_all_knobs"].iloc[0]
         lines += ["", f"**{model}** (loss_chunks {tiles.loss_chunks}, mlp_chunks {tiles.mlp_chunks})", "",
-                  "| hardware (usable GiB) | " + " | ".join(HEADERS.values()) + " | published (settings differ) |",
-                  "|---|" + "---|" * (len(SETTINGS) + 1)]
-        for hw in HARDWARE:
+                  "| hardware (usable GiB) | " + " | ".join(HEADERS[n] for n in names)
+                  + " | published (settings differ) |",
+                  "|---|" + "---|" * (len(names) + 1)]
+        for hw in dict.fromkeys(sub.hw):
             rows = sub[sub.hw == hw].set_index("setting")
             usable = rows["usable_bytes"].dropna()
             head = f"8 x {hw} ({usable.iloc[0] / GIB:.0f})" if len(usable) else f"8 x {hw}"
-            cells = [cell(next(rows[rows.index == n].reset_index().itertuples())) for n in SETTINGS]
+            cells = [cell(next(rows[rows.index == n].reset_index().itertuples())) for n in names]
             lines.append(f"| {head} | " + " | ".join(cells) + f" | {PUBLISHED.get((short, hw), NO_PUBLISHED)} |")
     lines += ["", COLUMNS_TEXT, "", binding_note(df), "", *alst_differences(alst_facts(df)), "", *SOURCES]
     return "\n".join(lines)
@@ -356,19 +362,28 @@ def summary_of(df: pd.DataFrame) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--quick", action="store_true", help="llama3.1-8b only, every profile and setting")
+    ap.add_argument("--smoke", action="store_true",
+                    help="llama3.1-8b on h100, the sp and sp_all_knobs settings (for the test suite)")
     a = ap.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     t0 = time.perf_counter()
-    df = pd.DataFrame(table_rows())
+    small = {"8b": MODELS["8b"]}
+    if a.smoke:
+        df = pd.DataFrame(table_rows(small, ("h100",), ("sp", "sp_all_knobs")))
+    else:
+        df = pd.DataFrame(table_rows(small) if a.quick else table_rows())
     df.to_csv(out / "context_table.csv", index=False)
     md = markdown(df)
     (out / "context_table.md").write_text(md + "\n")
     summary = summary_of(df)
     summary.update({
-        "models": list(MODELS.values()), "hardware": list(HARDWARE), "devices": DEVICES, "micro_batch": 1,
-        "precision": "bf16-mixed", "optimizer_bits": 32, "wall_s": time.perf_counter() - t0, "quick": False,
+        "models": list(dict.fromkeys(df.model)), "hardware": list(dict.fromkeys(df.hw)), "devices": DEVICES,
+        "micro_batch": 1,
+        "precision": "bf16-mixed", "optimizer_bits": 32, "wall_s": time.perf_counter() - t0,
+        "quick": a.quick, "smoke": a.smoke,
         "machine": f"{platform.node()} {platform.processor() or platform.machine()}, "
                    f"{os.cpu_count()} cores",
         "torch": torch.__version__,

@@ -3,7 +3,7 @@ machine's accelerator, predicted for a hardware profile (default h200) beside me
 profile refit from the run (`trainplan calibrate`'s GPU method, `trainplan.executor.calibrate.gpu`).
 
     python benchmarks/gpu_step.py [--hw h200] [--device cuda] [--seq-len 1024] [--micro-batch 8]
-                                  [--steps 12] [--out DIR]
+                                  [--steps 12] [--quick | --smoke] [--out DIR]
 
 One process: FSDP2's `fully_shard` on each block and the root over a one-rank device mesh (NCCL
 on CUDA/ROCm, gloo on a CPU), so the all-gathers, reduce-scatters and their streams run as in a
@@ -170,6 +170,7 @@ def run(args) -> dict:
         "same_hardware": rec.same_hardware, "torch": torch.__version__, "blocks": BLOCKS,
         "seq_len": d.seq_len, "micro_batch": d.micro_batch, "precision": d.precision, "zero_stage": d.zero_stage,
         "steps": rec.steps, "timed_steps": len(rec.step_times_s), "kernel_time_s": rec.kernel_time_s,
+        "quick": args.quick, "smoke": args.smoke,
         "device_memory_bytes": rec.device_memory_bytes, "profile_out": str(profile_path) if profile_path else None,
         "refit": {"compute": fit.compute, "memory": fit.memory, "network": fit.network,
                   "fields": list(fit.fields), "notes": list(fit.notes)} if fit else None,
@@ -210,7 +211,13 @@ def main(argv=None) -> int:
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=12, help="at least 7: steps 4 and 5 are profiled, not timed")
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--quick", action="store_true",
+                    help="--seq-len 256 --micro-batch 2 --steps 8 (gpu_check's dry run)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="--seq-len 128 --micro-batch 2 --steps 7 (the test suite's run)")
     a = ap.parse_args(argv)
+    if a.quick or a.smoke:
+        a.seq_len, a.micro_batch, a.steps = (128, 2, 7) if a.smoke else (256, 2, 8)
     if a.bounded_plan:
         bounded_plan(a.bounded_plan[0], int(a.bounded_plan[1]), int(a.bounded_plan[2]))
         return 0

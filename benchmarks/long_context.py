@@ -1,7 +1,7 @@
 """Each long-context knob run for real on this CPU: predicted peak memory and FLOPs beside
 MemTracker and FlopCounterMode, and the losses beside the same plan without the knob.
 
-    python benchmarks/long_context.py [--quick] [--out DIR] [--hw cpu --device cpu]
+    python benchmarks/long_context.py [--quick | --smoke] [--out DIR] [--hw cpu --device cpu]
 
 Model: `tiny-llama` (4 layers, hidden 256, fp32, 32-bit AdamW) with the default corpus's
 8192-token BPE, so the loss head (8192 logits per token, 32 x the width) weighs as it does at
@@ -50,9 +50,11 @@ PLANS = {
     "full+offload": dict(activation_checkpoint="full", offload=True),
 }
 QUICK = ("none", "none+loss8", "full+loss8+mlp4")
+SMOKE = ("none", "none+loss8")
+"""`--smoke` (the test suite's run): one tiled plan and its reference, held-out loss on one batch."""
 
 
-def run_plan(name: str, data, out: Path, hw: str = "cpu", device: str = "cpu") -> dict:
+def run_plan(name: str, data, out: Path, hw: str = "cpu", device: str = "cpu", smoke: bool = False) -> dict:
     """Plan `name` (`PLANS`) trained for `STEPS` steps: its predictions beside its measurements."""
     from trainplan.executor.train import run
     from trainplan.planner.api import plan_for_choice
@@ -60,7 +62,8 @@ def run_plan(name: str, data, out: Path, hw: str = "cpu", device: str = "cpu") -
     plan = plan_for_choice(MODEL, hw, seq_len=SEQ, micro_batch=MB, max_steps=STEPS, vocab_size=data.vocab_size,
                            data_tokens=data.n_train_tokens, optimizer_bits=32, precision="fp32", **PLANS[name])
     t0 = time.perf_counter()
-    rec = run(plan, data=data, out=out / name, device=device, progress=False, check_fits=False, threads=1)
+    rec = run(plan, data=data, out=out / name, device=device, progress=False, check_fits=False, threads=1,
+              **(dict(eval_every=STEPS, eval_tokens=SEQ * MB) if smoke else {}))
     p = plan.predictions
     pred, meas = p.memory_bytes["total"], rec.peak_memory_bytes["total"]
     return dict(plan=name, predicted_peak_bytes=pred, measured_peak_bytes=meas, peak_rel_err=pred / meas - 1,
@@ -70,7 +73,7 @@ def run_plan(name: str, data, out: Path, hw: str = "cpu", device: str = "cpu") -
                 train_losses=json.dumps([round(v, 7) for _, v in rec.train_loss]), run_s=time.perf_counter() - t0)
 
 
-def summarize(df: pd.DataFrame, quick: bool, hw: str = "cpu", device: str = "cpu") -> dict:
+def summarize(df: pd.DataFrame, quick: bool, hw: str = "cpu", device: str = "cpu", smoke: bool = False) -> dict:
     rows = df.set_index("plan")
     tiled = rows.drop(index=[n for n in ("none", "full") if n in rows.index])
     diffs = []
@@ -90,14 +93,15 @@ def summarize(df: pd.DataFrame, quick: bool, hw: str = "cpu", device: str = "cpu
             "flops_rel_err_max": float(tiled["flops_rel_err"].abs().max()),
             "loss_rel_diff_max": max(diffs) if diffs else None, "tiled_loss_peak_saving_frac": saving, **offload,
             "targets_met": bool(tiled["peak_rel_err"].abs().max() <= 0.01 and (not diffs or max(diffs) <= 1e-5)),
-            "quick": quick, "machine": f"{platform.node()} {platform.machine()}, 1 torch thread",
+            "quick": quick, "smoke": smoke, "machine": f"{platform.node()} {platform.machine()}, 1 torch thread",
             "hw": hw, "device": device,
             "torch": torch.__version__, "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds")}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--quick", action="store_true", help=f"the plans {', '.join(QUICK)}")
+    ap.add_argument("--smoke", action="store_true", help=f"the plans {', '.join(SMOKE)} (the test suite's run)")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--hw", default="cpu", help="the profile the plans are made for")
     ap.add_argument("--device", default="cpu", help="where they run (cuda on a GPU)")
@@ -109,10 +113,11 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     data = load_corpus(vocab_size=VOCAB)
     with tempfile.TemporaryDirectory() as runs:  # the runs' folders: only their numbers are kept
-        rows = [run_plan(n, data, Path(runs), a.hw, a.device) for n in (QUICK if a.quick else PLANS)]
+        names = SMOKE if a.smoke else QUICK if a.quick else PLANS
+        rows = [run_plan(n, data, Path(runs), a.hw, a.device, a.smoke) for n in names]
     df = pd.DataFrame(rows)
     df.to_csv(out / "long_context.csv", index=False)
-    summary = summarize(df, a.quick, a.hw, a.device) | {"wall_s": time.perf_counter() - t0}
+    summary = summarize(df, a.quick, a.hw, a.device, a.smoke) | {"wall_s": time.perf_counter() - t0}
     (out / "long_context.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(df[["plan", "predicted_peak_bytes", "measured_peak_bytes", "peak_rel_err", "phase",
               "flops_rel_err"]].to_string(index=False))

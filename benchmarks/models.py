@@ -4,7 +4,7 @@ Each architecture of `benchmarks/_model_zoo.py` is trained tiny for real on this
 peak memory and FLOPs beside MemTracker and FlopCounterMode) and planned at its published size
 for 8 x h100.
 
-    python benchmarks/models.py [--quick] [--out DIR] [--arch NAME ...]
+    python benchmarks/models.py [--quick | --smoke] [--out DIR] [--arch NAME ...]
 
 Architectures (`_model_zoo.ARCHS`): Llama 3.1, Mistral (window below the sequence), Qwen2, Qwen3,
 Gemma, Gemma 2, Phi-3, OLMo 2, GPT-2, GPT-NeoX (Pythia), Mixtral (MoE) and a nanoGPT-style module
@@ -70,6 +70,8 @@ MICRO_BATCHES = (2, 3)
 SEQS = (64, 128)
 QUICK_SEQS = (128,)
 CHECKPOINTS = ("none", "full")
+SMOKE_CELL = (64, 2, "none")
+"""`--smoke`'s one tiny cell: sequence, micro-batch, checkpoint."""
 SP_CELL = dict(micro_batch=2, seq_len=128)
 """The tiny cell run again at SP 2 (checkpoint none), against its 1-process run."""
 FULL_HW, FULL_DEVICES, FULL_DEVICE_HOURS, FULL_SEQ = "h100", 8, 1000.0, 4096
@@ -237,24 +239,26 @@ def run_full(arch: str, solve_it: bool = True) -> dict:
 
 # --- one architecture, the summary -------------------------------------------------------------
 
-def run_arch(arch: str, data, root: Path, quick: bool) -> list[dict]:
+def run_arch(arch: str, data, root: Path, quick: bool, smoke: bool = False) -> list[dict]:
     """Every cell of `arch`: tiny runs (skipped once planning the tiny model failed: the capture
-    does not depend on the cell), the SP run, the full-size plan."""
+    does not depend on the cell), the SP run, the full-size plan. `smoke`: one tiny cell
+    (`SMOKE_CELL`), no SP run, the full-size config captured but not solved."""
     rows: list[dict] = []
     failed_plan = None
-    for seq in QUICK_SEQS if quick else SEQS:
-        for mb in MICRO_BATCHES:
-            for ck in CHECKPOINTS:
-                cell = dict(seq_len=seq, micro_batch=mb, activation_checkpoint=ck)
-                if failed_plan:
-                    rows.append(dict(arch=arch, kind="tiny", sp_degree=1, devices=1, **cell,
-                                     status=f"skipped: planning failed at {failed_plan}"))
-                    continue
-                r = run_tiny(arch, cell, data, root / arch / f"s{seq}_mb{mb}_{ck}")
-                rows.append(r)
-                report(r)
-                if r["status"].startswith("error: plan"):
-                    failed_plan = f"s{seq} mb{mb} {ck}"
+    quick = quick or smoke
+    grid = [SMOKE_CELL] if smoke else [(seq, mb, ck) for seq in (QUICK_SEQS if quick else SEQS)
+                                       for mb in MICRO_BATCHES for ck in CHECKPOINTS]
+    for seq, mb, ck in grid:
+        cell = dict(seq_len=seq, micro_batch=mb, activation_checkpoint=ck)
+        if failed_plan:
+            rows.append(dict(arch=arch, kind="tiny", sp_degree=1, devices=1, **cell,
+                             status=f"skipped: planning failed at {failed_plan}"))
+            continue
+        r = run_tiny(arch, cell, data, root / arch / f"s{seq}_mb{mb}_{ck}")
+        rows.append(r)
+        report(r)
+        if r["status"].startswith("error: plan"):
+            failed_plan = f"s{seq} mb{mb} {ck}"
     if not quick:
         ref = next((r for r in rows if r["kind"] == "tiny" and r["activation_checkpoint"] == "none"
                     and r["micro_batch"] == SP_CELL["micro_batch"] and r["seq_len"] == SP_CELL["seq_len"]), None)
@@ -268,7 +272,7 @@ def run_arch(arch: str, data, root: Path, quick: bool) -> list[dict]:
 
 
 def report(r: dict) -> None:
-    what = {"tiny": "s{seq_len} mb{micro_batch} {checkpoint}", "sp": "SP2 s{seq_len} mb{micro_batch}",
+    what = {"tiny": "s{seq_len} mb{micro_batch} {activation_checkpoint}", "sp": "SP2 s{seq_len} mb{micro_batch}",
             "full_size": "full size, {devices} x {hw}, s{seq_len}"}[r["kind"]].format(**r)
     if r["status"] != "ok":
         print(f"  {r['arch']:9s} {what:22s} {r['status']}", flush=True)
@@ -412,13 +416,15 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true",
                     help="sequence 128 only, no SP runs, full-size configs captured but not solved: about 2 minutes")
+    ap.add_argument("--smoke", action="store_true",
+                    help="the first architecture (or --arch), one tiny cell, captured full size: the test suite's run")
     ap.add_argument("--out", default="benchmarks/results/models")
     ap.add_argument("--arch", nargs="+", choices=list(ARCHS), metavar="NAME",
                     help=f"only these architectures (default all: {', '.join(ARCHS)})")
     a = ap.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    archs = a.arch or list(ARCHS)
+    archs = a.arch or (list(ARCHS)[:1] if a.smoke else list(ARCHS))
     t0 = time.perf_counter()
     old_env = {k: os.environ.get(k) for k in ("TRAINPLAN_CACHE_DIR", "OMP_NUM_THREADS")}
     tmp = Path(tempfile.mkdtemp(prefix="trainplan-models-"))
@@ -431,7 +437,7 @@ def main(argv=None) -> int:
         for arch in archs:
             print(f"{arch} ({ARCHS[arch].title})", flush=True)
             try:
-                rows += run_arch(arch, data, tmp / "runs", a.quick)
+                rows += run_arch(arch, data, tmp / "runs", a.quick, a.smoke)
             except Exception as e:  # a bug of this benchmark: the architecture's row says so
                 traceback.print_exc()
                 rows.append(dict(arch=arch, kind="tiny", status=f"error: benchmark: {one_line(e)}"))
@@ -446,7 +452,7 @@ def main(argv=None) -> int:
     df.to_csv(out / "models.csv", index=False)
     per_arch = pd.DataFrame([arch_row(arch, df) for arch in archs])
     per_arch.to_csv(out / "models_archs.csv", index=False)
-    summary = summarize(df, per_arch, a.quick, time.perf_counter() - t0)
+    summary = summarize(df, per_arch, a.quick or a.smoke, time.perf_counter() - t0) | {"smoke": a.smoke}
     (out / "models.json").write_text(json.dumps(summary, indent=2) + "\n")
     table = per_arch[["arch", "tiny_runs_ok", "tiny_runs", "peak_max_rel_err", "flops_max_rel_err",
                       "sp_loss_rel_diff", "capture_s", "solve_s", "status"]].copy()

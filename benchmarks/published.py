@@ -1,6 +1,6 @@
 """trainplan's predictions against published GPU training measurements.
 
-    python benchmarks/published.py [--quick] [--out DIR] [--no-overlap]
+    python benchmarks/published.py [--quick | --smoke] [--out DIR] [--no-overlap]
 
 For every in-scope case of `benchmarks/published_cases.toml` (`benchmarks/_published_cases.py`:
 schema, sources, how each architecture is built), the step model
@@ -20,7 +20,8 @@ comparison.
 Writes DIR/published.csv (one row per case), DIR/published_excluded.csv, DIR/published.md (the
 docs/accuracy.md's table) and DIR/published.json (summary: cases, sources, step_time_median_rel_err,
 step_time_max_rel_err, step_time_median_rel_err_multinode, memory_median_rel_err, scaling
-ratios, targets_met). `--quick`: the first case of each source only.
+ratios, targets_met). `--quick`: the first case of each source only; `--smoke` (the test suite's
+run): the first case and the first multi-node case.
 """
 
 from __future__ import annotations
@@ -139,6 +140,8 @@ def scaling_markdown(sc: pd.DataFrame) -> str:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="the first case of each source only")
+    ap.add_argument("--smoke", action="store_true",
+                    help="the first case and the first multi-node case only (the test suite's run)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="output folder")
     ap.add_argument("--no-overlap", action="store_true", help="add every collective to compute")
     args = ap.parse_args(argv)
@@ -151,6 +154,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.quick:
         seen: set[str] = set()
         included = [c for c in included if not (c.source_id in seen or seen.add(c.source_id))]
+    if args.smoke:
+        included = list(dict.fromkeys([included[0], next(c for c in included if c.multinode)]))
     t0 = time.perf_counter()
     captures: dict = {}
     frame = pd.DataFrame([predict(c, captures, overlap=not args.no_overlap) for c in included])
@@ -171,7 +176,7 @@ def main(argv: list[str] | None = None) -> dict:
         "memory_median_rel_err": float(alloc.median()) if len(alloc) else None,
         "memory_cases": len(alloc),
         "scaling": sc.to_dict(orient="records"),
-        "overlap": not args.no_overlap, "quick": args.quick,
+        "overlap": not args.no_overlap, "quick": args.quick, "smoke": args.smoke,
         "seconds": time.perf_counter() - t0, "torch": torch.__version__,
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
     }
