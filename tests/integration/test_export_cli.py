@@ -1,10 +1,11 @@
 """`trainplan export` end to end, through the command line (issue #40): an accelerate file for
-several machines read by accelerate's own launcher.
+several machines read by accelerate's own launcher; torchtitan's placeholders.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -102,3 +103,26 @@ def test_accelerate_deepspeed_on_several_machines_launches_torchrun_per_machine(
     args.deepspeed_fields_from_accelerate_config = ""  # set by launch_command before it calls the launcher
     cmd, _ = prepare_deepspeed_cmd_env(args)
     assert cmd is None and (args.nproc_per_node, args.nnodes, args.node_rank) == ("8", "2", 1)
+
+
+# ---------------------------------------------------------------- item 9: torchtitan's placeholders
+
+
+def test_torchtitan_names_the_tokenizer_and_dataset_to_fill_in(tmp_path):
+    rc, out = _export(tmp_path, fake_plan(devices=8, zero_stage=3), "torchtitan")
+    assert rc == 0
+    cfg = tomllib.loads(out.read_text())
+    assert cfg["model"]["hf_assets_path"] == "FILL_IN_tokenizer_folder"
+    assert (cfg["training"]["dataset"], cfg["training"]["dataset_path"]) == ("FILL_IN_dataset_name",
+                                                                           "FILL_IN_dataset_folder")
+    lines = out.read_text().splitlines()
+    for key, needle in (("hf_assets_path", "tokenizer files"), ("dataset", "registered in"),
+                        ("dataset_path", "local folder")):
+        above = lines[next(i for i, line in enumerate(lines) if line.startswith(f"{key} =")) - 1]
+        assert above.startswith("# FILL IN: ") and needle in above, (key, above)
+    try:
+        from torchtitan.hf_datasets.text_datasets import _validate_dataset
+    except ImportError:  # torchtitan's package imports triton, absent on CPU
+        return
+    with pytest.raises(ValueError, match="FILL_IN_dataset_name"):  # left unfilled: torchtitan names it
+        _validate_dataset(cfg["training"]["dataset"], cfg["training"]["dataset_path"])

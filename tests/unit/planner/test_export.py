@@ -91,7 +91,7 @@ def test_torchtitan_job_toml_has_only_its_documented_keys_and_the_plans_values()
     e = export_plan(plan, "torchtitan")
     cfg = tomllib.loads(e.text)
     _check_toml_keys(cfg)
-    assert cfg["model"] == {"name": "llama3", "flavor": "8B"}
+    assert cfg["model"] == {"name": "llama3", "flavor": "8B", "hf_assets_path": "FILL_IN_tokenizer_folder"}
     assert cfg["parallelism"]["data_parallel_shard_degree"] == 4 and cfg["parallelism"]["context_parallel_degree"] == 2
     assert cfg["parallelism"]["fsdp_reshard_after_forward"] == "always"
     assert cfg["training"]["local_batch_size"] == 2 and cfg["training"]["global_batch_size"] == 2 * 4 * 4
