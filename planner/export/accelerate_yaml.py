@@ -155,13 +155,15 @@ def settings(plan: Plan) -> AccelerateSettings:
     if checkpointed and set(d.activation_checkpoint) != {"full"}:
         notes.append(NotExpressed("activation_checkpoint", checkpoint_summary(d),
                                   "accelerate checkpoints every transformer "
-                                  "block or none; used every block fully checkpointed: more recompute, no more "
-                                  "memory"))
+                                  "block or none; used every block fully checkpointed: more recompute",
+                                  runs={"activation_checkpoint": ("full",) * len(d.activation_checkpoint)}))
     mixed = "bf16" if d.precision == "bf16-mixed" or (d.precision == "bf16" and backend == "DEEPSPEED") else "no"
     if d.precision == "bf16" and backend == "DEEPSPEED":
         notes.append(NotExpressed("precision", "bf16 (pure)", "accelerate's deepspeed_config has no "
                                   "bf16_master_weights_and_grads; used mixed_precision bf16 (fp32 master weights, "
-                                  "more memory), or set deepspeed_config_file to `trainplan export --to deepspeed`'s"))
+                                  "more memory), or set deepspeed_config_file to `trainplan export --to deepspeed`'s",
+                                  runs={"precision": "bf16-mixed"} | ({"optimizer_bits": 32} if d.optimizer_bits == 16
+                                                                      else {})))
     n_machines, per_machine = machines(plan)
     if n_machines > 1 and d.devices % load(plan.hw).devices_per_node:
         notes.append(NotExpressed("devices", f"{d.devices} on {load(plan.hw).devices_per_node}-device nodes",

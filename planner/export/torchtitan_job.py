@@ -91,7 +91,7 @@ def _parallelism(d: Decisions) -> tuple[dict[str, Any], list[NotExpressed]]:
     if d.zero_stage == 1 and d.devices > 1:
         notes.append(NotExpressed("zero_stage", "1", "torchtitan has no optimizer-state-only sharding; used FSDP2 "
                                   "with fsdp_reshard_after_forward = \"never\" (ZeRO-2: gradients sharded too, "
-                                  "less memory, reduce-scatter instead of all-reduce)"))
+                                  "less memory, reduce-scatter instead of all-reduce)", runs={"zero_stage": 2}))
     if d.sp_degree > 1:
         notes.append(NotExpressed("sp_degree", f"{d.sp_degree} (Ulysses)", "torchtitan has context parallelism "
                                   f"only; used context_parallel_degree = {d.sp_degree} (ring attention over the same "
@@ -118,12 +118,15 @@ def _checkpointing(d: Decisions) -> tuple[dict[str, Any], list[NotExpressed]]:
         return {"mode": "selective", "selective_ac_option": "op"}, [NotExpressed(
             "activation_checkpoint", planned, "torchtitan has no per-block checkpoint sets; used its per-op policy on "
             "every block (selective_ac_option = \"op\": matmul and attention outputs saved, every other matmul "
-            "recomputed), not the plan's saved ops")]
+            "recomputed), not the plan's saved ops; memory re-checked as save_matmuls, every matmul's output kept, "
+            "an upper bound", runs={"activation_checkpoint": ("save_matmuls",) * len(d.activation_checkpoint)})]
     mode = "full" if "full" in kinds else "selective"
     cfg = {"mode": mode} if mode == "full" else {"mode": mode, "selective_ac_option": "op"}
     used = "mode = \"full\" on every block" if mode == "full" else "the per-op policy (\"op\") on every block"
+    entry = "full" if mode == "full" else "save_matmuls"
     return cfg, [NotExpressed("activation_checkpoint", planned, "torchtitan applies one checkpoint mode to every block "
-                              f"(or fully to every n-th block); used {used}: more recompute, no more memory")]
+                              f"(or fully to every n-th block); used {used}: more recompute",
+                              runs={"activation_checkpoint": (entry,) * len(d.activation_checkpoint)})]
 
 
 def job_config(plan: Plan) -> tuple[dict[str, dict[str, Any]], list[NotExpressed]]:

@@ -1,5 +1,6 @@
 """`trainplan export` end to end, through the command line (issue #40): an accelerate file for
-several machines read by accelerate's own launcher; torchtitan's placeholders.
+several machines read by accelerate's own launcher, the memory re-checked after a substitution
+(real plans, priced by the cost models), torchtitan's placeholders.
 """
 
 from __future__ import annotations
@@ -103,6 +104,67 @@ def test_accelerate_deepspeed_on_several_machines_launches_torchrun_per_machine(
     args.deepspeed_fields_from_accelerate_config = ""  # set by launch_command before it calls the launcher
     cmd, _ = prepare_deepspeed_cmd_env(args)
     assert cmd is None and (args.nproc_per_node, args.nnodes, args.node_rank) == ("8", "2", 1)
+
+
+# ---------------------------------------------------------------- item 8: memory re-checked
+
+
+@pytest.fixture(scope="module")
+def tight_plan() -> Plan:
+    """llama3.1-8b on 2 x h100, ZeRO-3, micro-batch 8, every block checkpointed, 8-bit Adam: it
+    fits (about 55 of 77 GiB); with fp32 AdamW states it does not (about 77.4 GiB)."""
+    from trainplan.planner.api import plan_for_choice
+
+    return plan_for_choice("llama3.1-8b", "h100", seq_len=4096, micro_batch=8, devices=2, zero_stage=3,
+                           precision="bf16-mixed", optimizer_bits=8, activation_checkpoint="full")
+
+
+def test_a_substitution_that_no_longer_fits_is_refused_with_both_numbers(tmp_path, capsys, tight_plan):
+    from trainplan.planner.export.repricing import GIB
+
+    planned = tight_plan.predictions.memory_bytes["total"]
+    assert planned <= tight_plan.predictions.memory_limit_bytes
+    for to, runs in (("torchtitan", "optimizer_bits=32:"), ("deepspeed", "optimizer_bits=32, activation_checkpoint="
+                                                                         "none x 32:")):
+        rc, out = _export(tmp_path, tight_plan, to)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert rc == 2 and len(err) == 1 and not out.exists(), (rc, err)
+        assert err[0].startswith(f"trainplan: error: {to} runs {runs} ") and "--force" in err[0], err
+        assert f"(the plan: {planned / GIB:.2f} GiB), does not fit in the 77.00 GiB usable" in err[0], err
+    rc, out = _export(tmp_path, tight_plan, "torchtitan", "--force")  # written anyway, saying so
+    stdout = capsys.readouterr().out
+    assert rc == 0 and out.exists() and "memory re-checked: torchtitan runs optimizer_bits=32: 77.3" in stdout
+    assert "does not fit in the 77.00 GiB usable (written: --force)" in stdout, stdout
+    rc, _ = _export(tmp_path, tight_plan, "accelerate")  # accelerate names bitsandbytes' AdamW8bit: nothing re-priced
+    assert rc == 0 and "memory re-checked" not in capsys.readouterr().out
+
+
+def test_repricing_agrees_with_the_plan_and_reports_a_fit(tight_plan):
+    """Re-priced with the plan's own decisions, the memory is the plan's; a substitution that
+    fits says so with both numbers."""
+    from trainplan.planner.export.common import Export, NotExpressed
+    from trainplan.planner.export.repricing import reprice
+
+    same = Export("deepspeed", "", "", (NotExpressed("optimizer_bits", "8", "", runs={"optimizer_bits": 8}),))
+    r = reprice(tight_plan, same)
+    assert r is not None and r.runs_bytes == pytest.approx(tight_plan.predictions.memory_bytes["total"], rel=1e-9)
+    small = dataclasses.replace(tight_plan.decisions, micro_batch=1)
+    from trainplan.planner.api import plan_for_choice
+
+    fits = plan_for_choice("llama3.1-8b", "h100", seq_len=4096, micro_batch=small.micro_batch, devices=2,
+                           zero_stage=3, precision="bf16-mixed", optimizer_bits=8, activation_checkpoint="full")
+    r = reprice(fits, Export("torchtitan", "", "", (NotExpressed("optimizer_bits", "8", "",
+                                                                 runs={"optimizer_bits": 32}),)))
+    assert r is not None and r.fits and r.runs_bytes > r.planned_bytes
+    assert r.line().endswith("fits in the 77.00 GiB usable"), r.line()
+
+
+def test_an_edited_plan_that_cannot_be_repriced_is_refused(tmp_path, capsys):
+    """A plan whose layer count is not its model's cannot be priced again: one line, exit 2."""
+    rc, _ = _export(tmp_path, fake_plan(devices=2, zero_stage=2, optimizer_bits=8), "deepspeed")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "cannot re-check the memory of the deepspeed export" in err[0], err
+    assert "activation_checkpoint has 4 entries; llama3.1-8b has 32 layers" in err[0], err
 
 
 # ---------------------------------------------------------------- item 9: torchtitan's placeholders
