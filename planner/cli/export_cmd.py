@@ -2,7 +2,8 @@
 framework's native config, and what it cannot express.
 
 Without `--out` the config goes to stdout alone (to pipe or redirect) and the unexpressed
-decisions to stderr; with `--out` the file is written and stdout names it and lists them. When the file runs
+decisions to stderr; with `--out` the file is written and stdout names it and lists them; `-q`
+prints neither (errors only; the config still goes to stdout without `--out`). When the file runs
 layout decisions other than the plan's (8-bit Adam as fp32 AdamW, ...), the memory is re-checked
 with them (`trainplan.planner.export.repricing`): a file that no longer fits is refused with one
 line giving both numbers (`ExportMemoryError`, exit 2), unless `--force`. The mapping is
@@ -69,7 +70,7 @@ def cmd_export(args) -> int:
     out = check_export_out(args.out, args.to) if args.out is not None else None
     plan = Plan.from_json(args.plan)
     e = export_plan(plan, args.to)
-    quiet, force = False, bool(getattr(args, "force", False))
+    quiet, force = bool(getattr(args, "quiet", False)), bool(getattr(args, "force", False))
     notes = [] if quiet else terminal_lines(e)
     try:
         repriced = reprice(plan, e)

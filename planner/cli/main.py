@@ -160,7 +160,7 @@ def _verbosity(p: argparse.ArgumentParser, top: bool) -> None:
                    help="more on stderr: -v progress messages (INFO), -vv debug messages "
                         "(default: warnings and errors only)")
     g.add_argument("-q", "--quiet", action="store_true", default=False if top else argparse.SUPPRESS,
-                   help="errors only: no warnings, no progress bar")
+                   help="errors only: no warnings, no progress bar, no listing beside a file written")
 
 
 def _sub(sub, name: str, help: str, description: str | None = None) -> argparse.ArgumentParser:

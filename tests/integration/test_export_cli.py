@@ -1,11 +1,16 @@
-"""`trainplan export` end to end, through the command line (issue #40): an accelerate file for
-several machines read by accelerate's own launcher, the memory re-checked after a substitution
-(real plans, priced by the cost models), torchtitan's placeholders.
+"""`trainplan export` and `-q` end to end, through the command line (issue #40, items 7, 8, 9, 11):
+an accelerate file for several machines read by accelerate's own launcher, the memory re-checked
+after a substitution (real plans, priced by the cost models), torchtitan's placeholders, and `-q`
+printing nothing but errors (`python -m trainplan` in a subprocess, as a user runs it).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -188,3 +193,31 @@ def test_torchtitan_names_the_tokenizer_and_dataset_to_fill_in(tmp_path):
         return
     with pytest.raises(ValueError, match="FILL_IN_dataset_name"):  # left unfilled: torchtitan names it
         _validate_dataset(cfg["training"]["dataset"], cfg["training"]["dataset_path"])
+
+
+# ---------------------------------------------------------------- item 11: -q
+
+
+def _cli(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "trainplan", *argv], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_quiet_export_and_solve_print_nothing_but_errors(tmp_path):
+    plan = fake_plan(devices=2, zero_stage=2, data_fraction=0.5)  # accelerate cannot express a data subset
+    plan.to_json(tmp_path / "plan.json")
+    loud = _cli("export", "plan.json", "--to", "accelerate", cwd=tmp_path)
+    assert loud.returncode == 0 and "cannot express 1 decision" in loud.stderr, loud.stderr
+    quiet = _cli("export", "plan.json", "--to", "accelerate", "-q", cwd=tmp_path)
+    assert quiet.returncode == 0 and quiet.stderr == "" and quiet.stdout == loud.stdout  # the file alone
+    quiet = _cli("export", "plan.json", "--to", "accelerate", "--out", "a.yaml", "-q", cwd=tmp_path)
+    assert quiet.returncode == 0 and quiet.stderr == quiet.stdout == "" and (tmp_path / "a.yaml").exists()
+    bad = _cli("export", "missing.json", "--to", "accelerate", "-q", cwd=tmp_path)
+    assert bad.returncode == 2 and bad.stderr.startswith("trainplan: error: cannot read plan 'missing.json'")
+    solve = ["solve", "--model", "tiny-llama", "--hw", "h100", "--seq-len", "512", "--budget-device-hours", "0.01"]
+    quiet = _cli(*solve, "--json", "-", "-q", cwd=tmp_path)
+    assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr
+    assert json.loads(quiet.stdout)["model"] == "tiny-llama"  # the plan JSON alone on stdout
+    quiet = _cli(*solve, "--json", "p.json", "-q", cwd=tmp_path)
+    assert quiet.returncode == 0 and quiet.stderr == quiet.stdout == "" and Plan.from_json(tmp_path / "p.json")
