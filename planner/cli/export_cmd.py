@@ -12,10 +12,11 @@ line giving both numbers (`ExportMemoryError`, exit 2), unless `--force`. The ma
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
-from trainplan.errors import ExportMemoryError, OutputPathError, TrainplanError
+from trainplan.errors import ExportMemoryError, OutputPathError, PlanMismatchError, TrainplanError
 from trainplan.planner.cli.checks import check_json_path
 from trainplan.planner.export.common import Export
 from trainplan.planner.export.repricing import reprice
@@ -34,6 +35,9 @@ def export_flags(x) -> None:
     x.add_argument("--out", metavar="FILE",
                    help="write the config to FILE and list the unexpressed decisions on stdout (default: the "
                         "config on stdout, the list on stderr)")
+    x.add_argument("--hw", metavar="FILE.toml",
+                   help="the profile file the plan was solved with (`solve --hw FILE.toml`), whose name the plan "
+                        "holds: read for its devices per node and to re-check the memory")
     x.add_argument("--force", action="store_true",
                    help="write the config even when what the framework runs instead of the plan's settings "
                         "(e.g. fp32 AdamW for 8-bit Adam) no longer fits the device's memory")
@@ -57,6 +61,25 @@ def terminal_lines(e: Export) -> list[str]:
             *(f"  - {n.line()}" for n in e.not_expressed)]
 
 
+def with_profile_file(plan: Plan, hw: str | None) -> Plan:
+    """`plan` with its `hw` replaced by the profile file `hw` (`export --hw FILE.toml`), so that the
+    export and its memory re-check load the profile the plan was solved with; `plan` when `hw` is None.
+
+    Raises:
+        TrainplanError: the file cannot be read as a profile (`trainplan.hardware_profiles.load`).
+        PlanMismatchError: the file's profile is not the one the plan names.
+    """
+    if hw is None:
+        return plan
+    from trainplan.hardware_profiles import load
+
+    name = load(hw).name
+    if name != plan.hw:
+        raise PlanMismatchError(f"--hw {hw!r} is profile {name!r} but the plan was made for {plan.hw!r}: give the "
+                                "profile file the plan was solved with, or leave --hw out for a shipped profile")
+    return dataclasses.replace(plan, hw=hw)
+
+
 def cmd_export(args) -> int:
     """`trainplan export`: read the plan, export it to `args.to`, write `args.out` or stdout.
 
@@ -68,7 +91,7 @@ def cmd_export(args) -> int:
             or its memory cannot be re-checked (`trainplan.planner.export.repricing.reprice`; without `--force`).
     """
     out = check_export_out(args.out, args.to) if args.out is not None else None
-    plan = Plan.from_json(args.plan)
+    plan = with_profile_file(Plan.from_json(args.plan), getattr(args, "hw", None))
     e = export_plan(plan, args.to)
     quiet, force = bool(getattr(args, "quiet", False)), bool(getattr(args, "force", False))
     notes = [] if quiet else terminal_lines(e)

@@ -41,6 +41,7 @@ from typing import Any
 import yaml
 
 from trainplan.costmodels.step.comm import nodes_for
+from trainplan.errors import UnknownNameError
 from trainplan.hardware_profiles import load
 from trainplan.planner.export.common import (
     ADAMW_BETAS,
@@ -113,14 +114,27 @@ def machines(plan: Plan) -> tuple[int, int]:
     (1, devices).
 
     Raises:
-        UnknownNameError: the plan's `hw` is not a known profile (`trainplan.hardware_profiles.load`)."""
+        UnknownNameError: the plan's `hw` is not a known profile (`trainplan.hardware_profiles.load`);
+            the message says to give a profile file's plan its file (`export --hw FILE.toml`)."""
     d = plan.decisions
     if plan.hw == "cpu" or d.devices == 1:
         return 1, d.devices
-    n = nodes_for(d.devices, load(plan.hw).devices_per_node)
+    n = nodes_for(d.devices, devices_per_node(plan))
     while d.devices % n:
         n += 1
     return n, d.devices // n
+
+
+def devices_per_node(plan: Plan) -> int:
+    """The devices one node of `plan`'s profile holds.
+
+    Raises:
+        UnknownNameError: the plan's `hw` is not a known profile; names `export --hw FILE.toml`."""
+    try:
+        return load(plan.hw).devices_per_node
+    except UnknownNameError as e:
+        raise UnknownNameError(f"{e}; for a plan solved with --hw FILE.toml, give export the same --hw "
+                               "FILE.toml") from None
 
 
 def _with_placeholder_comments(body: str, n_machines: int) -> str:
@@ -165,8 +179,8 @@ def settings(plan: Plan) -> AccelerateSettings:
                                   runs={"precision": "bf16-mixed"} | ({"optimizer_bits": 32} if d.optimizer_bits == 16
                                                                       else {})))
     n_machines, per_machine = machines(plan)
-    if n_machines > 1 and d.devices % load(plan.hw).devices_per_node:
-        notes.append(NotExpressed("devices", f"{d.devices} on {load(plan.hw).devices_per_node}-device nodes",
+    if n_machines > 1 and d.devices % devices_per_node(plan):
+        notes.append(NotExpressed("devices", f"{d.devices} on {devices_per_node(plan)}-device nodes",
                                   "accelerate starts the same number of processes on every machine; used "
                                   f"{n_machines} machines x {per_machine} processes (the plan's communication "
                                   "was priced with full nodes first)"))

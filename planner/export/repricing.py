@@ -95,8 +95,10 @@ def reprice(plan: Plan, e: Export) -> Repriced | None:
             data_tokens=plan.data_tokens, vocab_size=plan.vocab_size, lr=d.lr, seed=d.seed,
             loss_chunks=d.loss_chunks, mlp_chunks=d.mlp_chunks, offload=d.offload)
     except TrainplanError as err:
-        raise type(err)(f"cannot re-check the memory of the {e.target} export ({err}); give a plan written by "
-                        "`trainplan solve --json`, or --force to write the file unchecked") from None
+        hint = ("; for a plan solved with --hw FILE.toml, give export the same --hw FILE.toml"
+                if isinstance(err, UnknownNameError) else "")
+        raise type(err)(f"cannot re-check the memory of the {e.target} export ({err}{hint}); give a plan written "
+                        "by `trainplan solve --json`, or --force to write the file unchecked") from None
     return Repriced(target=e.target, runs=runs, planned_bytes=plan.predictions.memory_bytes.get("total", 0.0),
                     runs_bytes=again.predictions.memory_bytes["total"],
                     limit_bytes=plan.predictions.memory_limit_bytes)

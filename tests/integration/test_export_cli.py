@@ -111,6 +111,26 @@ def test_accelerate_deepspeed_on_several_machines_launches_torchrun_per_machine(
     assert cmd is None and (args.nproc_per_node, args.nnodes, args.node_rank) == ("8", "2", 1)
 
 
+def test_a_profile_files_plan_exports_with_its_file(tmp_path, capsys):
+    """A plan solved with `--hw FILE.toml` names the file's profile, which `load` does not know by
+    name: the export says to give it the file (`--hw FILE.toml`), reads its devices per node from
+    it, and refuses a file of another profile."""
+    from trainplan.hardware_profiles import load
+    from trainplan.hardware_profiles.profile_file import profile_toml
+
+    (tmp_path / "cal.toml").write_text(profile_toml(dataclasses.replace(load("h100"), name="h100-cal",
+                                                                        devices_per_node=4)))
+    plan = dataclasses.replace(fake_plan(devices=16, zero_stage=3), hw="h100-cal")
+    rc, _ = _export(tmp_path, plan, "accelerate")
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "unknown hardware 'h100-cal'" in err and "give export the same --hw FILE.toml" in err, err
+    rc, out = _export(tmp_path, plan, "accelerate", "--hw", str(tmp_path / "cal.toml"))
+    assert rc == 0 and "num_machines: 4\nnum_processes: 16\n" in out.read_text()
+    rc, _ = _export(tmp_path, plan, "accelerate", "--hw", "h100")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "--hw 'h100' is profile 'h100' but the plan was made for 'h100-cal'" in err[0]
+
+
 # ---------------------------------------------------------------- item 8: memory re-checked
 
 
@@ -162,6 +182,29 @@ def test_repricing_agrees_with_the_plan_and_reports_a_fit(tight_plan):
                                                                  runs={"optimizer_bits": 32}),)))
     assert r is not None and r.fits and r.runs_bytes > r.planned_bytes
     assert r.line().endswith("fits in the 77.00 GiB usable"), r.line()
+
+
+def test_every_target_runs_what_it_lists():
+    """What each export runs instead of the plan (`Export.runs`, what the memory is re-checked
+    with): the long-context knobs and compressed activations no target expresses, and the
+    optimizer states torch's AdamW keeps in the parameters' dtype."""
+    from trainplan.planner.export.targets import export_plan
+
+    long = fake_plan(devices=2, zero_stage=2, loss_chunks=2, mlp_chunks=2, offload=True, activation_bits=16,
+                     activation_checkpoint=("full",) * 4)
+    common = {"activation_bits": 32, "loss_chunks": 1, "mlp_chunks": 1, "offload": False}
+    for to in ("torchtitan", "deepspeed", "accelerate"):
+        e = export_plan(long, to)
+        ds = {"activation_checkpoint": ("none",) * 4} if to == "deepspeed" else {}  # DeepSpeed's config: none
+        assert e.runs == common | ds, (to, e.runs)
+        assert {"loss_chunks", "mlp_chunks", "offload", "activation_bits"} <= {n.decision for n in e.not_expressed}
+    pure = fake_plan(devices=2, zero_stage=0, precision="bf16", optimizer_bits=8, activation_checkpoint=("none",) * 4)
+    assert export_plan(pure, "torchtitan").runs == {"optimizer_bits": 16}  # bf16 parameters: bf16 AdamW states
+    assert export_plan(pure, "deepspeed").runs == {"precision": "bf16-mixed", "optimizer_bits": 32}  # fp32 master
+    mixed = fake_plan(devices=2, zero_stage=1, activation_checkpoint=("full", "none", "full", "save_attention"))
+    assert export_plan(mixed, "torchtitan").runs == {"zero_stage": 2, "activation_checkpoint": ("full",) * 4}
+    assert export_plan(mixed, "deepspeed").runs == {"activation_checkpoint": ("none",) * 4}
+    assert export_plan(mixed, "accelerate").runs == {"activation_checkpoint": ("full",) * 4}
 
 
 def test_an_edited_plan_that_cannot_be_repriced_is_refused(tmp_path, capsys):
