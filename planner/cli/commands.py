@@ -13,7 +13,6 @@ command's one line, not a traceback).
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
 import logging
 import shlex
@@ -34,7 +33,7 @@ from trainplan.planner.cli.checks import (
     with_schedule,
 )
 from trainplan.planner.cli.launching import ENDED_REASONS
-from trainplan.planner.cli.plan_text import print_plan
+from trainplan.planner.cli.plan_text import plan_text_sink, print_plan
 from trainplan.planner.options import DEFAULT_DATA_METHODS as SOLVE_DATA_METHODS
 from trainplan.planner.plan import Plan
 
@@ -82,7 +81,7 @@ def cmd_solve(args) -> int:
         raise TrainplanError(CURVE_NEEDS_VALUE)
     curve = read_heldout_curve(args.heldout_curve) if args.heldout_curve is not None else None
     stdout = sys.stdout
-    with contextlib.redirect_stdout(sys.stderr) if to_stdout else contextlib.nullcontext():
+    with plan_text_sink(args.json, args.quiet):
         plan = _solve_and_print(args, curve, json_path)
     if to_stdout:
         stdout.write(plan.to_json() + "\n")

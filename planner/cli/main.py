@@ -32,7 +32,7 @@ from trainplan.planner.cli.commands import (
     cmd_run,
     cmd_solve,
 )
-from trainplan.planner.cli.export_cmd import cmd_export
+from trainplan.planner.cli.export_cmd import cmd_export, export_flags
 from trainplan.planner.cli.help_text import HelpFormatter, epilog
 from trainplan.planner.cli.launching import add_launch_flags, is_other_rank
 from trainplan.planner.cli.weights_cmd import cmd_export_weights
@@ -160,7 +160,7 @@ def _verbosity(p: argparse.ArgumentParser, top: bool) -> None:
                    help="more on stderr: -v progress messages (INFO), -vv debug messages "
                         "(default: warnings and errors only)")
     g.add_argument("-q", "--quiet", action="store_true", default=False if top else argparse.SUPPRESS,
-                   help="errors only: no warnings, no progress bar")
+                   help="errors only: no warnings, no progress bar, no listing beside a file written")
 
 
 def _sub(sub, name: str, help: str, description: str | None = None) -> argparse.ArgumentParser:
@@ -333,13 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     x = _sub(sub, "export", "write a plan as torchtitan's job TOML, DeepSpeed's config JSON or accelerate's "
                             "config YAML, listing what the framework cannot express")
-    x.add_argument("plan", metavar="PLAN", help="plan JSON from `trainplan solve --json`")
-    x.add_argument("--to", required=True, choices=("torchtitan", "deepspeed", "accelerate"),
-                   help="the framework: torchtitan (0.2.2 job TOML), deepspeed (0.19.8 config JSON), "
-                        "accelerate (1.15 config YAML plus the plugin settings as comments)")
-    x.add_argument("--out", metavar="FILE",
-                   help="write the config to FILE and list the unexpressed decisions on stdout (default: the "
-                        "config on stdout, the list on stderr)")
+    export_flags(x)
     x.set_defaults(fn=cmd_export)
 
     w = _sub(sub, "export-weights", "write a run's trained weights as a Hugging Face model folder (safetensors) "

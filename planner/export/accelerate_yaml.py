@@ -21,6 +21,12 @@ executor runs it); ZeRO 1, or any SP degree above 1, is DeepSpeed, since acceler
 optimizer-state-only sharding and Ulysses SP (`ParallelismConfig(sp_backend="deepspeed")`,
 ALST) only through DeepSpeed; ZeRO 0 is DDP (`MULTI_GPU`, `MULTI_CPU` on the cpu) or one process.
 
+A plan on more devices than one node of its profile holds (`devices_per_node`) runs on several
+machines: `num_machines` machines of num_processes / num_machines processes (`num_processes` is
+the total, as accelerate's launcher reads it), with the rendezvous address and each machine's
+rank left as marked placeholders (`PLACEHOLDERS`) and DeepSpeed started by its `standard`
+(torchrun) multi-node launcher.
+
 What accelerate cannot express, and what the file uses instead: per-block checkpoint sets
 (accelerate and HF checkpoint every transformer block or none: every block, when the plan
 checkpoints any), pure bf16 under DeepSpeed (its `deepspeed_config` has no
@@ -34,6 +40,9 @@ from typing import Any
 
 import yaml
 
+from trainplan.costmodels.step.comm import nodes_for
+from trainplan.errors import UnknownNameError
+from trainplan.hardware_profiles import load
 from trainplan.planner.export.common import (
     ADAMW_BETAS,
     ADAMW_WEIGHT_DECAY,
@@ -50,6 +59,21 @@ from trainplan.planner.plan import Decisions, Plan
 
 VERSION = "accelerate 1.15.0"
 """The accelerate release whose config keys this writes."""
+FILL_IN = "FILL_IN"
+"""Marks a value the exported file cannot know: each machine's own, or the cluster's address."""
+PLACEHOLDERS = {
+    "machine_rank": (f"{FILL_IN}_machine_rank", "FILL IN: this machine's rank, 0 on the machine at main_process_ip, "
+                     "1..{last} on the others (one copy of this file per machine)"),
+    "main_process_ip": (f"{FILL_IN}_main_process_ip", "FILL IN: the IP address of the machine of rank 0, "
+                        "reachable from every machine"),
+    "main_process_port": (29500, "FILL IN: a free TCP port on the machine of rank 0 (29500, torchrun's "
+                          "default, is a placeholder)"),
+}
+"""The multi-machine keys of `ClusterConfig` the file leaves to fill in: key -> (the value written,
+the comment above it). accelerate's launcher reads `int(machine_rank)` and passes
+`main_process_ip:main_process_port` to torchrun as the rendezvous (`accelerate/utils/launch.py`
+`prepare_multi_gpu_env`, `prepare_deepspeed_cmd_env`), so a string placeholder left unfilled
+fails at launch, naming itself."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +106,51 @@ def _backend(d: Decisions, cpu: bool) -> str:
     return "MULTI_CPU" if cpu else "MULTI_GPU"
 
 
+def machines(plan: Plan) -> tuple[int, int]:
+    """(machines, processes per machine) of `plan`: the nodes its profile's `devices_per_node`
+    fill (`trainplan.costmodels.step.comm.nodes_for`: ceil(devices / devices_per_node)), raised to
+    the next count that divides `devices`, since accelerate starts num_processes // num_machines
+    processes on every machine (`accelerate/utils/launch.py`). A cpu plan runs on this machine:
+    (1, devices).
+
+    Raises:
+        UnknownNameError: the plan's `hw` is not a known profile (`trainplan.hardware_profiles.load`);
+            the message says to give a profile file's plan its file (`export --hw FILE.toml`)."""
+    d = plan.decisions
+    if plan.hw == "cpu" or d.devices == 1:
+        return 1, d.devices
+    n = nodes_for(d.devices, devices_per_node(plan))
+    while d.devices % n:
+        n += 1
+    return n, d.devices // n
+
+
+def devices_per_node(plan: Plan) -> int:
+    """The devices one node of `plan`'s profile holds.
+
+    Raises:
+        UnknownNameError: the plan's `hw` is not a known profile; names `export --hw FILE.toml`."""
+    try:
+        return load(plan.hw).devices_per_node
+    except UnknownNameError as e:
+        raise UnknownNameError(f"{e}; for a plan solved with --hw FILE.toml, give export the same --hw "
+                               "FILE.toml") from None
+
+
+def _with_placeholder_comments(body: str, n_machines: int) -> str:
+    """The YAML `body` with a `# FILL IN: ...` comment line above each top-level key of
+    `PLACEHOLDERS` (multi-machine files only)."""
+    if n_machines == 1:
+        return body
+    out = []
+    for line in body.splitlines():
+        key = line.split(":", 1)[0]
+        if key in PLACEHOLDERS:
+            out.append(f"# {PLACEHOLDERS[key][1].format(last=n_machines - 1)}")
+        out.append(line)
+    return "\n".join(out) + "\n"
+
+
 def _optimizer(d: Decisions) -> str:
     args = f"lr={d.lr!r}, betas={ADAMW_BETAS!r}, weight_decay={ADAMW_WEIGHT_DECAY!r}"
     if d.optimizer_bits == 8:
@@ -100,19 +169,29 @@ def settings(plan: Plan) -> AccelerateSettings:
     if checkpointed and set(d.activation_checkpoint) != {"full"}:
         notes.append(NotExpressed("activation_checkpoint", checkpoint_summary(d),
                                   "accelerate checkpoints every transformer "
-                                  "block or none; used every block fully checkpointed: more recompute, no more "
-                                  "memory"))
+                                  "block or none; used every block fully checkpointed: more recompute",
+                                  runs={"activation_checkpoint": ("full",) * len(d.activation_checkpoint)}))
     mixed = "bf16" if d.precision == "bf16-mixed" or (d.precision == "bf16" and backend == "DEEPSPEED") else "no"
     if d.precision == "bf16" and backend == "DEEPSPEED":
         notes.append(NotExpressed("precision", "bf16 (pure)", "accelerate's deepspeed_config has no "
                                   "bf16_master_weights_and_grads; used mixed_precision bf16 (fp32 master weights, "
-                                  "more memory), or set deepspeed_config_file to `trainplan export --to deepspeed`'s"))
-    cluster: dict[str, Any] = {
+                                  "more memory), or set deepspeed_config_file to `trainplan export --to deepspeed`'s",
+                                  runs={"precision": "bf16-mixed"} | ({"optimizer_bits": 32} if d.optimizer_bits == 16
+                                                                      else {})))
+    n_machines, per_machine = machines(plan)
+    if n_machines > 1 and d.devices % devices_per_node(plan):
+        notes.append(NotExpressed("devices", f"{d.devices} on {devices_per_node(plan)}-device nodes",
+                                  "accelerate starts the same number of processes on every machine; used "
+                                  f"{n_machines} machines x {per_machine} processes (the plan's communication "
+                                  "was priced with full nodes first)"))
+    cluster: dict[str, Any] = {  # num_processes: the total over all machines (accelerate launch --num_processes)
         "compute_environment": "LOCAL_MACHINE", "debug": False, "distributed_type": backend,
-        "mixed_precision": mixed, "num_machines": 1, "num_processes": d.devices, "machine_rank": 0,
+        "mixed_precision": mixed, "num_machines": n_machines, "num_processes": d.devices, "machine_rank": 0,
         "main_training_function": "main", "rdzv_backend": "static", "same_network": True,
         "use_cpu": plan.hw == "cpu", "enable_cpu_affinity": False,
     }
+    if n_machines > 1:
+        cluster.update({k: v for k, (v, _) in PLACEHOLDERS.items()})
     fsdp: dict[str, Any] | None = None
     parallelism: dict[str, Any] | None = None
     if backend == "FSDP":
@@ -133,6 +212,8 @@ def settings(plan: Plan) -> AccelerateSettings:
         cluster["deepspeed_config"] = {"zero_stage": d.zero_stage, "gradient_accumulation_steps": d.grad_accum,
                                        "gradient_clipping": 0.0, "offload_optimizer_device": "none",
                                        "offload_param_device": "none", "zero3_init_flag": False}
+        if n_machines > 1:  # torchrun on each machine, as for FSDP: the same rank and address placeholders
+            cluster["deepspeed_config"]["deepspeed_multinode_launcher"] = "standard"
         if d.sp_degree > 1:
             cluster["parallelism_config"] = {
                 "parallelism_config_sp_size": d.sp_degree, "parallelism_config_sp_backend": "deepspeed",
@@ -207,6 +288,12 @@ def export(plan: Plan) -> Export:
     lines.append(f"# {VERSION} config (accelerate launch --config_file THIS_FILE train.py); in train.py:")
     lines += [f"#   {line}" for line in python_settings(plan, s)]
     lines += [f"# {line}" for line in not_expressed_lines(s.notes, "accelerate")]
-    body = yaml.safe_dump(s.cluster, sort_keys=False, default_flow_style=False)
+    n_machines = s.cluster["num_machines"]
+    if n_machines > 1:
+        lines.append(f"# {n_machines} machines x {s.cluster['num_processes'] // n_machines} processes: run "
+                     "`accelerate launch --config_file THIS_FILE train.py` on every machine, each with its own "
+                     f"machine_rank; fill in the values marked {FILL_IN} below")
+    body = _with_placeholder_comments(yaml.safe_dump(s.cluster, sort_keys=False, default_flow_style=False),
+                                      n_machines)
     return Export(target="accelerate", kind=f"{VERSION} config YAML (+ the Python settings as comments)",
                   text="\n".join(lines) + "\n" + body, not_expressed=tuple(s.notes))

@@ -10,7 +10,8 @@ framework ignores) and `trainplan export` prints them on the terminal.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from trainplan.planner.plan import Decisions, Plan
 
@@ -40,6 +41,11 @@ class NotExpressed:
     """The plan's value, as the plan file writes it."""
     instead: str
     """What the framework lacks and what the exported file uses instead."""
+    runs: dict[str, Any] = field(default_factory=dict)
+    """The layout decisions (`trainplan.planner.plan.LAYOUT_FIELDS`) the file runs instead of the
+    plan's, as `Decisions` values (e.g. {"optimizer_bits": 32}): what
+    `trainplan.planner.export.repricing` re-prices the memory with; {} when the substitute
+    costs no memory (a schedule, a seed) or cannot be priced by trainplan's cost models."""
 
     def line(self) -> str:
         """`decision = planned: instead`, one line."""
@@ -57,6 +63,15 @@ class Export:
     text: str
     """The whole file, ending in a newline."""
     not_expressed: tuple[NotExpressed, ...]
+
+    @property
+    def runs(self) -> dict[str, Any]:
+        """The layout decisions the file runs instead of the plan's: every `NotExpressed.runs`
+        merged, in order (a later one wins)."""
+        out: dict[str, Any] = {}
+        for n in self.not_expressed:
+            out.update(n.runs)
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,7 +138,16 @@ def data_and_stop(d: Decisions, framework: str) -> list[NotExpressed]:
         out.append(NotExpressed(
             "activation_bits", str(d.activation_bits),
             f"{framework} has no saved-activation compression; activations are saved as computed "
-            "(more activation memory than the plan predicts)"))
+            "(more activation memory than the plan predicts)", runs={"activation_bits": 32}))
+    for knob, tiled, what in (("loss_chunks", d.loss_chunks > 1, "a tiled LM head and loss"),
+                              ("mlp_chunks", d.mlp_chunks > 1, "a tiled MLP")):
+        if tiled:
+            out.append(NotExpressed(knob, str(getattr(d, knob)), f"{framework} has no {what} "
+                                    "(trainplan.modeling.tiling); used one chunk: more activation memory",
+                                    runs={knob: 1}))
+    if d.offload:
+        out.append(NotExpressed("offload", "true", f"{framework} keeps checkpointed blocks' inputs on the device "
+                                "(no trainplan.modeling.offload): more device memory", runs={"offload": False}))
     return out
 
 
@@ -132,11 +156,13 @@ def optimizer_bits_note(d: Decisions, framework: str, used: str) -> NotExpressed
     the file names instead); None for 32 and 16 bits."""
     if d.optimizer_bits not in (8, 4):
         return None
-    times = OPTIMIZER_STATE_BYTES[32] / OPTIMIZER_STATE_BYTES[d.optimizer_bits]
+    states = 16 if d.precision == "bf16" else 32  # torch's AdamW keeps its states in the parameters' dtype
+    times = OPTIMIZER_STATE_BYTES[states] / OPTIMIZER_STATE_BYTES[d.optimizer_bits]
     library = "bitsandbytes AdamW8bit" if d.optimizer_bits == 8 else "torchao AdamW4bit"
     return NotExpressed("optimizer_bits", str(d.optimizer_bits),
                         f"{framework}'s config names no {d.optimizer_bits}-bit Adam ({library}); used {used} "
-                        f"with fp32 states, {times:g}x the plan's optimizer-state memory")
+                        f"with {'bf16' if states == 16 else 'fp32'} states, {times:g}x the plan's "
+                        "optimizer-state memory", runs={"optimizer_bits": states})
 
 
 def header(plan: Plan, target: str) -> list[str]:

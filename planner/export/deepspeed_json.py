@@ -26,6 +26,7 @@ warmup-stable-decay schedule (WarmupLR: warmup, then the peak to the end), pure 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -58,7 +59,8 @@ def _precision(d: Decisions) -> tuple[dict[str, Any], list[NotExpressed]]:
     if d.zero_stage == 0:
         return {"enabled": True}, [NotExpressed(
             "precision", "bf16 (pure)", "DeepSpeed keeps bf16 master weights and optimizer states only under "
-            "ZeRO 1-3 (bf16_master_weights_and_grads); at ZeRO 0 used bf16 with fp32 master weights (more memory)")]
+            "ZeRO 1-3 (bf16_master_weights_and_grads); at ZeRO 0 used bf16 with fp32 master weights (more memory)",
+            runs={"precision": "bf16-mixed"} | ({"optimizer_bits": 32} if d.optimizer_bits == 16 else {}))]
     return {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}, []
 
 
@@ -68,16 +70,18 @@ def ds_config(plan: Plan) -> tuple[dict[str, Any], list[NotExpressed]]:
     d = plan.decisions
     s = schedule(d)
     bf16, notes = _precision(d)
-    bits = optimizer_bits_note(d, "DeepSpeed", "AdamW")
+    runs_precision = "bf16-mixed" if d.precision == "bf16" and d.zero_stage == 0 else d.precision
+    bits = optimizer_bits_note(dataclasses.replace(d, precision=runs_precision), "DeepSpeed", "AdamW")
     if bits is not None:
         notes.append(NotExpressed(bits.decision, bits.planned, bits.instead + "; to keep them, pass the optimizer "
                                   "to deepspeed.initialize(optimizer=...), drop the \"optimizer\" key and set "
-                                  "\"zero_allow_untested_optimizer\": true"))
+                                  "\"zero_allow_untested_optimizer\": true", runs=bits.runs))
     if set(d.activation_checkpoint) != {"none"}:
         notes.append(NotExpressed(
             "activation_checkpoint", checkpoint_summary(d), "DeepSpeed's config does not choose checkpointed blocks; "
             "nothing set: call model.gradient_checkpointing_enable() for every block fully, or "
-            "trainplan.executor.apply_plan for the plan's per-block sets"))
+            "trainplan.executor.apply_plan for the plan's per-block sets",
+            runs={"activation_checkpoint": ("none",) * len(d.activation_checkpoint)}))
     notes.append(NotExpressed(
         "lr schedule", "warmup-stable-decay", f"DeepSpeed has no stable-then-decay schedule; used WarmupLR "
         f"(linear warmup over {s.warmup_steps} steps, one step behind trainplan's, then the peak to the end): no "

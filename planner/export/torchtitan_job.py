@@ -91,7 +91,7 @@ def _parallelism(d: Decisions) -> tuple[dict[str, Any], list[NotExpressed]]:
     if d.zero_stage == 1 and d.devices > 1:
         notes.append(NotExpressed("zero_stage", "1", "torchtitan has no optimizer-state-only sharding; used FSDP2 "
                                   "with fsdp_reshard_after_forward = \"never\" (ZeRO-2: gradients sharded too, "
-                                  "less memory, reduce-scatter instead of all-reduce)"))
+                                  "less memory, reduce-scatter instead of all-reduce)", runs={"zero_stage": 2}))
     if d.sp_degree > 1:
         notes.append(NotExpressed("sp_degree", f"{d.sp_degree} (Ulysses)", "torchtitan has context parallelism "
                                   f"only; used context_parallel_degree = {d.sp_degree} (ring attention over the same "
@@ -118,12 +118,15 @@ def _checkpointing(d: Decisions) -> tuple[dict[str, Any], list[NotExpressed]]:
         return {"mode": "selective", "selective_ac_option": "op"}, [NotExpressed(
             "activation_checkpoint", planned, "torchtitan has no per-block checkpoint sets; used its per-op policy on "
             "every block (selective_ac_option = \"op\": matmul and attention outputs saved, every other matmul "
-            "recomputed), not the plan's saved ops")]
+            "recomputed), not the plan's saved ops; memory re-checked as save_matmuls, every matmul's output kept, "
+            "an upper bound", runs={"activation_checkpoint": ("save_matmuls",) * len(d.activation_checkpoint)})]
     mode = "full" if "full" in kinds else "selective"
     cfg = {"mode": mode} if mode == "full" else {"mode": mode, "selective_ac_option": "op"}
     used = "mode = \"full\" on every block" if mode == "full" else "the per-op policy (\"op\") on every block"
+    entry = "full" if mode == "full" else "save_matmuls"
     return cfg, [NotExpressed("activation_checkpoint", planned, "torchtitan applies one checkpoint mode to every block "
-                              f"(or fully to every n-th block); used {used}: more recompute, no more memory")]
+                              f"(or fully to every n-th block); used {used}: more recompute",
+                              runs={"activation_checkpoint": (entry,) * len(d.activation_checkpoint)})]
 
 
 def job_config(plan: Plan) -> tuple[dict[str, dict[str, Any]], list[NotExpressed]]:
@@ -153,13 +156,14 @@ def job_config(plan: Plan) -> tuple[dict[str, dict[str, Any]], list[NotExpressed
     pure_bf16 = d.precision == "bf16"
     cfg: dict[str, dict[str, Any]] = {
         "job": {"dump_folder": "./outputs", "description": f"trainplan plan: {plan.model} on {d.devices} x {plan.hw}"},
-        "model": {"name": name, "flavor": flav},
+        "model": {"name": name, "flavor": flav, "hf_assets_path": PLACEHOLDERS["model", "hf_assets_path"][0]},
         "optimizer": {"name": "AdamW", "lr": d.lr, "beta1": ADAMW_BETAS[0], "beta2": ADAMW_BETAS[1],
                       "eps": ADAMW_EPS, "weight_decay": ADAMW_WEIGHT_DECAY, "implementation": "fused"},
         "lr_scheduler": {"warmup_steps": s.warmup_steps, "total_steps": s.total_steps,
                          "decay_ratio": s.cooldown_steps / s.total_steps, "decay_type": "linear",
                          "min_lr_factor": 0.0},
-        "training": {"local_batch_size": d.micro_batch,
+        "training": {"dataset": PLACEHOLDERS["training", "dataset"][0],
+                     "dataset_path": PLACEHOLDERS["training", "dataset_path"][0], "local_batch_size": d.micro_batch,
                      "global_batch_size": d.micro_batch * d.dp_degree * d.grad_accum,
                      "seq_len": d.seq_len, "max_norm": math.inf, "steps": d.max_steps,
                      "dtype": "bfloat16" if pure_bf16 else "float32",
@@ -172,12 +176,36 @@ def job_config(plan: Plan) -> tuple[dict[str, dict[str, Any]], list[NotExpressed
     return cfg, notes
 
 
+FILL_IN = "FILL_IN"
+"""Marks a value the exported file cannot know: the user's tokenizer and data."""
+PLACEHOLDERS: dict[tuple[str, str], tuple[str, str]] = {
+    ("model", "hf_assets_path"): (
+        f"{FILL_IN}_tokenizer_folder",
+        "FILL IN: the folder of your model's Hugging Face tokenizer files (tokenizer.json, tokenizer_config.json; "
+        "and its safetensors weights to start from them); torchtitan's scripts/download_hf_assets.py fetches "
+        "a Llama 3.1 repository's. torchtitan's default, ./tests/assets/tokenizer, is a test tokenizer"),
+    ("training", "dataset"): (
+        f"{FILL_IN}_dataset_name",
+        "FILL IN: a dataset registered in torchtitan.hf_datasets.text_datasets.DATASETS (0.2.2 ships c4, c4_test, "
+        "c4_validation; register a DatasetConfig there for your own data). torchtitan's default, c4_test, is "
+        "a test slice"),
+    ("training", "dataset_path"): (
+        f"{FILL_IN}_dataset_folder",
+        "FILL IN: the local folder (or Hugging Face path) of that dataset, passed to its loader; delete the "
+        "line to load the dataset's registered path"),
+}
+"""The job TOML's values the plan cannot know: (section, key) -> (the value written, the comment
+above it). torchtitan 0.2.2 reads `model.hf_assets_path` for the tokenizer
+(`torchtitan/components/tokenizer.py` `build_hf_tokenizer`) and `training.dataset`,
+`training.dataset_path` for the data (`torchtitan/hf_datasets/text_datasets.py` `_validate_dataset`:
+a name outside `DATASETS` is refused, naming itself), so a placeholder left unfilled fails at
+start-up, naming itself, instead of training on torchtitan's test defaults."""
 COMMENTS = {
-    "model": "hf_assets_path: set it to the folder of your model's tokenizer (and weights)",
+    "model": "the model flavor matches the plan's preset; hf_assets_path is yours to fill in",
     "lr_scheduler": "warmup-stable-decay as trainplan runs it (trainplan.executor.apply.applied.lr_at): linear warmup, "
                     "peak, linear cooldown over the last decay_ratio of the steps",
     "training": "global_batch_size = local_batch_size x dp x grad_accum; max_norm = inf: trainplan does "
-                "not clip gradients; dataset: set training.dataset / dataset_path to your data",
+                "not clip gradients; dataset and dataset_path are yours to fill in",
     "parallelism": "ZeRO stage 0: DDP (replicate); 1-2: FSDP2 without resharding after forward; 3: FSDP2 "
                    "resharding",
 }
@@ -208,11 +236,16 @@ def export(plan: Plan) -> Export:
     lines.append(f"# {VERSION} job config (torchtitan/config/job_config.py): "
                  "torchrun --nproc_per_node N -m torchtitan.train --job.config_file THIS_FILE")
     lines += [f"# {line}" for line in not_expressed_lines(notes, "torchtitan")]
+    lines.append(f"# to fill in before it runs: every value marked {FILL_IN} (the tokenizer folder, the dataset "
+                 "and its folder)")
     for section, keys in cfg.items():
         lines.append("")
         if section in COMMENTS:
             lines.append(f"# {COMMENTS[section]}")
         lines.append(f"[{section}]")
-        lines += [f"{k} = {_toml_value(v)}" for k, v in keys.items()]
+        for k, v in keys.items():
+            if (section, k) in PLACEHOLDERS:
+                lines.append(f"# {PLACEHOLDERS[section, k][1]}")
+            lines.append(f"{k} = {_toml_value(v)}")
     return Export(target="torchtitan", kind=f"{VERSION} job TOML (--job.config_file)",
                   text="\n".join(lines) + "\n", not_expressed=tuple(notes))

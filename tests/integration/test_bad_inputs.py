@@ -27,6 +27,7 @@ from trainplan.errors import (
     CaptureError,
     DataError,
     DeviceError,
+    ExportMemoryError,
     InfeasibleError,
     ModelConfigError,
     OutputPathError,
@@ -79,6 +80,11 @@ def workdir(tmp_path_factory, cpu_profile) -> Path:
                        "plan_sets_str.json": {"decisions": raw["decisions"] | {"checkpoint_sets": "x"}},
                        "plan_budget_str.json": {"budget": "x"}}.items():
         (d / name).write_text(json.dumps(raw | edit))
+    tight = plan_for_choice("llama3.1-8b", "h100", seq_len=4096, micro_batch=8, devices=2, zero_stage=3,
+                            precision="bf16-mixed", optimizer_bits=8, activation_checkpoint="full")
+    tight.to_json(d / "plan_tight.json")  # fits with 8-bit Adam, not with fp32 AdamW (the export rows)
+    (d / "plan_tight_70b.json").write_text(json.dumps(json.loads(tight.to_json()) | {"model": "llama3-70b"}))
+    (d / "plan_tight_cal.json").write_text(json.dumps(json.loads(tight.to_json()) | {"hw": "h100-cal"}))
     (d / "garbage.json").write_bytes(b"\xff\xfe\x00\x81 not a plan")
     from trainplan.hardware_profiles import load
     from trainplan.hardware_profiles.profile_file import profile_toml
@@ -388,6 +394,18 @@ CLI_ROWS: dict[str, tuple[str, type, list[str]]] = {
                                          "--to deepspeed or --to accelerate"]),
     "export-unknown-target": ("export plan.json --to megatron", SystemExit,
                               ["--to: invalid choice: 'megatron'", "'torchtitan', 'deepspeed', 'accelerate'"]),
+    "export-substitute-does-not-fit": ("export plan_tight.json --to torchtitan", ExportMemoryError,
+                                       ["torchtitan runs optimizer_bits=32", "77.36 GiB per device",
+                                        "(the plan: 55.04 GiB)", "77.00 GiB usable", "--force"]),
+    "export-cannot-reprice": ("export plan_tight_70b.json --to deepspeed", TrainplanError,
+                              ["cannot re-check the memory of the deepspeed export",
+                               "activation_checkpoint has 32 entries; llama3-70b has 80 layers", "--force"]),
+    "export-profile-file-plan-without-its-file": ("export plan_tight_cal.json --to accelerate", UnknownNameError,
+                                                  ["unknown hardware 'h100-cal'", "h100, h200",
+                                                   "give export the same --hw FILE.toml"]),
+    "export-hw-of-another-profile": ("export plan_tight_cal.json --to accelerate --hw h100", PlanMismatchError,
+                                     ["--hw 'h100' is profile 'h100'", "made for 'h100-cal'",
+                                      "the profile file the plan was solved with"]),
     # ---- weights out
     "export-weights-no-checkpoint": ("export-weights short_run --out w", TrainplanError,
                                      ["run folder 'short_run' has no checkpoint", "checkpoint/latest",

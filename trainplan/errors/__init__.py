@@ -65,6 +65,12 @@ class OutputPathError(TrainplanError):
     expected or a file where a folder is), or a run folder that would be overwritten."""
 
 
+class ExportMemoryError(TrainplanError):
+    """An exported config whose substitutes for what the framework cannot express (fp32 AdamW for
+    8-bit Adam, no checkpointing for per-block sets, ...) no longer fit the device's memory; the
+    message gives the re-priced and the planned bytes and the limit (`trainplan export`)."""
+
+
 class DeviceError(TrainplanError):
     """A torch device that is not a device name or is not present on this machine."""
 

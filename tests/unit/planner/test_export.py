@@ -91,7 +91,7 @@ def test_torchtitan_job_toml_has_only_its_documented_keys_and_the_plans_values()
     e = export_plan(plan, "torchtitan")
     cfg = tomllib.loads(e.text)
     _check_toml_keys(cfg)
-    assert cfg["model"] == {"name": "llama3", "flavor": "8B"}
+    assert cfg["model"] == {"name": "llama3", "flavor": "8B", "hf_assets_path": "FILL_IN_tokenizer_folder"}
     assert cfg["parallelism"]["data_parallel_shard_degree"] == 4 and cfg["parallelism"]["context_parallel_degree"] == 2
     assert cfg["parallelism"]["fsdp_reshard_after_forward"] == "always"
     assert cfg["training"]["local_batch_size"] == 2 and cfg["training"]["global_batch_size"] == 2 * 4 * 4
@@ -317,13 +317,13 @@ def test_accelerate_yaml_loads_and_launches_in_accelerate(tmp_path, monkeypatch,
 def test_cli_out_file_and_stdout(tmp_path, capsys):
     plan = plan_of(devices=2, zero_stage=2, optimizer_bits=8)
     plan.to_json(tmp_path / "plan.json")
-    out = tmp_path / "ds_config.json"
-    assert main(["export", str(tmp_path / "plan.json"), "--to", "deepspeed", "--out", str(out)]) == 0
+    out = tmp_path / "ds_config.json"  # --force: the in-memory plan's 4 blocks are not llama3.1-8b's to re-price
+    assert main(["export", str(tmp_path / "plan.json"), "--to", "deepspeed", "--out", str(out), "--force"]) == 0
     stdout = capsys.readouterr().out
     assert stdout.startswith(f"wrote {out}: DeepSpeed 0.19.8 config JSON") and "optimizer_bits = 8" in stdout
     assert json.loads(out.read_text())["zero_optimization"] == {"stage": 2}
     for to in TARGETS:
-        assert main(["export", str(tmp_path / "plan.json"), "--to", to]) == 0
+        assert main(["export", str(tmp_path / "plan.json"), "--to", to, "--force"]) == 0
         std = capsys.readouterr()
         assert std.out == export_plan(plan, to).text  # the file alone on stdout
         assert std.err.startswith(f"trainplan: {to} cannot express" if to != "accelerate"
