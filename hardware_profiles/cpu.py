@@ -34,9 +34,10 @@ from trainplan.hardware_profiles.cache import cache_root
 from trainplan.hardware_profiles.profile import HardwareProfile
 from trainplan.hardware_profiles.threads import threads_per_rank, torch_threads
 
-CACHE_FORMAT = 5
+CACHE_FORMAT = 6
 """Version of the cache file layout and of what its probes measure (4: AdamW fused; 5: host
-memory, host link and unified memory); another version is re-measured."""
+memory, host link and unified memory; 6: matmuls on cold operands); another version is
+re-measured."""
 
 RESERVE_FRACTION = 0.25
 """Share of RAM `measure_cpu` keeps back from tensors at least (OS, other processes, the
@@ -73,9 +74,10 @@ def measure_cpu(dtype: str = "fp32", quick: bool = False, threads: int | None = 
     Every probe runs at `threads` torch threads (default `threads_per_rank(1)`: the count a
     one-process run uses, see the module text); torch's threads are restored after.
 
-    - Matmul: square `torch.mm` at n = 64 .. 2048 (quick: 32 .. 256), best of 5 (quick: 3) timed
-      repeats of at least 20 ms (quick: 3 ms) each, within 0.6 s per size (see `cpu_probes.best_op_s` for why the
-      best); every size up to 1024 (quick: 256) is timed unless the best call at 512 (quick:
+    - Matmul: square `torch.mm` on cold operands (a ring of operand sets of twice the last-level
+      cache) at n = 64 .. 2048 (quick: 32 .. 256), best of 5 (quick: 3) timed repeats of at
+      least 20 ms (quick: 3 ms) each, within 0.6 s per size (see `cpu_probes.best_op_s` for why
+      the best); every size up to 1024 (quick: 256) is timed unless the best call at 512 (quick:
       128) took over 0.25 s (quick: 0.05 s), and 2048 only when it would take at most that
       (`cpu_probes.matmul_rates`). `peak_flops_per_s[d]` is the best
       achieved rate for d in fp32, bf16, fp16; `tf32` repeats fp32 (CPUs have no TF32 unit and
@@ -165,7 +167,8 @@ def _measure(dtype: str, quick: bool, threads: int) -> HardwareProfile:
             f"half the measured fp32 copy_ bandwidth (bytes read + written / time): the payload rate of a copy "
             f"within RAM, the device being the host; {where}"),
         "unified_memory": "the cpu profile's device is the host: its memory is host memory",
-        "matmul_efficiency": f"achieved / peak of square {dtype} torch.mm by op FLOPs, running maximum; {where}",
+        "matmul_efficiency": f"achieved / peak of square {dtype} torch.mm on cold operands by op FLOPs, "
+                             f"running maximum; {where}",
         "memory_efficiency": "1: hbm_bandwidth_bytes_per_s is already an achieved copy rate",
         "network_efficiency": "1: the link bandwidths are already achieved (or assumed) rates",
         "op_overhead_s": f"median seconds per op of a forward+backward chain of tiny autograd ops; {where}",
@@ -174,7 +177,7 @@ def _measure(dtype: str, quick: bool, threads: int) -> HardwareProfile:
         "peak_flops_per_s.tf32": "CPUs have no TF32 unit; torch runs these matmuls in fp32, so the fp32 peak",
     }
     for d in probes.TORCH_DTYPES:
-        sources[f"peak_flops_per_s.{d}"] = f"best achieved square {d} torch.mm rate; {where}"
+        sources[f"peak_flops_per_s.{d}"] = f"best achieved square {d} torch.mm rate on cold operands; {where}"
 
     profile = HardwareProfile(
         name="cpu",

@@ -5,7 +5,7 @@ torch is imported inside the functions that need it, so importing this module st
 
 from __future__ import annotations
 
-import functools
+import itertools
 import math
 import os
 import platform
@@ -32,6 +32,8 @@ _SIZE_BUDGET_S = {False: 0.6, True: 0.1}   # repeats of one size stop after this
 _MIN_REP_S = {False: 0.02, True: 0.003}    # each timed repeat lasts at least this, s
 _REPS = {False: 5, True: 3}
 _COPY_BYTES = {False: 256 * 2**20, True: 16 * 2**20}
+_LLC_FALLBACK_BYTES = 32 * 2**20
+"""Last-level cache assumed where sysfs does not say (the 2-core AMD EPYC development VM's L3)."""
 _TCP_BYTES = {False: 64 * 2**20, True: 4 * 2**20}
 
 
@@ -70,6 +72,13 @@ def best_op_s(fn: Callable[[], Any], reps: int, min_rep_s: float, budget_s: floa
 def matmul_rates(dtype: str, quick: bool, deadline: float) -> list[tuple[float, float]]:
     """[(op FLOPs, achieved FLOP/s)] for square n x n @ n x n products, n ascending.
 
+    Cold operands: each call multiplies the next of a ring of operand sets that together hold
+    twice the last-level cache (`last_level_cache_bytes`), so every product reads operands that
+    are not in cache, as a training step's GEMMs do (their inputs were written by other ops, over
+    activations far larger than the cache). Hot operands (one set) measured 102 GFLOP/s at
+    n = 256 on the development VM's one thread against 85 cold, and the tiny-llama step's own
+    256 x 256 x 256 products ran at 81 in the step (torch.profiler; issue #40, item 16).
+
     Every size up to `_ALWAYS_N` (1024; quick: 256) is timed, best of a few repeats within
     `_SIZE_BUDGET_S` each, whatever the smaller sizes achieved: on a loaded machine a small
     product can stall for tens of ms (a descheduled OpenMP worker), and a rate extrapolated from
@@ -86,6 +95,9 @@ def matmul_rates(dtype: str, quick: bool, deadline: float) -> list[tuple[float, 
     reps, min_rep_s = _REPS[quick], _MIN_REP_S[quick]
     out: list[tuple[float, float]] = []
     slow = False
+    # the ring's operands: one buffer of twice the last-level cache (at least one set of the largest n)
+    pool_numel = max(2 * last_level_cache_bytes() // tdtype.itemsize, 3 * _SIZES[quick][-1] ** 2)
+    pool = torch.rand(pool_numel, generator=torch.Generator().manual_seed(0)).to(tdtype)
     for n in _SIZES[quick]:
         flops = 2.0 * n**3
         if slow:
@@ -94,15 +106,32 @@ def matmul_rates(dtype: str, quick: bool, deadline: float) -> list[tuple[float, 
             predicted = flops / max(rate for _, rate in out)
             if predicted > _MAX_OP_S[quick] or time.perf_counter() + predicted * (reps + 2) > deadline:
                 break
-        gen = torch.Generator().manual_seed(n)
-        a = torch.randn(n, n, generator=gen).to(tdtype)
-        b = torch.randn(n, n, generator=gen).to(tdtype)
-        c = torch.empty(n, n, dtype=tdtype)
+        per_set = 3 * n * n
+        sets = pool[: per_set * max(1, pool.numel() // per_set)].view(-1, 3, n, n)
+        ring = itertools.cycle([tuple(s.unbind(0)) for s in sets])  # (a, b, out) views, made once
+
+        def product(ring=ring):
+            a, b, c = next(ring)
+            torch.mm(a, b, out=c)
+
         with torch.no_grad():
-            op_s = best_op_s(functools.partial(torch.mm, a, b, out=c), reps, min_rep_s, _SIZE_BUDGET_S[quick])
+            op_s = best_op_s(product, reps, min_rep_s, _SIZE_BUDGET_S[quick])
         out.append((flops, flops / op_s))
         slow = n >= _SLOW_FROM_N[quick] and op_s > _MAX_OP_S[quick]
     return out
+
+
+def last_level_cache_bytes() -> int:
+    """Bytes of this CPU's largest cache (Linux sysfs `cache/index*/size` of cpu0), else
+    `_LLC_FALLBACK_BYTES`."""
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = f.read_text().strip().upper()
+        unit = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+        with_unit = text[:-1] if text[-1:] in "KMG" else text
+        if with_unit.isdigit():
+            sizes.append(int(with_unit) * unit)
+    return max(sizes, default=_LLC_FALLBACK_BYTES)
 
 
 def op_overhead_s(quick: bool) -> float:

@@ -436,3 +436,43 @@ def test_optimizer_rate_validated_and_used_by_the_step_model():
     assert plan.predictions.step_time_breakdown_s["optimizer"] == pytest.approx(2e-9 * n / 2, rel=1e-6)
     roof = plan_for_choice("tiny-llama", base, **case).predictions.step_time_breakdown_s["optimizer"]
     assert roof != pytest.approx(2e-9 * n / 2, rel=1e-3)  # without a rate: the traffic roofline
+
+
+def test_matmul_sweep_multiplies_cold_operands(monkeypatch):
+    """Issue #40, item 16: each product of a size reads the next operand set of a ring twice the
+    last-level cache (1 MiB here), so no two calls in a row hit the same, cached, operands; the
+    ring comes round again after all its sets (`cpu_probes.matmul_rates`)."""
+    import torch
+
+    from trainplan.hardware_profiles import cpu_probes as probes
+
+    llc = 2**20
+    monkeypatch.setattr(probes, "last_level_cache_bytes", lambda: llc)
+    seen: dict[int, list[int]] = {}
+
+    def recording_mm(a, b, out=None):
+        seen.setdefault(a.shape[0], []).append(a.data_ptr())
+        return out
+
+    monkeypatch.setattr(torch, "mm", recording_mm)
+    probes.matmul_rates("fp32", quick=True, deadline=1e18)
+    assert set(seen) == {32, 64, 128, 256}
+    for n, ptrs in seen.items():
+        set_bytes = 3 * n * n * 4  # a, b and the product, fp32
+        k = len(set(ptrs))  # the ring's sets
+        assert k * set_bytes > 2 * llc - set_bytes, f"n={n}: {k} sets of {set_bytes} B cover less than 2 x {llc} B"
+        assert len(ptrs) > k, f"n={n}: {len(ptrs)} calls never came round the ring of {k}"
+        assert ptrs == [ptrs[i % k] for i in range(len(ptrs))], f"n={n}: not one set after another, in a ring"
+
+
+def test_last_level_cache_bytes_reads_sysfs_or_falls_back(monkeypatch, tmp_path):
+    from trainplan.hardware_profiles import cpu_probes as probes
+
+    for i, size in enumerate(("48K", "1024K", "32768K")):
+        (tmp_path / f"index{i}").mkdir()
+        (tmp_path / f"index{i}" / "size").write_text(size + "\n")
+    real = probes.Path
+    monkeypatch.setattr(probes, "Path", lambda p: tmp_path if p == "/sys/devices/system/cpu/cpu0/cache" else real(p))
+    assert probes.last_level_cache_bytes() == 32 * 2**20
+    monkeypatch.setattr(probes, "Path", lambda p: tmp_path / "absent")
+    assert probes.last_level_cache_bytes() == probes._LLC_FALLBACK_BYTES
