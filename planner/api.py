@@ -156,8 +156,9 @@ def solve_longest(model: nn.Module | str, hw: str | HardwareProfile, budget: Bud
 
 def with_model_facts(plan: Plan, model: nn.Module | str) -> Plan:
     """`plan` with what its model adds to it: the transformers config a config-built module
-    carries (`Plan.hf_config`, from `trainplan.modeling.configs.build_from_config`), and a warning when the
-    plan's sequence is beyond the positions the model was configured for
+    carries (`Plan.hf_config`, from `trainplan.modeling.configs.build_from_config`), a warning naming the
+    fields such a config left to its class's defaults (`trainplan.modeling.configs.defaults_warning`), and a
+    warning when the plan's sequence is beyond the positions the model was configured for
     (`trainplan.modeling.configs.position_warning`, presets included). `solve`, `solve_longest` and
     `plan_for_choice` apply it; applied twice, it adds nothing more.
 
@@ -173,8 +174,9 @@ def with_model_facts(plan: Plan, model: nn.Module | str) -> Plan:
             raise TrainplanError(
                 f"seq_len={plan.decisions.seq_len} is beyond {plan.model}'s {limit} learned positions ({table}, an "
                 f"nn.Embedding of {limit} rows): a run would index past the table; use seq_len <= {limit}")
-    warning = position_warning(plan.model, max_positions(model), plan.decisions.seq_len)
-    warnings = plan.warnings + ((warning,) if warning and warning not in plan.warnings else ())
+    defaults = getattr(model, "trainplan_config_warning", "") if isinstance(model, nn.Module) else ""
+    found = (defaults, position_warning(plan.model, max_positions(model), plan.decisions.seq_len))
+    warnings = plan.warnings + tuple(w for w in found if w and w not in plan.warnings)
     return replace(plan, warnings=warnings, hf_config=config if isinstance(config, dict) else plan.hf_config)
 
 

@@ -98,6 +98,7 @@ def workdir(tmp_path_factory, cpu_profile) -> Path:
                       "model_bert.json": {"model_type": "bert", "hidden_size": 64},
                       "model_unknown.json": {"model_type": "qwen", "hidden_size": 64}}.items():
         (d / name).write_text(json.dumps(cfg))  # the model-config rows (126-131)
+    _issue40_input_files(d, raw)
     (d / "small.txt").write_text("hello world\n")
     (d / "mid.txt").write_text(_words(300, 0))
     (d / "bad.txt").write_bytes(b"\xff\xfe bad bytes")
@@ -119,6 +120,11 @@ def workdir(tmp_path_factory, cpu_profile) -> Path:
               tokens=256, step_times_s=[0.5, 0.4], stop_reason="budget",
               heldout_loss=[(1, 128, 9.0), (2, 256, 8.9)]).to_json(d / "short_run" / "record.json")
     return d
+
+
+def _issue40_input_files(d: Path, raw: dict) -> None:
+    """The files of issue #40's input rows (items 5, 6, 17): an incomplete model config, edited plans."""
+    (d / "model_sizes.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 4}))
 
 
 def _data_format_files(d: Path) -> None:
@@ -427,6 +433,11 @@ CLI_ROWS: dict[str, tuple[str, type, list[str]]] = {
                                            ["model config 'old_run' is a folder without config.json"]),
     "model-config-encoder": ("solve --model model_bert.json --hw cpu --budget-seconds 60", ModelConfigError,
                              ["model_type 'bert' is an encoder", "would see the future", '"is_decoder": true']),
+    # ---- issue #40 items 5, 6, 17: incomplete configs, absurd values, untrusted files
+    "model-config-without-sizes": ("solve --model model_sizes.json --hw cpu --budget-seconds 60", ModelConfigError,
+                                   ["model config 'model_sizes.json' (llama) leaves out hidden_size, "
+                                    "num_attention_heads, vocab_size, intermediate_size", "hidden_size=4096",
+                                    "give them in the config"]),
     # ---- nodes and launchers (a leading NAME=value sets the environment)
     "nodes-not-dividing-devices": ("run plan.json --out out --nnodes 2 --rdzv-endpoint node0:29500",
                                    PlanMismatchError, ["plan uses 1 device(s), which --nnodes 2 cannot split",
