@@ -34,6 +34,7 @@ from trainplan.errors import (
     TrainingDivergedError,
     TrainplanError,
     UnknownNameError,
+    UnsafeFileError,
 )
 from trainplan.executor.record import RunRecord
 from trainplan.planner.api import plan_for_choice, solve
@@ -119,12 +120,37 @@ def workdir(tmp_path_factory, cpu_profile) -> Path:
     RunRecord(model="tiny-llama", hw_planned="cpu", device="cpu", same_hardware=True, steps=2,
               tokens=256, step_times_s=[0.5, 0.4], stop_reason="budget",
               heldout_loss=[(1, 128, 9.0), (2, 256, 8.9)]).to_json(d / "short_run" / "record.json")
+    _issue40_crafted_run(d, cpu_profile)
     return d
 
 
 def _issue40_input_files(d: Path, raw: dict) -> None:
     """The files of issue #40's input rows (items 5, 6, 17): an incomplete model config, edited plans."""
     (d / "model_sizes.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 4}))
+
+
+def _issue40_crafted_run(d: Path, cpu_profile) -> None:
+    """`crafted_run/`: a real 2-step run of `ok_plan.json` on words.txt, its record removed (as if
+    interrupted), whose checkpoint's rank0.pt is a pickle that would call os.makedirs('pwned')."""
+    import os
+    import shutil
+
+    from trainplan.executor.data.batches import load_corpus
+
+    corpus = load_corpus([d / "words.txt"], vocab_size=512)
+    plan_for_choice("tiny-llama", cpu_profile, seq_len=64, micro_batch=2, max_steps=2,
+                    vocab_size=corpus.vocab_size).to_json(d / "ok_plan.json")
+    assert cli.main(["run", str(d / "ok_plan.json"), "--out", str(d / "crafted_run"), "--data",
+                     str(d / "words.txt"), "-q"]) == 0
+    (d / "crafted_run" / "record.json").unlink()
+
+    class Crafted:
+        def __reduce__(self):
+            return (os.makedirs, ("pwned",))
+
+    step = next((d / "crafted_run" / "checkpoint").glob("step-*"))
+    torch.save({"cpu": Crafted()}, step / "rank0.pt")
+    shutil.rmtree(d / "pwned", ignore_errors=True)
 
 
 def _data_format_files(d: Path) -> None:
@@ -438,6 +464,9 @@ CLI_ROWS: dict[str, tuple[str, type, list[str]]] = {
                                    ["model config 'model_sizes.json' (llama) leaves out hidden_size, "
                                     "num_attention_heads, vocab_size, intermediate_size", "hidden_size=4096",
                                     "give them in the config"]),
+    "resume-a-crafted-checkpoint": ("run --out crafted_run --resume --data words.txt", UnsafeFileError,
+                                    ["refusing to load", "rank0.pt': it names os.makedirs",
+                                     "resume or export only run folders you or trainplan made"]),
     # ---- nodes and launchers (a leading NAME=value sets the environment)
     "nodes-not-dividing-devices": ("run plan.json --out out --nnodes 2 --rdzv-endpoint node0:29500",
                                    PlanMismatchError, ["plan uses 1 device(s), which --nnodes 2 cannot split",
@@ -470,6 +499,7 @@ def test_cli_row(row, workdir, monkeypatch, capsys):
         assert isinstance(exc, TrainplanError) and str(exc) == line.removeprefix("trainplan: error: ")
     for needle in needles:
         assert needle in line, f"{needle!r} not in {line!r}"
+    assert not (workdir / "pwned").exists(), "a crafted pickle ran"
 
 
 def test_nan_loss(workdir, monkeypatch, capsys, one_thread):
