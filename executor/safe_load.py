@@ -56,8 +56,7 @@ def optimizer_state_classes() -> tuple[type, ...]:
     """The low-bit optimizers' state classes a checkpoint may hold: torchao's `OptimState4bit` and
     `OptimState8bit` once `torchao.optim` is imported (a run with 4-bit AdamW imports it before
     loading), else none. bitsandbytes' 8-bit AdamW state is plain tensors and dicts."""
-    mod = sys.modules.get("torchao.optim")
-    if mod is None:
+    if "torchao.optim" not in sys.modules:
         return ()
     from torchao.optim.subclass_4bit import OptimState4bit
     from torchao.optim.subclass_8bit import OptimState8bit
