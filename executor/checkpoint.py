@@ -254,9 +254,12 @@ def load_checkpoint(path: str | Path, model: nn.Module, opt, *, corpus: dict[str
     Raises:
         PlanMismatchError: the checkpoint was written by a different number of processes, or
             trained on another corpus than `corpus` (name and sha256, when given).
+        UnsafeFileError: a pickle in it (optimizer.pt, rankN.pt, DCP's .metadata or an item) names
+            a global outside the allow-lists of `trainplan.executor.safe_load`: it is not run.
     """
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+    from trainplan.executor.safe_load import dcp_load, load_tensors
 
     path = Path(path)
     meta = json.loads((path / META).read_text())
@@ -269,17 +272,17 @@ def load_checkpoint(path: str | Path, model: nn.Module, opt, *, corpus: dict[str
                                 f"{corpus['name']!r} ({corpus['sha256'][:12]}): pass the same --data")
     states = _states(model, opt)
     with _quiet():
-        dcp.load(states, checkpoint_id=str(path))
+        dcp_load(states, path)  # allow-listed unpickling: a crafted checkpoint is refused, not run
     if _is_zero1(opt):
         set_model_state_dict(model, states["model"])
-        # written by save_checkpoint on rank 0 of this run (param groups hold Python objects)
-        opt.load_state_dict(torch.load(path / "optimizer.pt", map_location=dev, weights_only=False))
+        # written by save_checkpoint on rank 0: tensors, plain param groups, low-bit optimizer states
+        opt.load_state_dict(load_tensors(path / "optimizer.pt", map_location=dev))
     else:
         set_state_dict(model, opt, model_state_dict=states["model"],
                        optim_state_dict=states["optim"])
     rng_path = path / f"rank{rank}.pt"
     if rng_path.exists():
-        rng = torch.load(rng_path, weights_only=True)
+        rng = load_tensors(rng_path)
         torch.set_rng_state(rng["cpu"])
         if "cuda" in rng and dev.type == "cuda":
             torch.cuda.set_rng_state(rng["cuda"], dev)

@@ -8,13 +8,17 @@ else eager (Gemma-2 refuses SDPA); no KV cache. The built module carries the dic
 (`trainplan_config`, which a plan stores so that `trainplan run` rebuilds the same model) and a
 name (`trainplan_preset`, which plans and captures use as a preset's name). `max_positions` is
 the longest sequence a model (a preset or a module) was configured for, `position_warning` the
-plan's warning for a longer one. As in `trainplan.modeling.presets`, `transformers` is imported by the
-functions that need it.
+plan's warning for a longer one. A config must give the model's size (`check_config`: `SIZE_FIELDS`,
+`DERIVED_FIELDS`); the fields it leaves to its class's defaults are the warning
+`defaults_warning` (`trainplan_config_warning` on the module). As in `trainplan.modeling.presets`,
+`transformers` is imported by the functions that need it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import inspect
 import json
 from pathlib import Path
 from typing import Any
@@ -29,6 +33,19 @@ CONFIG_FILE = "config.json"
 """The file a model folder holds its config in (transformers' `CONFIG_NAME`)."""
 EXAMPLE_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "olmo2", "gpt2", "gpt_neox")
 """Causal-LM model types an error names as examples of valid ones (all known to transformers 5)."""
+SIZE_FIELDS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size")
+"""The size fields a config must give, by transformers' standard names (`PretrainedConfig.attribute_map`
+maps them to an architecture's own, e.g. GPT-2's `n_embd`, `n_head`, `n_layer`)."""
+INTERMEDIATE_NAMES = ("intermediate_size", "n_inner", "ffn_hidden_size", "ffn_dim", "d_ff")
+"""What architectures call the MLP's inner width; the first a config class has is its name."""
+DERIVED_FIELDS = (INTERMEDIATE_NAMES, ("num_key_value_heads",), ("head_dim",))
+"""Size fields a class may derive from the others: required where the class's default is a number
+(Qwen2's 32 key-value heads, Gemma's head_dim 256 fit no other model), derived where it is None
+(GPT-2's MLP of 4 x n_embd, head_dim = hidden / heads; as many key-value heads as heads, which the
+plan warns of: a grouped-query model that leaves them out is planned with full attention)."""
+DEFAULTED_FIELDS = ("max_position_embeddings", "tie_word_embeddings")
+"""Fields that change a plan's parameters or its position warning and that a config may leave to
+the class's default: the plan warns of each one left out (`defaults_warning`)."""
 
 
 def load_config(path: str | Path) -> dict[str, Any]:
@@ -68,7 +85,9 @@ def check_config(cfg: object, *, where: str = "model config") -> str:
             transformers does not know (the message names the nearest known ones); a model type
             whose models are not causal LMs (no `AutoModelForCausalLM` class); an encoder (a type
             with a masked-LM class, e.g. bert, roberta) not made a decoder (`is_decoder` true):
-            its attention would see the future. `where` starts the message (e.g. "model config
+            its attention would see the future; a config that leaves out a size field
+            (`SIZE_FIELDS`, or a `DERIVED_FIELDS` field of a numeric default), named as the
+            architecture names it with the default it would have got. `where` starts the message (e.g. "model config
             'x/config.json'").
     """
     import transformers
@@ -102,7 +121,85 @@ def check_config(cfg: object, *, where: str = "model config") -> str:
         raise ModelConfigError(f"{where}: model_type {model_type!r} is an encoder (bidirectional attention: a "
                                "causal LM built from it would see the future); set \"is_decoder\": true to train "
                                f"it as a decoder, or give a decoder type such as {', '.join(EXAMPLE_TYPES[:5])}")
+    missing, _ = _unset_fields(cfg, model_type)
+    if missing:
+        cls = _config_class(model_type)
+        shown = ", ".join(f"{k}={v}" for k, v in missing.items())
+        raise ModelConfigError(f"{where} ({model_type}) leaves out {', '.join(missing)}: a model's size is not taken "
+                               f"from transformers' defaults ({cls.__name__}: {shown}); give "
+                               f"{'it' if len(missing) == 1 else 'them'} in the config, e.g. from the model's "
+                               f"published {CONFIG_FILE}")
     return model_type
+
+
+def _config_class(model_type: str) -> type:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    return CONFIG_MAPPING[model_type]
+
+
+def _field_defaults(cls: type) -> dict[str, Any]:
+    """The fields of config class `cls` with their defaults (dataclass fields in transformers 5,
+    else `__init__`'s keyword parameters); a field without a plain default maps to `...`."""
+    try:
+        return {f.name: (f.default if f.default is not dataclasses.MISSING else ...) for f in dataclasses.fields(cls)}
+    except TypeError:
+        return {k: (p.default if p.default is not p.empty else ...)
+                for k, p in inspect.signature(cls).parameters.items()}
+
+
+def _unset_fields(cfg: dict[str, Any], model_type: str) -> tuple[dict[str, Any], list[str]]:
+    """The size fields config dict `cfg` of `model_type` leaves out, as the architecture names them,
+    with its class's defaults (`SIZE_FIELDS`, and `DERIVED_FIELDS` of a numeric default), and the
+    fields it leaves to the class (`DERIVED_FIELDS` of default None, `DEFAULTED_FIELDS`). A class with a `text_config`
+    (a multimodal model's language model) is checked there, the names prefixed "text_config."."""
+    cls = _config_class(model_type)
+    sub = getattr(cls, "sub_configs", None) or {}
+    if "text_config" in sub and isinstance(sub["text_config"], type) and "hidden_size" not in _field_defaults(cls):
+        inner = cfg.get("text_config")
+        inner = inner if isinstance(inner, dict) else {}
+        return _unset_in(inner, sub["text_config"], prefix="text_config.")
+    return _unset_in(cfg, cls, prefix="")
+
+
+def _unset_in(cfg: dict[str, Any], cls: type, *, prefix: str) -> tuple[dict[str, Any], list[str]]:
+    defaults = _field_defaults(cls)
+    alias = dict(getattr(cls, "attribute_map", {}) or {})
+    missing: dict[str, Any] = {}
+    defaulted: list[str] = []
+    for std in SIZE_FIELDS:
+        name = alias.get(std, std)
+        if name in defaults and name not in cfg and std not in cfg:
+            missing[prefix + name] = defaults[name]
+    for names in DERIVED_FIELDS:
+        name = next((n for n in names if n in defaults), None)
+        if name is None or name in cfg or defaults[name] is ...:
+            continue
+        if defaults[name] is None:
+            if name == "num_key_value_heads":
+                defaulted.append(name)
+        else:
+            missing[prefix + name] = defaults[name]
+    for std in DEFAULTED_FIELDS:
+        name = alias.get(std, std)
+        if name in defaults and name not in cfg and std not in cfg:
+            defaulted.append(name)
+    return missing, defaulted
+
+
+def defaults_warning(cfg: dict[str, Any], hf_config: Any, *, name: str) -> str:
+    """The plan's warning for the fields (`DEFAULTED_FIELDS`, derived `DERIVED_FIELDS`) that config dict
+    `cfg` leaves to its class, with the values `hf_config` (the built transformers config) took,
+    or "" when it gives them all."""
+    model_type = str(cfg.get("model_type"))
+    _, defaulted = _unset_fields(cfg, model_type)
+    if not defaulted:
+        return ""
+    text = getattr(hf_config, "text_config", None)
+    src = text if text is not None and "hidden_size" not in _field_defaults(type(hf_config)) else hf_config
+    shown = ", ".join(f"{k}={getattr(src, k, None)!r}" for k in defaulted)
+    return (f"model config {name!r} leaves out {', '.join(defaulted)}: planned with {type(src).__name__}'s "
+            f"defaults ({shown}); give them in the config if the model has others")
 
 
 def config_name(cfg: dict[str, Any], path: str | Path | None = None) -> str:
@@ -140,7 +237,8 @@ def build_from_config(cfg: dict[str, Any], *, device: str | torch.device = "meta
     import transformers
 
     where = f"model config {name!r}" if name else "model config"
-    model_type = check_config(cfg, where=where)
+    model_type = check_config(cfg if vocab_size is None or not isinstance(cfg, dict)
+                              else {**cfg, "vocab_size": vocab_size}, where=where)
     stored = dict(cfg) if vocab_size is None else {**cfg, "vocab_size": vocab_size}
     fields = {k: v for k, v in stored.items() if k != "model_type"}
     try:
@@ -161,6 +259,8 @@ def build_from_config(cfg: dict[str, Any], *, device: str | torch.device = "meta
     # how a Plan names the model and rebuilds it (`Plan.model`, `Plan.hf_config`)
     model.trainplan_config = stored
     model.trainplan_preset = name or config_name(cfg)
+    # the defaults the config left to its class: a warning the plan carries (`with_model_facts`)
+    model.trainplan_config_warning = defaults_warning(stored, hf, name=model.trainplan_preset)
     return model
 
 

@@ -44,7 +44,7 @@ from trainplan.planner.joint.problem import (
 from trainplan.planner.joint.space import check_chunk_options
 from trainplan.planner.options import SolveOptions, options_from
 from trainplan.planner.pilots import calibrated, with_calibration
-from trainplan.planner.plan import Plan, SolverFacts
+from trainplan.planner.plan import HW_FROM_FILE, Plan, SolverFacts
 
 
 def solve(model: nn.Module | str, hw: str | HardwareProfile, budget: Budget, options: SolveOptions | None = None,
@@ -101,7 +101,26 @@ def solve(model: nn.Module | str, hw: str | HardwareProfile, budget: Budget, opt
     plan = choose_data_method(plan, pr.law, methods=data_methods, fractions=o.data_fractions,
                               fits=o.data_quality)
     plan = with_calibration(with_model_facts(with_feature_notes(plan, pr.graph), model), calibration)
-    return replace(plan, options=o.recorded())
+    return with_hw_source(replace(plan, options=o.recorded()), hw)
+
+
+def with_hw_source(plan: Plan, hw: str | HardwareProfile) -> Plan:
+    """`plan` with `hw_source(hw)` added to its options (unchanged for a shipped profile)."""
+    extra = hw_source(hw)
+    return replace(plan, options={**(plan.options or {}), **extra}) if extra else plan
+
+
+def hw_source(hw: str | HardwareProfile) -> dict[str, str]:
+    """`{HW_FROM_FILE: ...}` for a profile that is not a shipped one (a .toml path, or a
+    `HardwareProfile` of another name: "python"), else {}: a plan file's loader accepts an `hw` it
+    does not know by name only with it (`trainplan.planner.plan.implausible`)."""
+    from trainplan.hardware_profiles import known_names
+
+    if isinstance(hw, str) and hw.strip().lower().endswith(".toml"):
+        return {HW_FROM_FILE: hw}
+    if isinstance(hw, HardwareProfile) and hw.name not in known_names():
+        return {HW_FROM_FILE: "python"}
+    return {}
 
 
 def with_feature_notes(plan: Plan, graph) -> Plan:
@@ -151,13 +170,14 @@ def solve_longest(model: nn.Module | str, hw: str | HardwareProfile, budget: Bud
                  precision=precision, law=law, **space_options)
     plan = longest_plan(pr, budget, granularity=granularity, up_to=up_to, time_limit_s=time_limit_s, seed=seed,
                         memory_limit_bytes=memory_limit_bytes)
-    return with_model_facts(with_feature_notes(plan, pr.graph), model)
+    return with_hw_source(with_model_facts(with_feature_notes(plan, pr.graph), model), hw)
 
 
 def with_model_facts(plan: Plan, model: nn.Module | str) -> Plan:
     """`plan` with what its model adds to it: the transformers config a config-built module
-    carries (`Plan.hf_config`, from `trainplan.modeling.configs.build_from_config`), and a warning when the
-    plan's sequence is beyond the positions the model was configured for
+    carries (`Plan.hf_config`, from `trainplan.modeling.configs.build_from_config`), a warning naming the
+    fields such a config left to its class's defaults (`trainplan.modeling.configs.defaults_warning`), and a
+    warning when the plan's sequence is beyond the positions the model was configured for
     (`trainplan.modeling.configs.position_warning`, presets included). `solve`, `solve_longest` and
     `plan_for_choice` apply it; applied twice, it adds nothing more.
 
@@ -173,8 +193,9 @@ def with_model_facts(plan: Plan, model: nn.Module | str) -> Plan:
             raise TrainplanError(
                 f"seq_len={plan.decisions.seq_len} is beyond {plan.model}'s {limit} learned positions ({table}, an "
                 f"nn.Embedding of {limit} rows): a run would index past the table; use seq_len <= {limit}")
-    warning = position_warning(plan.model, max_positions(model), plan.decisions.seq_len)
-    warnings = plan.warnings + ((warning,) if warning and warning not in plan.warnings else ())
+    defaults = getattr(model, "trainplan_config_warning", "") if isinstance(model, nn.Module) else ""
+    found = (defaults, position_warning(plan.model, max_positions(model), plan.decisions.seq_len))
+    warnings = plan.warnings + tuple(w for w in found if w and w not in plan.warnings)
     return replace(plan, warnings=warnings, hf_config=config if isinstance(config, dict) else plan.hf_config)
 
 
@@ -249,7 +270,7 @@ def plan_for_choice(model: nn.Module | str, hw: str | HardwareProfile, *, seq_le
     plan = make_plan(step_model, profile, graph, name, choice, budget={"devices": devices, "fixed_steps": max_steps},
                      data_fraction=data_fraction, max_steps=max_steps, predicted_loss=loss,
                      unique=unique, law=law, lr=lr, seed=seed, facts=facts, memory_limit_bytes=None)
-    plan = with_model_facts(with_feature_notes(plan, graph), model)
+    plan = with_hw_source(with_model_facts(with_feature_notes(plan, graph), model), hw)
     if data_method == "random" and selection_every_steps == 0:
         return plan
     return with_data_method(plan, data_method, selection_every_steps=selection_every_steps, law=law)

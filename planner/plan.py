@@ -246,7 +246,8 @@ class Plan:
 
         Raises:
             PlanMismatchError: not a trainplan plan, wrong format version, or a key that is
-                missing, unknown or invalid (named, with its value and what is valid).
+                missing, unknown or invalid (named, with its value and what is valid); an `hw` or
+                a memory prediction no device has (`implausible`).
         """
         src = str(text_or_path)
         where = "plan JSON" if src.lstrip().startswith("{") else f"plan {src!r}"
@@ -275,7 +276,7 @@ class Plan:
                    decisions=Decisions(**{**p.decisions.model_dump(),
                                          "activation_checkpoint": tuple(p.decisions.activation_checkpoint)}),
                    predictions=Predictions(**p.predictions.model_dump()), solver=SolverFacts(**p.solver.model_dump()))
-        edited = edited_layout(plan)
+        edited = edited_layout(plan) or implausible(plan)
         if edited is not None:
             raise PlanMismatchError(f"{where}: {edited}; {corrupt}")
         return plan
@@ -339,3 +340,39 @@ def edited_layout(plan: Plan) -> str | None:
 def _short(v) -> str:
     text = json.dumps(v)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+HW_FROM_FILE = "hw_profile_file"
+"""The `Plan.options` key `trainplan.planner.api.solve` sets (to the file) for a profile read from a
+.toml file or given as a `HardwareProfile` object: its name is then not a shipped profile's."""
+
+
+def implausible(plan: Plan) -> str | None:
+    """Why `plan`'s hardware or memory predictions cannot be, or None. Every command that reads a
+    plan file reads it through `Plan.from_json`, which calls this:
+
+    - `hw` must be a shipped profile (`trainplan.hardware_profiles.known_names`), unless the plan
+      records that it was solved with a profile file (`HW_FROM_FILE` in `Plan.options`);
+    - for a shipped profile, `predictions.memory_limit_bytes` and each `predictions.memory_bytes`
+      entry must be at most its device memory (`HardwareProfile.hbm_bytes`; the `cpu`
+      profile's is this host's, so its plans skip the check: a plan made on another host may differ).
+    """
+    from trainplan.hardware_profiles import known_names, load
+
+    names = known_names()
+    if plan.hw not in names:
+        if isinstance(plan.options, dict) and plan.options.get(HW_FROM_FILE):
+            return None
+        return (f"hw={plan.hw!r} is not a shipped hardware profile ({', '.join(names)}) and the plan does not "
+                f"record a profile file (options.{HW_FROM_FILE}, which `solve --hw FILE.toml` writes)")
+    if plan.hw == "cpu":
+        return None
+    device_bytes = float(load(plan.hw).hbm_bytes)
+    p = plan.predictions
+    over = [(f"predictions.memory_limit_bytes={p.memory_limit_bytes:.4g}", p.memory_limit_bytes)] + [
+        (f"predictions.memory_bytes.{k}={v:.4g}", v) for k, v in p.memory_bytes.items()]
+    bad = [text for text, v in over if v > device_bytes]
+    if bad:
+        return (f"{', '.join(bad[:3])} is more than one {plan.hw} device holds ({device_bytes:.4g} bytes, "
+                f"{device_bytes / 2**30:.1f} GiB)")
+    return None

@@ -21,6 +21,12 @@ from pydantic_core import PydanticCustomError
 
 from trainplan.costmodels.step.precision import optimizer_bits_for
 
+LR_MAX = 10.0
+"""The largest peak learning rate a plan may hold. AdamW moves each weight by up to about `lr` per
+step (Loshchilov & Hutter 2019), and LLM peaks are 1e-4 to 1e-2 (GPT-3: 6e-4, Brown et al. 2020,
+table 2.1; Llama 3 8B: 3e-4): 10 is 1,000 x the largest, and diverges at once (tiny-llama's loss is
+NaN at step 3, `tests/integration/test_bad_inputs.py::test_nan_loss`); 1e6 is a typo."""
+
 __all__ = ["BlockOpsSchema", "DecisionsSchema", "PlanSchema", "PredictionsSchema", "SolverFactsSchema"]
 
 _CONFIG = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, frozen=True)
@@ -74,7 +80,7 @@ class DecisionsSchema(BaseModel):
     max_tokens: Count
     max_steps: Count
     governor_threshold: NonNegative = 0.0
-    lr: float = Field(default=3e-3, gt=0)
+    lr: float = Field(default=3e-3, gt=0, le=LR_MAX)
     checkpoint_sets: dict[str, Names] = {}
     checkpoint_block_ops: dict[str, BlockOpsSchema] = {}
     warmup_steps: int = Field(default=20, ge=0)

@@ -138,10 +138,11 @@ def _is_preset(name: str) -> bool:
 def trained_dtype(ckpt: str | Path) -> torch.dtype:
     """The dtype the checkpoint's model parameters were saved in (the most common one among the
     floating-point tensors of its model state), from the checkpoint's metadata alone."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    meta = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    from trainplan.executor.safe_load import read_metadata
+
+    meta = read_metadata(ckpt).state_dict_metadata  # allow-listed unpickling (UnsafeFileError)
     counts: dict[torch.dtype, int] = {}
     for key, item in meta.items():
         if key.startswith(MODEL_KEY + ".") and isinstance(item, TensorStorageMetadata) \
@@ -160,8 +161,9 @@ def load_trained_model(run_dir: str | Path, *, dtype: str | torch.dtype | None =
         UnknownNameError: an unknown `dtype`, or a plan whose model is not a preset (the message
             says how to load the checkpoint into one's own model instead).
     """
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    from trainplan.executor.safe_load import dcp_load
 
     want = resolve_dtype(dtype)
     plan, ckpt = run_checkpoint(run_dir)
@@ -182,7 +184,7 @@ def load_trained_model(run_dir: str | Path, *, dtype: str | torch.dtype | None =
     state = {MODEL_KEY: get_model_state_dict(model)}
     with warnings.catch_warnings():  # DCP warns that it assumes one process: intended
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=str(ckpt))  # missing keys raise; the optimizer's are not read
+        dcp_load(state, ckpt)  # missing keys raise; the optimizer's are not read; a crafted pickle is refused
     set_model_state_dict(model, state[MODEL_KEY])
     if want is not None and want != stored:
         model.to(dtype=want)

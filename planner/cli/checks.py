@@ -16,6 +16,7 @@ from typing import Any
 
 from trainplan.errors import DeviceError, OutputPathError, PlanMismatchError, TrainplanError, UnknownNameError
 from trainplan.planner.plan import Plan
+from trainplan.planner.plan_schema import LR_MAX
 
 __all__ = ["check_device", "check_json_path", "check_loss_value", "check_out_dir", "check_plan_model",
            "check_schedule", "plan_from_data", "valid_devices", "with_schedule"]
@@ -91,12 +92,13 @@ def check_loss_value(value: float | None) -> None:
 
 
 def check_schedule(lr: float | None, warmup_steps: int | None) -> None:
-    """`--lr`: None (the plan's) or a finite number > 0; `--warmup-steps`: None (the plan's) or a
+    """`--lr`: None (the plan's) or a finite number in (0, `LR_MAX`]; `--warmup-steps`: None (the plan's) or a
     whole number >= 0.
 
     Raises: TrainplanError naming the flag and the value."""
-    if lr is not None and not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
-        raise TrainplanError(f"--lr {lr!r}: give the peak learning rate, a finite number > 0 (e.g. 3e-3)")
+    if lr is not None and not (isinstance(lr, (int, float)) and math.isfinite(lr) and 0 < lr <= LR_MAX):
+        raise TrainplanError(f"--lr {lr!r}: give the peak learning rate, a finite number in (0, {LR_MAX:g}] "
+                             "(e.g. 3e-3; LLM peaks are 1e-4 to 1e-2)")
     if warmup_steps is not None and not _whole(warmup_steps, 0):
         raise TrainplanError(f"--warmup-steps {warmup_steps!r}: give a whole number of optimizer steps >= 0 "
                              "(0: no warmup)")

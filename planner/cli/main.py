@@ -273,7 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the text field of .jsonl/.json/.parquet/.arrow rows (default: text)")
     r.add_argument("--device", help="override the plan's device, e.g. cpu, cuda:0 (default: the plan's)")
     r.add_argument("--resume", action="store_true",
-                   help="continue the interrupted run in --out from its latest checkpoint")
+                   help="continue the interrupted run in --out from its latest checkpoint (a run folder is input: its "
+                        "pickles load as data only, a crafted one is refused; resume only folders you trust)")
     r.add_argument("--overwrite", action="store_true",
                    help="replace a run already in --out (default: refuse)")
     r.add_argument("--checkpoint-every", type=int, metavar="STEPS",

@@ -35,6 +35,7 @@ from trainplan.errors import (
     TrainingDivergedError,
     TrainplanError,
     UnknownNameError,
+    UnsafeFileError,
 )
 from trainplan.executor.record import RunRecord
 from trainplan.planner.api import plan_for_choice, solve
@@ -104,6 +105,7 @@ def workdir(tmp_path_factory, cpu_profile) -> Path:
                       "model_bert.json": {"model_type": "bert", "hidden_size": 64},
                       "model_unknown.json": {"model_type": "qwen", "hidden_size": 64}}.items():
         (d / name).write_text(json.dumps(cfg))  # the model-config rows (126-131)
+    _issue40_input_files(d, raw)
     (d / "small.txt").write_text("hello world\n")
     (d / "mid.txt").write_text(_words(300, 0))
     (d / "bad.txt").write_bytes(b"\xff\xfe bad bytes")
@@ -115,8 +117,8 @@ def workdir(tmp_path_factory, cpu_profile) -> Path:
     # a corpus and a plan for it whose learning rate makes the loss NaN at the second step
     (d / "words.txt").write_text(_words(600, 2))
     corpus = load_corpus([d / "words.txt"], vocab_size=512)
-    nan_plan = plan_for_choice("tiny-llama", cpu_profile, seq_len=64, micro_batch=2, max_steps=4,
-                               vocab_size=corpus.vocab_size, lr=1e30)
+    nan_plan = plan_for_choice("tiny-llama", cpu_profile, seq_len=64, micro_batch=2, max_steps=8,
+                               vocab_size=corpus.vocab_size, lr=10.0)  # LR_MAX: NaN at step 3
     nan_plan.to_json(d / "nan_plan.json")
     # a finished cpu run of 2 timed steps: too short to calibrate the cpu profile
     (d / "short_run").mkdir()
@@ -124,7 +126,45 @@ def workdir(tmp_path_factory, cpu_profile) -> Path:
     RunRecord(model="tiny-llama", hw_planned="cpu", device="cpu", same_hardware=True, steps=2,
               tokens=256, step_times_s=[0.5, 0.4], stop_reason="budget",
               heldout_loss=[(1, 128, 9.0), (2, 256, 8.9)]).to_json(d / "short_run" / "record.json")
+    _issue40_crafted_run(d, cpu_profile)
+    import shutil
+
+    shutil.copytree(d / "short_run", d / "edited_run")  # a finished run whose plan.json was edited to lr 1e6
+    shutil.copyfile(d / "plan_lr_huge.json", d / "edited_run" / "plan.json")
     return d
+
+
+def _issue40_input_files(d: Path, raw: dict) -> None:
+    """The files of issue #40's input rows (items 5, 6, 17): an incomplete model config, edited plans."""
+    (d / "model_sizes.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 4}))
+    (d / "plan_lr_huge.json").write_text(json.dumps(raw | {"decisions": raw["decisions"] | {"lr": 1e6}}))
+    (d / "plan_h800.json").write_text(json.dumps(raw | {"hw": "h800"}))
+    (d / "plan_mem_huge.json").write_text(json.dumps(raw | {"hw": "h100", "predictions": raw["predictions"] | {
+        "memory_bytes": raw["predictions"]["memory_bytes"] | {"total": 1e15}}}))
+
+
+def _issue40_crafted_run(d: Path, cpu_profile) -> None:
+    """`crafted_run/`: a real 2-step run of `crafted_plan.json` on words.txt, its record removed (as if
+    interrupted), whose checkpoint's rank0.pt is a pickle that would call os.makedirs('pwned')."""
+    import os
+    import shutil
+
+    from trainplan.executor.data.batches import load_corpus
+
+    corpus = load_corpus([d / "words.txt"], vocab_size=512)
+    plan_for_choice("tiny-llama", cpu_profile, seq_len=64, micro_batch=2, max_steps=2,
+                    vocab_size=corpus.vocab_size).to_json(d / "crafted_plan.json")
+    assert cli.main(["run", str(d / "crafted_plan.json"), "--out", str(d / "crafted_run"), "--data",
+                     str(d / "words.txt"), "-q"]) == 0
+    (d / "crafted_run" / "record.json").unlink()
+
+    class Crafted:
+        def __reduce__(self):
+            return (os.makedirs, ("pwned",))
+
+    step = next((d / "crafted_run" / "checkpoint").glob("step-*"))
+    torch.save({"cpu": Crafted()}, step / "rank0.pt")
+    shutil.rmtree(d / "pwned", ignore_errors=True)
 
 
 def _data_format_files(d: Path) -> None:
@@ -188,6 +228,7 @@ def one_error_line(err: str) -> str:
 
 # id -> (argv, error type, needles the line must hold: the bad value and what is valid).
 # SystemExit: an argparse usage error (exit 2 too, one line).
+LR_ABSURD = "decisions.lr=1000000.0 must be a finite number in (0, 10]"
 CLI_ROWS: dict[str, tuple[str, type, list[str]]] = {
     # ---- solve: names, budget, sizes
     "unknown-hw": ("solve --model tiny-llama --hw h800 --budget-seconds 60", UnknownNameError,
@@ -286,7 +327,7 @@ CLI_ROWS: dict[str, tuple[str, type, list[str]]] = {
     "plan-seed-huge": ("run plan_seed_huge.json --out out", PlanMismatchError,
                        ["decisions.seed=1180591620717411303424 must be a whole number in [0, 2^63)"]),
     "plan-lr-true": ("run plan_lr_true.json --out out", PlanMismatchError,
-                     ["decisions.lr=True must be a finite number > 0"]),
+                     ["decisions.lr=True must be a finite number in (0, 10]"]),
     "plan-checkpoint-sets-str": ("run plan_sets_str.json --out out", PlanMismatchError,
                                  ["decisions.checkpoint_sets='x' must be an object with a list of strings per key"]),
     "plan-budget-str": ("run plan_budget_str.json --out out", PlanMismatchError,
@@ -445,6 +486,30 @@ CLI_ROWS: dict[str, tuple[str, type, list[str]]] = {
                                            ["model config 'old_run' is a folder without config.json"]),
     "model-config-encoder": ("solve --model model_bert.json --hw cpu --budget-seconds 60", ModelConfigError,
                              ["model_type 'bert' is an encoder", "would see the future", '"is_decoder": true']),
+    # ---- issue #40 items 5, 6, 17: incomplete configs, absurd values, untrusted files
+    "model-config-without-sizes": ("solve --model model_sizes.json --hw cpu --budget-seconds 60", ModelConfigError,
+                                   ["model config 'model_sizes.json' (llama) leaves out hidden_size, "
+                                    "num_attention_heads, vocab_size, intermediate_size", "hidden_size=4096",
+                                    "give them in the config"]),
+    "resume-a-crafted-checkpoint": ("run --out crafted_run --resume --data words.txt", UnsafeFileError,
+                                    ["refusing to load", "rank0.pt': it names os.makedirs",
+                                     "resume or export only run folders you or trainplan made"]),
+    "solve-lr-absurd": (f"{TINY} --budget-seconds 60 --lr 1e6", TrainplanError,
+                        ["--lr 1000000.0", "a finite number in (0, 10]", "LLM peaks are 1e-4 to 1e-2"]),
+    "export-plan-lr-absurd": ("export plan_lr_huge.json --to deepspeed", PlanMismatchError,
+                              ["plan 'plan_lr_huge.json'", LR_ABSURD]),
+    "run-plan-lr-absurd": ("run plan_lr_huge.json --out out", PlanMismatchError, [LR_ABSURD]),
+    "report-plan-lr-absurd": ("report edited_run", PlanMismatchError, ["edited_run/plan.json", LR_ABSURD]),
+    "calibrate-plan-lr-absurd": ("calibrate edited_run", PlanMismatchError, ["edited_run/plan.json", LR_ABSURD]),
+    "export-weights-plan-lr-absurd": ("export-weights edited_run --out w", PlanMismatchError, [LR_ABSURD]),
+    "export-plan-hw-unknown": ("export plan_h800.json --to deepspeed", PlanMismatchError,
+                               ["hw='h800' is not a shipped hardware profile (a100, a100-40gb, cpu, h100",
+                                "does not record a profile file", "solve --hw FILE.toml"]),
+    "run-plan-hw-unknown": ("run plan_h800.json --out out", PlanMismatchError,
+                            ["hw='h800' is not a shipped hardware profile"]),
+    "export-plan-memory-absurd": ("export plan_mem_huge.json --to deepspeed", PlanMismatchError,
+                                  ["predictions.memory_bytes.total=1e+15 is more than one h100 device holds",
+                                   "80.0 GiB", "corrupt or edited"]),
     # ---- nodes and launchers (a leading NAME=value sets the environment)
     "nodes-not-dividing-devices": ("run plan.json --out out --nnodes 2 --rdzv-endpoint node0:29500",
                                    PlanMismatchError, ["plan uses 1 device(s), which --nnodes 2 cannot split",
@@ -477,19 +542,20 @@ def test_cli_row(row, workdir, monkeypatch, capsys):
         assert isinstance(exc, TrainplanError) and str(exc) == line.removeprefix("trainplan: error: ")
     for needle in needles:
         assert needle in line, f"{needle!r} not in {line!r}"
+    assert not (workdir / "pwned").exists(), "a crafted pickle ran"
 
 
 def test_nan_loss(workdir, monkeypatch, capsys, one_thread):
-    """`trainplan run nan_plan.json --out nan_out --data words.txt`: lr=1e30 makes the loss NaN
-    at step 2 (0-based 1 or 2); the run stops at once, keeps its record, exits 1 (a run that
-    failed) with one line."""
+    """`trainplan run nan_plan.json --out nan_out --data words.txt`: lr=10 (the largest a plan
+    may hold, `trainplan.planner.plan_schema.LR_MAX`) makes the loss NaN by step 3; the run stops
+    at once, keeps its record, exits 1 (a run that failed) with one line."""
     monkeypatch.chdir(workdir)
     rc, exc = _spy_main(["run", "nan_plan.json", "--out", "nan_out", "--data", "words.txt"], monkeypatch)
     line = one_error_line(capsys.readouterr().err)
     assert rc == 1 and isinstance(exc, TrainingDivergedError), (rc, exc)
-    assert "nan" in line.lower() and "lower the learning rate" in line and "lr=1e+30" in line, line
+    assert "nan" in line.lower() and "lower the learning rate" in line and "lr=10.0" in line, line
     rec = RunRecord.from_json(workdir / "nan_out" / "record.json")
-    assert rec.stop_reason == "nan" and rec.steps < 4, rec
+    assert rec.stop_reason == "nan" and rec.steps < 8, rec
 
 
 def test_resuming_a_finished_run_says_so_and_reports_it(workdir, monkeypatch, capsys, one_thread):
@@ -704,3 +770,27 @@ def test_every_row_is_in_the_table():
     assert tests == set(listed), (f"missing from the table: {sorted(tests - set(listed))}; "
                                   f"in the table but not tested: {sorted(set(listed) - tests)}")
     assert len(tests) >= 25
+
+
+def test_a_plan_solved_with_a_profile_file_loads(workdir, monkeypatch, capsys):
+    """Issue #40 item 6: an `hw` that is not a shipped profile is accepted where the plan records
+    the profile file it was solved with (`solve --hw FILE.toml` writes options.hw_profile_file):
+    the plan exports; the same plan without that record is refused."""
+    from trainplan.hardware_profiles import load
+    from trainplan.hardware_profiles.profile_file import profile_toml
+    from trainplan.planner.plan import Plan
+
+    monkeypatch.chdir(workdir)
+    text = profile_toml(load("h100")).replace('name = "h100"', 'name = "my-gpu"')
+    Path("my-gpu.toml").write_text(text)
+    assert cli.main(["solve", "--model", "tiny-llama", "--hw", "my-gpu.toml", "--seq-len", "128",
+                     "--budget-seconds", "60", "--json", "plan_my_gpu.json", "-q"]) == 0
+    plan = Plan.from_json("plan_my_gpu.json")
+    assert plan.hw == "my-gpu" and plan.options["hw_profile_file"] == "my-gpu.toml"
+    assert cli.main(["export", "plan_my_gpu.json", "--to", "deepspeed", "--out", "ds.json", "-q"]) == 0
+    raw = json.loads(Path("plan_my_gpu.json").read_text())
+    del raw["options"]["hw_profile_file"]
+    Path("plan_my_gpu_bare.json").write_text(json.dumps(raw))
+    capsys.readouterr()
+    assert cli.main(["export", "plan_my_gpu_bare.json", "--to", "deepspeed"]) == 2
+    assert "hw='my-gpu' is not a shipped hardware profile" in one_error_line(capsys.readouterr().err)

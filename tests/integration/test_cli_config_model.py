@@ -19,8 +19,9 @@ from trainplan.planner.api import with_model_facts
 from trainplan.planner.plan import Plan
 
 QWEN2 = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 2,
-         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 128}
-"""A tiny Qwen2 (2 layers, hidden 64): about 158K parameters."""
+         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 128,
+         "tie_word_embeddings": False}
+"""A tiny Qwen2 (2 layers, hidden 64): about 158K parameters; every size field given."""
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +56,23 @@ def test_a_config_is_planned_and_stored_with_a_position_warning(folder, tmp_path
 def test_a_folder_within_its_positions_has_no_warning(folder, tmp_path, capsys, cpu_profile):
     plan, out = _solve(tmp_path, str(folder), 128, "1e12", capsys)
     assert plan.hf_config == QWEN2 and plan.warnings == () and "warning" not in out
+
+
+def test_a_config_leaving_fields_to_defaults_is_planned_with_a_warning(tmp_path, capsys, cpu_profile):
+    """Issue #40 item 5: a Llama config without num_key_value_heads, max_position_embeddings and
+    tie_word_embeddings is planned, and the plan (JSON and the printed summary) names each with the
+    value transformers' LlamaConfig gave it (4 key-value heads: full attention)."""
+    cfg = {k: v for k, v in QWEN2.items() if k not in ("num_key_value_heads", "max_position_embeddings",
+                                                      "tie_word_embeddings")} | {"model_type": "llama"}
+    (tmp_path / "llama_defaults.json").write_text(json.dumps(cfg))
+    plan, out = _solve(tmp_path, str(tmp_path / "llama_defaults.json"), 64, "1e12", capsys)
+    expected = ("model config 'llama-llama_defaults' leaves out num_key_value_heads, max_position_embeddings, "
+                "tie_word_embeddings: planned with LlamaConfig's defaults (num_key_value_heads=4, "
+                "max_position_embeddings=2048, tie_word_embeddings=False); give them in the config if the model "
+                "has others")
+    assert plan.warnings == (expected,)
+    assert json.loads((tmp_path / "plan-64.json").read_text())["warnings"] == [expected]
+    assert f"  warning: {expected}" in out.splitlines()
 
 
 def test_a_preset_beyond_its_positions_is_warned_once(folder, tmp_path, capsys, cpu_profile):

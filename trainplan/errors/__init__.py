@@ -85,6 +85,12 @@ class CaptureError(TrainplanError):
     its forward/backward cannot be traced, e.g. data-dependent control flow)."""
 
 
+class UnsafeFileError(TrainplanError):
+    """A file trainplan loads (a run folder's checkpoint: optimizer state, RNG states, DCP metadata
+    and its non-tensor items) that holds more than data: a pickle naming a class or function outside
+    the allowed ones, which loading would call (`trainplan.executor.safe_load`)."""
+
+
 class MissingExtraError(TrainplanError):
     """An optional dependency that is not installed: the message names the package, what needs
     it and the extra that installs it, e.g. "8-bit AdamW needs bitsandbytes, which is not

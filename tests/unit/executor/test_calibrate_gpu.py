@@ -151,12 +151,21 @@ def test_runs_without_a_kernel_split_refit_nothing(tmp_path, runs):
 
 
 def test_runs_planned_for_two_profiles_need_hw(tmp_path, runs):
-    text = (runs[1] / "plan.json").read_text().replace('"hw": "h200"', '"hw": "h100"')
-    (runs[1] / "plan.json").write_text(text)
+    """A run planned for h100 beside h200 runs (its plan's memory limit an h100's, as a plan solved for
+    one has), then one planned with a profile file (the plan records the file, as `solve --hw
+    FILE.toml` writes it): `trainplan.planner.plan.implausible` accepts both plans."""
+    import json
+
+    from trainplan.hardware_profiles import load
+
+    raw = json.loads((runs[1] / "plan.json").read_text())
+    limit = min(raw["predictions"]["memory_limit_bytes"], float(load("h100").hbm_bytes))
+    raw = raw | {"hw": "h100", "predictions": raw["predictions"] | {"memory_limit_bytes": limit}}
+    (runs[1] / "plan.json").write_text(json.dumps(raw))
     with pytest.raises(TrainplanError, match="planned for 'h100', 'h200': refit one profile at a time"):
         calibrate(runs, capture_model=capture_model, cache_dir=tmp_path / "cache", verbose=False)
-    text = (runs[1] / "plan.json").read_text().replace('"hw": "h100"', '"hw": "my-gpu"')
-    (runs[1] / "plan.json").write_text(text)
+    raw = raw | {"hw": "my-gpu", "options": (raw.get("options") or {}) | {"hw_profile_file": "my-gpu.toml"}}
+    (runs[1] / "plan.json").write_text(json.dumps(raw))
     with pytest.raises(TrainplanError, match="give that file with --hw FILE.toml"):
         calibrate(runs[1:], capture_model=capture_model, cache_dir=tmp_path / "cache", verbose=False)
 

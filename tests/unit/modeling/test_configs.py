@@ -89,6 +89,14 @@ def test_seeded_weights_on_a_real_device():
     assert not torch.equal(a.lm_head.weight, c.lm_head.weight)
 
 
+def test_a_vocabulary_given_beside_the_config_counts_as_given():
+    """A run passes its tokenizer's vocabulary (`vocab_size=`): a config without one builds."""
+    cfg = {k: v for k, v in QWEN2.items() if k != "vocab_size"}
+    assert build_from_config(cfg, vocab_size=300).config.vocab_size == 300
+    with pytest.raises(ModelConfigError, match="leaves out vocab_size"):
+        build_from_config(cfg)
+
+
 def test_a_class_that_refuses_sdpa_runs_eager():
     gemma2 = build_from_config({"model_type": "gemma2", "hidden_size": 64, "intermediate_size": 128,
                                 "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -122,6 +130,17 @@ BAD_DICTS = {
                                                     "did you mean", "'qwen2'", "llama"]),
     "not-a-causal-lm": ({"model_type": "t5"}, ["model_type 't5' (T5Config) is not a causal language model",
                                                "AutoModelForCausalLM", "llama"]),
+    "size-fields-missing": ({"model_type": "llama", "num_hidden_layers": 4},
+                            ["(llama) leaves out hidden_size, num_attention_heads, vocab_size, intermediate_size:",
+                             "LlamaConfig: hidden_size=4096", "vocab_size=32000"]),
+    "size-fields-missing-by-the-architectures-names": (
+        {"model_type": "gpt2", "n_embd": 64, "vocab_size": 256},
+        ["(gpt2) leaves out n_head, n_layer:", "GPT2Config: n_head=12, n_layer=12"]),
+    "kv-heads-of-a-numeric-default-missing": ({k: v for k, v in QWEN2.items() if k != "num_key_value_heads"},
+                                              ["(qwen2) leaves out num_key_value_heads:", "num_key_value_heads=32"]),
+    "text-config-sizes-missing": ({"model_type": "gemma3", "text_config": {"hidden_size": 64}},
+                                  ["(gemma3) leaves out text_config.num_attention_heads, "
+                                   "text_config.num_hidden_layers, text_config.vocab_size"]),
     "values-transformers-refuses": ({**QWEN2, "model_type": "llama", "hidden_size": 65},
                                     ["transformers cannot build a llama model", "65",
                                      "not a multiple of the number of attention heads"]),
