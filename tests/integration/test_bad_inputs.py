@@ -85,7 +85,9 @@ def workdir(tmp_path_factory, cpu_profile) -> Path:
                             precision="bf16-mixed", optimizer_bits=8, activation_checkpoint="full")
     tight.to_json(d / "plan_tight.json")  # fits with 8-bit Adam, not with fp32 AdamW (the export rows)
     (d / "plan_tight_70b.json").write_text(json.dumps(json.loads(tight.to_json()) | {"model": "llama3-70b"}))
-    (d / "plan_tight_cal.json").write_text(json.dumps(json.loads(tight.to_json()) | {"hw": "h100-cal"}))
+    raw_tight = json.loads(tight.to_json())  # as `solve --hw h100-cal.toml` writes it: the file recorded
+    (d / "plan_tight_cal.json").write_text(json.dumps(raw_tight | {"hw": "h100-cal", "options": (
+        raw_tight.get("options") or {}) | {"hw_profile_file": "h100-cal.toml"}}))
     (d / "garbage.json").write_bytes(b"\xff\xfe\x00\x81 not a plan")
     from trainplan.hardware_profiles import load
     from trainplan.hardware_profiles.profile_file import profile_toml

@@ -120,7 +120,8 @@ def test_a_profile_files_plan_exports_with_its_file(tmp_path, capsys):
 
     (tmp_path / "cal.toml").write_text(profile_toml(dataclasses.replace(load("h100"), name="h100-cal",
                                                                         devices_per_node=4)))
-    plan = dataclasses.replace(fake_plan(devices=16, zero_stage=3), hw="h100-cal")
+    base = fake_plan(devices=16, zero_stage=3)  # as `solve --hw cal.toml` writes it: the file recorded
+    plan = dataclasses.replace(base, hw="h100-cal", options={**(base.options or {}), "hw_profile_file": "cal.toml"})
     rc, _ = _export(tmp_path, plan, "accelerate")
     err = capsys.readouterr().err.strip()
     assert rc == 2 and "unknown hardware 'h100-cal'" in err and "give export the same --hw FILE.toml" in err, err
