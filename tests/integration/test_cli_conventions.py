@@ -169,7 +169,7 @@ def test_run_lr_and_warmup_reach_the_run(plans, fake_run, tmp_path, capsys, devi
 
 
 @pytest.mark.parametrize("flags, needle", [
-    (["--lr", "0"], "--lr 0.0: give the peak learning rate, a finite number > 0"),
+    (["--lr", "0"], "--lr 0.0: give the peak learning rate, a finite number in (0, 10]"),
     (["--lr", "inf"], "--lr inf"),
     (["--warmup-steps", "-1"], "--warmup-steps -1: give a whole number of optimizer steps >= 0"),
     (["--warmup-steps", "100000"], "--warmup-steps 100000: the plan has"),
