@@ -1,4 +1,4 @@
-"""`trainplan` command line: solve, run, report, demo, presets, profiles, calibrate.
+"""`trainplan` command line: solve, run, report, demo, presets, profiles, calibrate, export, export-weights.
 
 Thin by design: each command parses, calls the library, prints its product (the plan, a table,
 the report's path) on stdout; progress and diagnostics go to stderr through `logging` (`-v`,
@@ -346,6 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--dtype", choices=("bf16", "fp32"),
                    help="dtype of the weights written (default: the dtype the run trained its parameters in)")
     w.set_defaults(fn=cmd_export_weights)
+    ap.description = f"`trainplan` command line: {', '.join(sub.choices)}."  # every command, from the parser
     return ap
 
 

@@ -263,6 +263,24 @@ def test_the_cli_docs_page_documents_the_exit_codes_and_the_help():
     assert "usage: trainplan solve" in page
 
 
+def test_the_help_and_its_docs_list_every_command(monkeypatch, capsys):
+    """Issue #40, item 14: `trainplan --help` once listed 7 commands in its first line, leaving
+    out export and export-weights. The line comes from the parser; docs/cli.md's copy of the help
+    (at 100 columns) is the help."""
+    import argparse
+
+    monkeypatch.setenv("COLUMNS", "100")
+    ap = build_parser()
+    commands = next(a for a in ap._actions if isinstance(a, argparse._SubParsersAction)).choices
+    assert {"export", "export-weights"} <= set(commands), commands
+    text = ap.format_help()
+    assert f"`trainplan` command line: {', '.join(commands)}." in text
+    for name in commands:
+        assert f"\n    {name} " in text or f"\n    {name}\n" in text, f"{name} missing from the help's list"
+    page = (ROOT / "docs" / "cli.md").read_text()
+    assert "$ trainplan --help\n" + text in page, "docs/cli.md's `trainplan --help` block is not the help"
+
+
 # ---------------------------------------------------------------- -v / -q
 
 
