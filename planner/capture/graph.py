@@ -30,7 +30,7 @@ those of the CUDA flash kernel, so the memory model carries over to GPUs.
 from __future__ import annotations
 
 import dataclasses
-import warnings
+import logging
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -64,6 +64,8 @@ from trainplan.planner.capture.layout import (
 from trainplan.planner.capture.regions import RegionTable
 from trainplan.planner.capture.sentinels import pick_sentinels
 from trainplan.planner.capture.trace import trace_region
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -152,9 +154,9 @@ def capture(model: nn.Module, *, dtype: torch.dtype | None = None, name: str | N
         for rname in tracer.layout.block_regions:
             regions[variant_key(rname, activation_bits=bits)] = tracer.trace(rname, bits)
         regions[variant_key("tail", activation_bits=bits)] = tracer.trace("tail", bits)
-    if tracer.tied:
-        warnings.warn("tied embeddings: the LM head's weight is counted once in model states",
-                      stacklevel=2)
+    if tracer.tied:  # a fact of the model, not a problem: the log's, at debug level (issue #40, item 12)
+        log.debug("%s: tied embeddings, the LM head's weight is counted once in model states",
+                  type(model).__name__)
     n_params = sum(p.numel() for p in model.parameters())
     param_bytes = n_params * torch.empty((), dtype=tracer.dtype).element_size()
     return ModelGraph(name=name or str(getattr(model, "trainplan_preset", type(model).__name__)),
