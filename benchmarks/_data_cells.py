@@ -54,6 +54,9 @@ FULL = Grid(pool=1024, junk=0.25, steps=80, fractions=(0.25, 0.5, 0.75, 1.0),
             methods=("random", "loss", "influence", "dsir"))
 QUICK = Grid(pool=512, junk=0.25, steps=30, fractions=(0.75, 1.0), sel_fractions=(0.75,),
              pilot=(0.75,), methods=("random", "loss", "influence", "dsir"), curve_points=3)
+SMOKE = Grid(pool=128, junk=0.25, steps=8, fractions=(0.75, 1.0), sel_fractions=(0.75,),
+             pilot=(0.75,), methods=("random", "dsir"), curve_points=3)
+"""--smoke (the test suite's run): random and DSIR at one fraction on a small pool, a few steps."""
 
 
 @dataclass(frozen=True)

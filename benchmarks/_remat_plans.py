@@ -101,9 +101,11 @@ class Planner:
                     step_s=p.predictions.step_time_s, solve_s=p.solver.wall_s,
                     phase=self.sm.evaluate(Choice.from_decisions(d)).memory.phase)
 
-    def longest(self, strategy: str, mb: int, cap: float) -> int:
-        """Index in LADDER of the longest sequence whose predicted peak fits (-1: none)."""
-        lo, hi = -1, len(LADDER)  # fits at lo, not at hi (peaks grow with the sequence)
+    def longest(self, strategy: str, mb: int, cap: float, max_seq: int | None = None) -> int:
+        """Index in LADDER of the longest sequence, at most `max_seq`, whose predicted peak fits
+        (-1: none)."""
+        n = len(LADDER) if max_seq is None else sum(s <= max_seq for s in LADDER)
+        lo, hi = -1, n  # fits at lo, not at hi (peaks grow with the sequence)
         while hi - lo > 1:
             mid = (lo + hi) // 2
             if self.plan(strategy, LADDER[mid], mb, cap):

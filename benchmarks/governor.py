@@ -1,6 +1,6 @@
 """The compute governor against running the step budget out, on this machine's CPU.
 
-    python benchmarks/governor.py [--quick] [--out DIR] [--jobs N] [--reuse] [--threads N] [--seeds 8,9,10]
+    python benchmarks/governor.py [--quick | --smoke] [--out DIR] [--jobs N] [--reuse] [--threads N] [--seeds 8,9,10]
 
 Setting: tiny-llama (seq_len 128, micro-batch 8, vocab 8192, peak learning rate `LR`) on a
 `data_fraction` subset of the default corpus with a fixed step budget (`trainplan.planner.api.
@@ -105,6 +105,10 @@ seeds 0 to 7 were used while the method was developed); `--seeds` sets others.""
 FULL = dict(data_fraction=0.03, max_steps=400, eval_every=10)
 """The headline: a 41k-token subset (40 steps an epoch) repeated 10 times."""
 QUICK = dict(data_fraction=0.015, max_steps=100, eval_every=5)
+SMOKE = dict(data_fraction=0.015, max_steps=16, eval_every=2)
+"""--smoke (the test suite's run): one seed, one threshold, one job, each held-out evaluation one
+micro-batch (`SMOKE_EVAL_TOKENS`)."""
+SMOKE_EVAL_TOKENS = SHAPE["seq_len"] * SHAPE["micro_batch"]
 THRESHOLDS = {False: (3e-3, 1e-3, 3e-4, 1e-4), True: (3e-3, 3e-4)}
 """Pre-registered thresholds, nats/step (a half-decade grid; prices of 333 to 10,000 steps per
 nat), by --quick."""
@@ -131,7 +135,8 @@ def make_plan(cfg: dict, data_tokens: int, seed: int):
                            data_fraction=cfg["data_fraction"], data_tokens=data_tokens, seed=seed)
 
 
-def run_job(plan_json: str, out: str, eval_every: int, governed: bool, threads: int) -> str:
+def run_job(plan_json: str, out: str, eval_every: int, governed: bool, threads: int,
+            eval_tokens: int | None = None) -> str:
     """One real run (in a worker process): the record as JSON text."""
     from trainplan.executor.train import run
     from trainplan.planner.plan import Plan
@@ -143,7 +148,7 @@ def run_job(plan_json: str, out: str, eval_every: int, governed: bool, threads: 
     shutil.rmtree(out, ignore_errors=True)
     gov = Governor.for_plan(plan, **GOVERNOR) if governed else None
     rec = run(plan, data=load_corpus(vocab_size=SHAPE["vocab_size"]), out=out, progress=False,
-              eval_every=eval_every, governor=gov)
+              eval_every=eval_every, governor=gov, eval_tokens=eval_tokens)
     return rec.to_json()
 
 
@@ -153,7 +158,8 @@ def submit(pool, plan, run_dir: Path, eval_every: int, a, *, governed: bool):
     if rec is not None:
         REUSED.append(run_dir.name)
         return rec
-    return pool.submit(run_job, plan.to_json(), str(run_dir), eval_every, governed, a.threads)
+    return pool.submit(run_job, plan.to_json(), str(run_dir), eval_every, governed, a.threads,
+                       SMOKE_EVAL_TOKENS if a.smoke else None)
 
 
 def result(x) -> RunRecord:
@@ -233,7 +239,7 @@ class Seed:
     def __init__(self, seed: int, a, sc: dict, thresholds, data_tokens: int, out: Path):
         self.seed, self.a, self.sc, self.thresholds, self.out = seed, a, sc, thresholds, out
         self.data_tokens = data_tokens
-        self.tag = ("quick-" if a.quick else "") + f"s{seed}-"
+        self.tag = ("quick-" if a.quick else "smoke-" if a.smoke else "") + f"s{seed}-"
         self.runs_dir = out / "runs"
 
     def run_dir(self, name: str) -> Path:
@@ -295,7 +301,7 @@ class Seed:
                            "budget_picked_covers_end": rec.steps <= self.picked[thr]})
         other = [{"seed": s} | run_row(c["name"], p, r) for c, (p, r) in zip(self.pcfg, self.pilots, strict=False)]
         other.append({"seed": s} | run_row("baseline", self.base_plan, base))
-        stem = f"{'quick-' if self.a.quick else ''}governor-seed{s}"
+        stem = f"{'quick-' if self.a.quick else 'smoke-' if self.a.smoke else ''}governor-seed{s}"
         pd.DataFrame(rows + other).to_csv(self.out / f"{stem}.csv", index=False)
         (self.out / f"{stem}_curve.json").write_text(json.dumps(self.curve.to_dict(), indent=1) + "\n")
         pilot_steps = sum(r.steps for _, r in self.pilots)
@@ -321,6 +327,8 @@ def write_json(path: Path, d: dict) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a smaller setting, a few minutes")
+    ap.add_argument("--smoke", action="store_true",
+                    help=f"{SMOKE['max_steps']} steps, the first seed and threshold, one job (the test suite's run)")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--jobs", type=int, default=2, help="runs at a time, each in its own process")
     ap.add_argument("--threads", type=int, default=1,
@@ -337,6 +345,8 @@ def main(argv=None) -> int:
     except ValueError:
         ap.error(f"--seeds {a.seeds!r}: give distinct whole numbers >= 0, e.g. 5,6,7")
     sc, thresholds = (QUICK if a.quick else FULL), THRESHOLDS[a.quick]
+    if a.smoke:
+        sc, thresholds, seeds, a.jobs = SMOKE, THRESHOLDS[True][:1], seeds[:1], 1
     out = Path(a.out)
     (out / "runs").mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
@@ -351,7 +361,7 @@ def main(argv=None) -> int:
     rows = [row for rs, _ in finished for row in rs]
     pilot_steps = sum(sm["pilot_steps"] for _, sm in finished)
     pooled = summarise(rows, pilot_steps // len(finished), sc["max_steps"], per_threshold=False)
-    tag = "quick-" if a.quick else ""
+    tag = "quick-" if a.quick else "smoke-" if a.smoke else ""
     pd.DataFrame(rows).to_csv(out / f"{tag}governor.csv", index=False)
     (out / f"{tag}governor_curve.json").write_text(json.dumps(reps[0].curve.to_dict(), indent=1) + "\n")
     summary_out = pooled | {
@@ -365,7 +375,7 @@ def main(argv=None) -> int:
         "budget_picked_covers_all": bool(all(r["budget_picked_covers_end"] for r in rows)),
         "max_steps": sc["max_steps"], "data_fraction": sc["data_fraction"], "eval_every": sc["eval_every"],
         "lr": LR, "thresholds_nats_per_step": ", ".join(f"{t:g}" for t in thresholds),
-        "wall_s": time.perf_counter() - t_start, "reused_runs": ", ".join(REUSED), "quick": a.quick,
+        "wall_s": time.perf_counter() - t_start, "reused_runs": ", ".join(REUSED), "quick": a.quick, "smoke": a.smoke,
         "machine": f"{platform.node()} {platform.processor() or platform.machine()}, "
                    f"{a.threads} thread(s) x {a.jobs} process(es)",
         "torch": torch.__version__, "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),

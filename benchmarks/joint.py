@@ -1,6 +1,10 @@
 """The joint plan against tuning one knob at a time, at a fixed budget.
 
-    python benchmarks/joint.py [--quick] [--no-measure] [--reuse] [--out DIR]
+    python benchmarks/joint.py [--quick | --smoke] [--no-measure] [--reuse] [--out DIR]
+
+`--smoke`: the tiny-llama case alone at the FLOPs of one default step (a few measured steps),
+one held-out evaluation of one micro-batch in the runs and one batch of 16 windows after them;
+the same code path and output files, for the test suite.
 
 For each case (model, hardware, devices, sequence, budget, optionally a memory cap) three kinds
 of plan, all predicted by the same cost models (`StepModel.evaluate`: peak bytes per device and
@@ -86,6 +90,7 @@ CASES = [
          seq_len=8192, budget=dict(device_hours=1e6)),
 ]
 QUICK = (0, 2)
+SMOKE = (0,)
 
 
 class Knobs:
@@ -239,17 +244,19 @@ def _decisions(plan) -> dict:
     return json.loads(plan.to_json())["decisions"]
 
 
-def measure(plans: dict, out: Path, reuse: bool = False) -> dict[str, dict]:
+def measure(plans: dict, out: Path, reuse: bool = False, smoke: bool = False) -> dict[str, dict]:
     """Run each plan for real on this CPU; {method: final held-out loss on the same windows,
     steps, tokens, wall seconds, stop reason}. Each run folder keeps them in `heldout.json`;
-    `reuse` takes them from there when the folder's plan has the same decisions."""
+    `reuse` takes them from there when the folder's plan has the same decisions. `smoke`: the
+    runs evaluate one micro-batch at their last step, the final loss is on one batch of 16."""
     from trainplan.executor.data.batches import heldout_batches, load_corpus
     from trainplan.executor.train import run
     from trainplan.modeling.loss import lm_loss
     from trainplan.modeling.presets import build_model
 
     data = load_corpus(vocab_size=TINY["vocab_size"])
-    held = heldout_batches(data.heldout_tokens, seq_len=TINY["seq_len"], micro_batch=16, max_batches=8)
+    held = heldout_batches(data.heldout_tokens, seq_len=TINY["seq_len"], micro_batch=16,
+                          max_batches=1 if smoke else 8)
     got = {}
     for method, plan in plans.items():
         run_dir = out / "runs" / f"joint-{method}"
@@ -262,7 +269,9 @@ def measure(plans: dict, out: Path, reuse: bool = False) -> dict[str, dict]:
                 continue
         model = build_model(plan.model, device="cpu", vocab_size=data.vocab_size, seed=plan.decisions.seed)
         t0 = time.perf_counter()
-        rec = run(plan, model=model, data=data, out=run_dir, progress=False)
+        evals = dict(eval_every=plan.decisions.max_steps,
+                     eval_tokens=TINY["seq_len"] * plan.decisions.micro_batch) if smoke else {}
+        rec = run(plan, model=model, data=data, out=run_dir, progress=False, **evals)
         model.eval()
         with torch.no_grad():
             loss = sum(lm_loss(model(input_ids=x).logits, y).item() for x, y in held) / len(held)
@@ -278,6 +287,8 @@ def measure(plans: dict, out: Path, reuse: bool = False) -> dict[str, dict]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="two small cases, a few measured steps")
+    ap.add_argument("--smoke", action="store_true",
+                    help="the tiny-llama case, a few measured steps: for the test suite")
     ap.add_argument("--no-measure", action="store_true", help="predicted figures only")
     ap.add_argument("--reuse", action="store_true",
                     help="take measured runs from DIR/runs/joint-*/heldout.json when their plans match")
@@ -290,11 +301,11 @@ def main(argv=None) -> int:
     from trainplan.executor.data.batches import count_corpus_tokens
 
     TINY["data_tokens"] = count_corpus_tokens(vocab_size=TINY["vocab_size"])
-    if a.quick:
-        TINY["budget"] = dict(default_steps=8)
+    if a.quick or a.smoke:
+        TINY["budget"] = dict(default_steps=1 if a.smoke else 8)
     rows, measured = [], {}
     for i, case in enumerate(CASES):
-        if a.quick and i not in QUICK:
+        if (a.quick and i not in QUICK) or (a.smoke and i not in SMOKE):
             continue
         case_out, runnable = case_rows(case)
         j = case_out[0]
@@ -303,7 +314,7 @@ def main(argv=None) -> int:
               f"best per-knob {g['predicted_loss']:.4f} ({g['checkpoint']}, mb {g['micro_batch']}), "
               f"defaults {case_out[1]['predicted_loss']:.4f}", flush=True)
         if case is TINY and not a.no_measure:
-            measured = measure(runnable, out, reuse=a.reuse)
+            measured = measure(runnable, out, reuse=a.reuse, smoke=a.smoke)
             for r in case_out:
                 r.update(measured.get(r["method"], {}))
         rows += case_out
@@ -327,6 +338,7 @@ def main(argv=None) -> int:
         "cases": len(pred),
         "wall_s": time.perf_counter() - t_start,
         "quick": a.quick,
+        "smoke": a.smoke,
         "machine": f"{platform.node()} {platform.processor() or platform.machine()}, "
                    f"{torch.get_num_threads()} threads",
         "torch": torch.__version__,

@@ -1,6 +1,6 @@
 """Predicted final held-out loss against measured, on this machine's CPU, pilots counted (issue #23).
 
-    python benchmarks/loss.py [--quick] [--out DIR] [--jobs N] [--from-runs]
+    python benchmarks/loss.py [--quick | --smoke] [--out DIR] [--jobs N] [--from-runs]
 
 Protocol (fixed before the first run of this benchmark):
 
@@ -61,6 +61,10 @@ BUDGETS = {"tiny-llama": (0.7e13, 1.4e13, 2.8e13), "gpt2-128": (0.3e13, 0.6e13, 
 """FLOPs; each model's largest is the one its pilots are sized for (a GPT-2 token costs about
 0.4 of a tiny-llama token, so its budgets buy about as many tokens)."""
 QUICK = {"tiny-llama": (2.8e13,)}
+SMOKE = {"tiny-llama": (2e11,)}
+"""--smoke (the test suite's run): tiny-llama at a budget of about 20 micro-batch-1 steps, the
+whole corpus only, one job, each held-out evaluation one sequence (too small for pilots: the plan
+says so and the published law predicts)."""
 TARGETS = dict(final_loss_median_rel_err=0.03, final_loss_max_rel_err=0.06, pilot_flops_frac=0.10,
                batch_choice_vs_best_measured_loss_delta=0.02)
 
@@ -75,7 +79,7 @@ def model_for(name: str, device: str = "cpu"):
     return build_model(MODELS[name], device=device, seed=SEED, name=name)
 
 
-def run_cell(plan_json: str, name: str, out: str) -> dict:
+def run_cell(plan_json: str, name: str, out: str, eval_tokens: int | None = None) -> dict:
     """One grid run (in a worker process, one torch thread): its measured final loss."""
     torch.set_num_threads(1)
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -87,12 +91,13 @@ def run_cell(plan_json: str, name: str, out: str) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     model = model_for(name)
     rec = run(plan, None if isinstance(model, str) else model, load_corpus(vocab_size=VOCAB), out=out,
-              progress=False, checkpoint_every=0)
+              progress=False, checkpoint_every=0, eval_tokens=eval_tokens)
     return {"measured": rec.final_heldout_loss, "steps_run": rec.steps, "stop_reason": rec.stop_reason,
             "wall_s": rec.wall_s, "cpu_s": float(sum(rec.step_cpu_times_s))}
 
 
-def plans_for(name: str, budgets: tuple[float, ...], out: Path, fresh: bool = True) -> tuple[list[dict], dict]:
+def plans_for(name: str, budgets: tuple[float, ...], out: Path, fresh: bool = True,
+              fractions: tuple[float, ...] = FRACTIONS) -> tuple[list[dict], dict]:
     """Calibrate (the largest budget first) and make every cell's plan: (cells, calibration).
     `fresh`: empty the pilot cache first (the protocol); False reuses it (`--from-runs`)."""
     from trainplan.executor.data.batches import load_corpus
@@ -108,7 +113,7 @@ def plans_for(name: str, budgets: tuple[float, ...], out: Path, fresh: bool = Tr
         shutil.rmtree(cache, ignore_errors=True)
     cells, calibration = [], None
     for b in sorted(budgets, reverse=True):
-        for f in FRACTIONS:
+        for f in fractions:
             # a real module: the pilots train copies of it
             solved = solve(model_for(name), "cpu", Budget(flops=b), seq_len=SEQ,
                            data_tokens=len(corpus.train_tokens), micro_batches=MICRO_BATCHES,
@@ -117,7 +122,7 @@ def plans_for(name: str, budgets: tuple[float, ...], out: Path, fresh: bool = Tr
             cal = solved.predictions.loss_calibration
             calibration = calibration or (cal if cal.get("ran") or not fresh else None)
             charged = cal.get("charged", 0.0)
-            if not fresh and cal.get("budget") == b and f == FRACTIONS[0]:
+            if not fresh and cal.get("budget") == b and f == fractions[0]:
                 charged = cal.get("pilot_flops", 0.0)  # the cell whose solve ran the pilots paid for them
             law = plan_law(solved)
             for mb in MICRO_BATCHES:
@@ -159,6 +164,7 @@ def finished(c: dict, out: Path) -> bool:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny-llama at one budget (a smoke run)")
+    ap.add_argument("--smoke", action="store_true", help="tiny-llama at a tiny budget, one job (the test suite's run)")
     ap.add_argument("--out", default="benchmarks/results", help="results folder")
     ap.add_argument("--jobs", type=int, default=2, help="runs at a time (one torch thread each)")
     ap.add_argument("--from-runs", action="store_true",
@@ -168,10 +174,11 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    grids = QUICK if a.quick else BUDGETS
+    grids = SMOKE if a.smoke else QUICK if a.quick else BUDGETS
+    fractions = FRACTIONS[:1] if a.smoke else FRACTIONS
     cells, cals = [], {}
     for name, budgets in grids.items():
-        c, cal = plans_for(name, budgets, out, fresh=not a.from_runs)
+        c, cal = plans_for(name, budgets, out, fresh=not a.from_runs, fractions=fractions)
         cells += c
         cals[name] = cal
         print(f"{name}: calibrated ({cal.get('why', 'no pilots')}); {len(c)} plans", flush=True)
@@ -179,8 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.from_runs:
         cells = [c for c in cells if finished(c, out)]
     else:
-        with ProcessPoolExecutor(a.jobs, mp_context=get_context("spawn")) as pool:
-            futures = [pool.submit(run_cell, c["plan"], c["model"], str(run_dir(c, out))) for c in cells]
+        with ProcessPoolExecutor(1 if a.smoke else a.jobs, mp_context=get_context("spawn")) as pool:
+            futures = [pool.submit(run_cell, c["plan"], c["model"], str(run_dir(c, out)), SEQ if a.smoke else None)
+                       for c in cells]
             for c, fu in zip(cells, futures, strict=True):
                 c.update(fu.result())
     for c in cells:
@@ -197,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         picked = g.loc[g["picked"], "measured"]
         deltas.append(float(picked.iloc[0] - g["measured"].min()) if len(picked) else float("nan"))
     fracs = {n: c.get("pilot_flops", 0.0) / c["budget"] for n, c in cals.items() if c.get("budget")}
-    grid_fracs = {n: cals[n].get("pilot_flops", 0.0) / sum(grids[n]) / len(FRACTIONS) for n in fracs}
+    grid_fracs = {n: cals[n].get("pilot_flops", 0.0) / sum(grids[n]) / len(fractions) for n in fracs}
     err = df["rel_err"].abs()
     summary = {
         "final_loss_median_rel_err": float(err.median()), "final_loss_max_rel_err": float(err.max()),
@@ -209,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         "within_band": f"{int(((df['predicted'] - df['measured']).abs() <= df['band']).sum())} of {len(df)}",
         "calibration": {n: {k: c.get(k) for k in ("why", "pilot_flops", "pilot_s", "budget")} | {
             "fit": {k: v for k, v in c.get("fit", {}).items() if k != "points"}} for n, c in cals.items()},
-        "quick": a.quick, "seed": SEED, "wall_s": time.time() - t0,
+        "quick": a.quick, "smoke": a.smoke, "seed": SEED, "wall_s": time.time() - t0,
         "machine": f"{platform.machine()}, 1 torch thread x {a.jobs} process(es)", "torch": torch.__version__,
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
     }

@@ -1,7 +1,7 @@
 """Longest sequence each memory-saving strategy trains under a fixed memory cap, on this
 machine's CPU with the real executor, and its step-time overhead against no checkpointing.
 
-    python benchmarks/remat.py [--quick] [--out DIR]
+    python benchmarks/remat.py [--quick | --smoke] [--out DIR]
 
 Model: `tiny-llama` (4 layers, hidden 256, GQA 8/4 heads, fp32, AdamW) with a 2048-token BPE of
 the default corpus. The vocabulary matters: the LM head and the loss sit outside every block's
@@ -68,11 +68,17 @@ from pathlib import Path
 import pandas as pd
 import torch
 from _remat_plans import LADDER, MIB, VOCAB, Planner, describe, plan_for
-from _remat_runs import LOAD_SAMPLES, interleaved_times, real_run
+from _remat_runs import LOAD_SAMPLES, ROUNDS, interleaved_times, real_run
 
 CASES = {True: [(96, 1)], False: [(96, 1), (112, 1), (160, 2)]}
 """(memory cap MiB, micro-batch) per grid; --quick is the first."""
+SMOKE_CASE = (92, 1)
+"""--smoke's case: a cap just above the model states (about 88 MiB)."""
+SMOKE_MAX_SEQ = 1024
+"""--smoke searches sequences up to this only (the solver's plan would reach 2456 tokens)."""
 OURS, OURS_FAST = "trainplan", "trainplan_10pct"
+SMOKE_STRATEGIES = ("no_ac", OURS)
+"""--smoke (the test suite's run): `SMOKE_CASE`, no checkpointing against the solver's plan."""
 STRATEGIES = {True: ("no_ac", "full_ac_tiled", OURS),
               False: ("no_ac", "full_ac", "autosp", "torch_knapsack", "full_ac_tiled", OURS)}
 MAX_RUNS = 3
@@ -90,12 +96,17 @@ def _measured(choice: dict, plan, peak: float, flops: float) -> dict:
                 predicted_flops=plan.predictions.flops_per_step, checkpoint=describe(choice))
 
 
-def run_case(planner: Planner, cap_mib: int, mb: int, strategies, data, out: Path, timed) -> list[dict]:
+def run_case(planner: Planner, cap_mib: int, mb: int, strategies, data, out: Path, timed,
+             smoke: bool = False) -> list[dict]:
+    """Every strategy of one (cap, micro-batch) case; `smoke`: one timed round per plan and one
+    rung of `_within_target`'s ladder."""
+    rounds = 1 if smoke else ROUNDS
     cap, t_case = cap_mib * MIB, time.perf_counter()
     rows = []
     for name in strategies:
         t0 = time.perf_counter()
-        idx = planner.longest(name, mb, cap)
+        max_seq = SMOKE_MAX_SEQ if smoke else None
+        idx = planner.longest(name, mb, cap, max_seq)
         search_s = time.perf_counter() - t0
         row = dict(cap_mib=cap_mib, micro_batch=mb, strategy=name, predicted_max_seq=LADDER[idx] if idx >= 0 else 0,
                    search_s=search_s, max_seq=0, attempts="")
@@ -114,7 +125,7 @@ def run_case(planner: Planner, cap_mib: int, mb: int, strategies, data, out: Pat
                 break
             # the run overshot its prediction: search again under the cap less the overshoot
             margin += peak - choice["peak"]
-            idx = min(idx - 1, planner.longest(name, mb, cap - margin))
+            idx = min(idx - 1, planner.longest(name, mb, cap - margin, max_seq))
         rows.append(row)
         print(f"  cap {cap_mib} MiB mb {mb} {name:15s} predicted {row['predicted_max_seq']:5d} "
               f"trained {row['max_seq']:5d} (measured {row.get('measured_peak_mib', 0):.2f} MiB, "
@@ -132,35 +143,37 @@ def run_case(planner: Planner, cap_mib: int, mb: int, strategies, data, out: Pat
         plans = [plan_for(planner, planner.plan("no_ac", seq, mb, float("inf")), seq, mb)]
         plans += [plan_for(planner, planner.plan(r["strategy"], seq, mb, cap - r["margin"]), seq, mb)
                   for r in group]
-        base_s, *mine = interleaved_times(plans, data)
+        base_s, *mine = interleaved_times(plans, data, rounds)
         for r, t in zip(group, mine, strict=True):
             r["timed_step_s"], r["timed_no_ac_step_s"], r["overhead"] = t, base_s, t / base_s - 1
     ours = next((r for r in rows if r["strategy"] == OURS and "overhead" in r), None)
     if ours is not None:
-        rows.append(_within_target(planner, ours, data, out))
+        rows.append(_within_target(planner, ours, data, out, rounds, max_rungs=1 if smoke else len(LADDER)))
     for r in rows:
         r["case_wall_s"] = time.perf_counter() - t_case
     return rows
 
 
-def _within_target(planner: Planner, ours: dict, data, out: Path) -> dict:
+def _within_target(planner: Planner, ours: dict, data, out: Path, rounds: int = ROUNDS,
+                   max_rungs: int = len(LADDER)) -> dict:
     """trainplan's plan at the longest sequence (at most its longest) whose *measured* overhead
     is within OVERHEAD_TARGET, under the same cap: down the ladder from its longest sequence,
     at each rung the solver's fastest plan that fits the cap timed against no checkpointing at
-    that rung, then a real run confirms the memory."""
+    that rung, then a real run confirms the memory; at most `max_rungs` rungs timed."""
     cap, mb = ours["cap_mib"] * MIB, ours["micro_batch"]
     row = dict(ours, strategy=OURS_FAST, max_seq=0, attempts="")
     if ours["overhead"] <= OVERHEAD_TARGET:
         return dict(row, max_seq=ours["max_seq"], attempts=f"{ours['max_seq']}:{ours['overhead']:+.1%} ")
     idx, margin = LADDER.index(ours["max_seq"]) - 1, 0.0
-    while idx >= 0:
+    last = idx - max_rungs
+    while idx >= 0 and idx > last:
         seq = LADDER[idx]
         choice = planner.plan(OURS, seq, mb, cap - margin)
         base = planner.plan("no_ac", seq, mb, float("inf"))
         if choice is None:
             break
         plan = plan_for(planner, choice, seq, mb)
-        t, tb = interleaved_times([plan, plan_for(planner, base, seq, mb)], data)
+        t, tb = interleaved_times([plan, plan_for(planner, base, seq, mb)], data, rounds)
         row["attempts"] += (f"{seq}:{t / tb - 1:+.1%}(predicted {choice['step_s'] / base['step_s'] - 1:+.1%})"
                             f"[{describe(choice)}]")
         if t / tb - 1 > OVERHEAD_TARGET:
@@ -227,25 +240,28 @@ def summarize(df: pd.DataFrame, quick: bool) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="one cap, three strategies: 4-8 minutes")
+    ap.add_argument("--smoke", action="store_true", help="a tight cap, no_ac and trainplan only (the test suite's run)")
     ap.add_argument("--out", default="benchmarks/results")
     a = ap.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     from trainplan.executor.data.batches import load_corpus
 
+    a.quick = a.quick or a.smoke
     load_start = os.getloadavg()
     data = load_corpus(vocab_size=VOCAB)
     planner = Planner()
     rows = []
     t0 = time.perf_counter()
-    for cap_mib, mb in CASES[a.quick]:
+    for cap_mib, mb in [SMOKE_CASE] if a.smoke else CASES[a.quick]:
         timed = (OURS,) if a.quick else STRATEGIES[a.quick]  # whose overhead is timed
-        rows += run_case(planner, cap_mib, mb, STRATEGIES[a.quick], data, out, timed)
+        rows += run_case(planner, cap_mib, mb, SMOKE_STRATEGIES if a.smoke else STRATEGIES[a.quick], data, out, timed,
+                         a.smoke)
     df = pd.DataFrame(rows)
     noac = df[df.strategy == "no_ac"].set_index(["cap_mib", "micro_batch"])["max_seq"]
     df["ratio_vs_no_ac"] = [r.max_seq / noac[(r.cap_mib, r.micro_batch)] for r in df.itertuples()]
     df.to_csv(out / "remat.csv", index=False)
-    summary = summarize(df, a.quick) | {
+    summary = summarize(df, a.quick) | {"smoke": a.smoke,
         "wall_s": time.perf_counter() - t0,
         "load_avg_start": [round(x, 2) for x in load_start], "load_avg_end": [round(x, 2) for x in os.getloadavg()],
         "load_1min_at_timings_max": max(LOAD_SAMPLES, default=float("nan"))}

@@ -17,7 +17,10 @@ predictions use the `cpu` profile measured with one thread) and compares:
 - the train loss at every step against SP 1 at the same sequence length (same data, same
   init): |loss_P - loss_1| / loss_1.
 
-    python benchmarks/sp.py [--quick] [--out DIR]
+    python benchmarks/sp.py [--quick | --smoke] [--out DIR]
+
+`--smoke`: SP 1 and SP 2 (ZeRO 0) at 128 tokens, the same code path (one process and torchrun)
+and output files; for the test suite.
 
 Writes DIR/sp.csv (one row per case) and DIR/sp.json (summary); runs under DIR/runs/sp/.
 """
@@ -45,12 +48,15 @@ STEPS = 8  # 2 warm-up, 1 MemTracker, 1 FlopCounterMode, 4 timed (2 after warm-u
 CATEGORIES = ("params", "grads", "optimizer", "activations", "temporaries")
 
 
-def grid(quick: bool) -> list[dict]:
-    """Cases: for each sequence length SP 1 (one process), then SP 2 and 4 at each ZeRO stage.
+def grid(quick: bool, smoke: bool = False) -> list[dict]:
+    """Cases: for each sequence length SP 1 (one process), then SP 2 and 4 at each ZeRO stage;
+    `smoke`: SP 1 and SP 2 at 128 tokens (the SP 2 loss is compared with SP 1's).
 
     Sequence lengths are long enough that activations, not model states, set the peak at SP 1
     (tiny-llama's model states are ~100 MiB in fp32 with Adam; its activations ~57 MiB per 512
     tokens), so the peak moves from activations to model states as P grows."""
+    if smoke:
+        return [dict(seq_len=128, sp_degree=1, zero_stage=0), dict(seq_len=128, sp_degree=2, zero_stage=0)]
     seqs, zeros = ((512,), (0, 3)) if quick else ((512, 1024, 2048), (0, 2, 3))
     cases = []
     for s in seqs:
@@ -59,7 +65,7 @@ def grid(quick: bool) -> list[dict]:
     return cases
 
 
-def use_one_thread_per_rank(root: Path) -> None:
+def use_one_thread_per_rank(root: Path, smoke: bool = False) -> None:
     """Make this process and its torchrun workers alike: one torch thread each, one private
     trainplan cache (`root`) holding the 1-thread cpu profile the predictions use.
 
@@ -68,7 +74,8 @@ def use_one_thread_per_rank(root: Path) -> None:
     measured at one thread and every rank runs at one. With one thread everywhere a
     "device" is one core for SP 1 and 2 (SP 4 puts two ranks on each of 2 cores), the profile is
     measured once, and the user's cache is untouched. The tokenizer and token caches are
-    linked from the user's cache."""
+    linked from the user's cache. `smoke`: the profile is measured with the quick probes
+    (`measure_cpu(quick=True)`, seconds instead of ~25 s) and saved there first."""
     from trainplan.hardware_profiles.cache import cache_root
 
     src = cache_root()
@@ -79,10 +86,16 @@ def use_one_thread_per_rank(root: Path) -> None:
     os.environ["TRAINPLAN_CACHE_DIR"] = str(root)
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
+    if smoke:
+        from trainplan.hardware_profiles.cpu import measure_cpu, save_profile
+
+        save_profile(measure_cpu(quick=True))
 
 
-def run_case(case: dict, out: Path):
-    """Plan and run one case; returns (plan, record, wall seconds including launch, run dir)."""
+def run_case(case: dict, out: Path, smoke: bool = False):
+    """Plan and run one case; returns (plan, record, wall seconds including launch, run dir).
+    `smoke`: one held-out evaluation of one micro-batch, at the last step (the default evaluates
+    16,384 tokens every step of these 8-step runs; this benchmark reads only the train loss)."""
     from trainplan.executor.reporting.report import load_run
     from trainplan.executor.train import run
     from trainplan.executor.worker import launch
@@ -97,11 +110,12 @@ def run_case(case: dict, out: Path):
     run_dir.mkdir(parents=True)
     plan.to_json(run_dir / "plan.json")
     t0 = time.perf_counter()
+    evals = dict(eval_every=STEPS, eval_tokens=case["seq_len"] * MICRO_BATCH) if smoke else {}
     if p > 1:
-        launch(run_dir / "plan.json", run_dir, None, None)
+        launch(run_dir / "plan.json", run_dir, None, None, **evals)
         plan, record = load_run(run_dir)
     else:
-        record = run(plan, out=run_dir, progress=False)
+        record = run(plan, out=run_dir, progress=False, **evals)
     return plan, record, time.perf_counter() - t0, run_dir
 
 
@@ -160,7 +174,7 @@ def add_loss_diffs(df: pd.DataFrame) -> pd.DataFrame:
     return df
 
 
-def summarize(df: pd.DataFrame, quick: bool) -> dict:
+def summarize(df: pd.DataFrame, quick: bool, smoke: bool = False) -> dict:
     """The flat summary written to sp.json."""
     def mx(col, rows=df):
         xs = rows[col].dropna().abs()
@@ -187,6 +201,7 @@ def summarize(df: pd.DataFrame, quick: bool) -> dict:
         "all_runs_completed": bool((df["stop_reason"] == "budget").all()
                                    and (df["steps"] == STEPS).all()),
         "quick": quick,
+        "smoke": smoke,
         "machine": f"{platform.node()} {platform.processor() or platform.machine()}, "
                    f"{os.cpu_count()} cores, {torch.get_num_threads()} torch thread per rank",
         "torch": torch.__version__,
@@ -198,18 +213,19 @@ def summarize(df: pd.DataFrame, quick: bool) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smaller grid, about three minutes")
+    ap.add_argument("--smoke", action="store_true", help="SP 1 and 2 at 128 tokens, for the test suite")
     ap.add_argument("--out", default="benchmarks/results")
     a = ap.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     cache = Path(tempfile.mkdtemp(prefix="trainplan-sp-cache-"))
     old_cache = os.environ.get("TRAINPLAN_CACHE_DIR")
-    use_one_thread_per_rank(cache)
+    use_one_thread_per_rank(cache, a.smoke)
     rows = []
     t_all = time.perf_counter()
     try:
-        for i, case in enumerate(grid(a.quick)):
-            plan, record, wall, run_dir = run_case(case, out)
+        for i, case in enumerate(grid(a.quick, a.smoke)):
+            plan, record, wall, run_dir = run_case(case, out, a.smoke)
             row = case_row(case, plan, record, wall, run_dir)
             rows.append(row)
             mib = 2**20
@@ -227,7 +243,7 @@ def main(argv=None) -> int:
             os.environ["TRAINPLAN_CACHE_DIR"] = old_cache
     df = add_loss_diffs(pd.DataFrame(rows))
     df.to_csv(out / "sp.csv", index=False)
-    summary = summarize(df, a.quick)
+    summary = summarize(df, a.quick, a.smoke)
     summary["wall_s"] = time.perf_counter() - t_all
     (out / "sp.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary, indent=2))

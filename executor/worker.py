@@ -65,7 +65,8 @@ def launch(plan_path: str | Path, out: Path, data: list[str] | None, device: str
            resume: bool = False, checkpoint_every: int | None = None,
            stop_after_steps: int | None = None, check_fits: bool = True, threads: int | None = None,
            trackers: TrackerSpec | None = None, nodes: Rendezvous | None = None,
-           data_options: DataOptions | None = None) -> bool:
+           data_options: DataOptions | None = None, eval_every: int | None = None,
+           eval_tokens: int | None = None) -> bool:
     """Run the plan at `plan_path` on `decisions.devices` processes; rank 0 writes
     `out/record.json`. `resume`, `checkpoint_every`, `stop_after_steps`: as in
     `trainplan.executor.train.run`, on every rank. `check_fits`: first check that this node's processes
@@ -76,7 +77,9 @@ def launch(plan_path: str | Path, out: Path, data: list[str] | None, device: str
     (torchrun would set it to 1). `trackers`: as in `trainplan.executor.train.run` (rank 0 reports;
     checked here first). `nodes`: this node's part of a multi-node job (every node calls
     `launch` with the same plan and its own `node_rank`); None: one node (`--standalone`).
-    `data_options`: how the workers read `data` (`trainplan.executor.data.sources.DataOptions`: the
+    `eval_every`, `eval_tokens`: the held-out evaluation's period (steps) and size (tokens), as in
+    `trainplan.executor.train.run`; None: its defaults. `data_options`: how the workers read
+    `data` (`trainplan.executor.data.sources.DataOptions`: the
     model's tokenizer, a token file's dtype, the text column); None: the defaults.
 
     SIGINT (Ctrl-C) or SIGTERM to this process stops the job: torchrun passes SIGTERM on to
@@ -120,6 +123,10 @@ def launch(plan_path: str | Path, out: Path, data: list[str] | None, device: str
         args += ["--stop-after-steps", str(stop_after_steps)]
     if not check_fits:
         args.append("--no-fit-check")
+    if eval_every is not None:
+        args += ["--eval-every", str(eval_every)]
+    if eval_tokens is not None:
+        args += ["--eval-tokens", str(eval_tokens)]
     if trackers is not None:
         args += trackers.argv()
     if data_options is not None:  # --tokenizer, --token-dtype, --text-column
@@ -166,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--checkpoint-every", type=int)
     ap.add_argument("--stop-after-steps", type=int, help="for tests: act as if interrupted then")
     ap.add_argument("--no-fit-check", action="store_true", help="skip trainplan.executor.fit_check")
+    ap.add_argument("--eval-every", type=int, help="held-out evaluation period (steps)")
+    ap.add_argument("--eval-tokens", type=int, help="held-out tokens per evaluation")
     ap.add_argument("--rank0-file", help="global rank 0 writes its host name here (hosted_rank0)")
     for flag in FLAGS.values():  # --tensorboard DIR, --wandb-project NAME, --trackio-project NAME
         ap.add_argument(flag)
@@ -176,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     data = load_corpus(a.data or None, vocab_size=plan.vocab_size, **DataOptions.from_args(a).kwargs())
     run(plan, data=data, out=a.out, device=a.device, progress=False, resume=a.resume,
         checkpoint_every=a.checkpoint_every, stop_after_steps=a.stop_after_steps,
-        check_fits=not a.no_fit_check, trackers=TrackerSpec.from_args(a))
+        check_fits=not a.no_fit_check, trackers=TrackerSpec.from_args(a), eval_every=a.eval_every,
+        eval_tokens=a.eval_tokens)
     return 0
 
 
