@@ -233,3 +233,24 @@ def test_fit_check_refuses_decisions_edited_after_the_predictions(plan):
             check_fits(full, torch.device(dev))
     old = dataclasses.replace(full, predictions=dataclasses.replace(full.predictions, made_for={}))
     check_fits(old, torch.device("cpu"))  # a plan written before made_for: not checked
+
+
+def test_a_seconds_budget_stops_the_run_at_its_wall_clock(plan, corpus, tmp_path, torch_threads, monkeypatch):
+    """Issue #40, item 15: a plan budgeted in seconds has its steps planned from predicted step
+    times; on a slower (or loaded) machine it must still stop on time. With a fake clock that
+    advances 1 s per reading, a 3.5 s budget of a 12-step plan stops at the first step boundary
+    past it (step 4), says so, and measures the held-out loss there."""
+    import trainplan.executor.train as train
+
+    ticks = iter(range(10**6))
+    monkeypatch.setattr(train, "wall_clock", lambda: float(next(ticks)))
+    budgeted = dataclasses.replace(_capped(plan, 12), budget={**plan.budget, "wall_clock_s": 3.5})
+    with torch_threads(1):
+        rec = run(budgeted, data=corpus, out=tmp_path / "run", device="cpu", progress=False, checkpoint_every=0)
+    assert (rec.stop_reason, rec.steps) == ("budget", 4), (rec.stop_reason, rec.steps)
+    assert rec.heldout_loss[-1][0] == 4 and math.isfinite(rec.final_heldout_loss), rec.heldout_loss
+    assert any("wall-clock budget of 3.5 s reached after 4 of 12 planned steps" in n for n in rec.notes), rec.notes
+    unbudgeted = dataclasses.replace(_capped(plan, 5), budget={**plan.budget, "wall_clock_s": None})
+    with torch_threads(1):
+        full = run(unbudgeted, data=corpus, out=tmp_path / "run2", device="cpu", progress=False, checkpoint_every=0)
+    assert (full.stop_reason, full.steps) == ("budget", 5)
