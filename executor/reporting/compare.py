@@ -16,14 +16,18 @@ import math
 
 import pandas as pd
 
+from trainplan.costmodels.loss.cache import law_from_fields
+from trainplan.costmodels.loss.planned import run_loss
 from trainplan.executor.record import RunRecord
 from trainplan.executor.reporting.frames import MEMORY_CATEGORIES, float_or_nan
 from trainplan.planner.plan import Plan
 
-__all__ = ["COLUMNS", "compare", "format_table", "format_value"]
+__all__ = ["COLUMNS", "compare", "format_table", "format_value", "loss_at_steps"]
 
 COLUMNS = ("term", "predicted", "measured", "unit", "rel_err")
 """Columns of `compare`'s DataFrame, in order."""
+GOVERNOR_STOPS = ("marginal_gain", "governor")
+"""Stop reasons of a run its compute governor ended: a stop the plan meant, not a run cut short."""
 
 
 def _rel_err(predicted: float, measured: float) -> float:
@@ -44,6 +48,10 @@ def compare(plan: Plan, record: RunRecord) -> pd.DataFrame:
     at, its governor's cooldown included, vs the steps it ran; the predicted and decided stop
     themselves are in the plan and the run's governor.json), `final_loss` (nats/token, the
     last held-out loss; a governed plan predicts it at its predicted end step).
+    A run that stopped before the plan's end (interrupted, a wall-clock budget, a user's own loop
+    left early; not a governed plan, nor a stop of its governor, `GOVERNOR_STOPS`) gets a `steps` row (planned, run), and its `tokens` and
+    `final_loss` are predicted at the steps it ran (`loss_at_steps`), not at the plan's end
+    (issue #40, item 10: 10 of 2,305 steps once read "tokens off by +22950%").
     A missing measurement is NaN ("not measured", not a miss); `rel_err` is NaN when the
     measurement is 0 or NaN. Runs too short for the fixed measured steps (`measure.measured_step`)
     leave a zero total peak, zero FLOPs or only warm-up step times: those are missing too.
@@ -60,15 +68,38 @@ def compare(plan: Plan, record: RunRecord) -> pd.DataFrame:
         timed = float_or_nan(record.median_step_time_s) if len(record.step_times_s) > 2 else math.nan
         rows.append(("step_time", float_or_nan(pred.step_time_s), timed, "s"))
     end = getattr(pred, "predicted_end_step", None)  # a governed plan: where it ends, its loss there
+    steps = plan.decisions.max_steps
+    # stopped before the plan's end, not by its governor (see below)
+    cut = end is None and 0 < record.steps < steps and record.stop_reason not in GOVERNOR_STOPS
     tokens = pred.total_tokens if end is None else end * pred.tokens_per_step
+    loss = pred.final_loss if end is None else pred.predicted_end_loss
+    if cut:
+        rows.append(("steps", float(steps), float(record.steps), "steps"))
+        tokens, loss = record.steps * pred.tokens_per_step, loss_at_steps(plan, record.steps)
     rows.append(("tokens", float_or_nan(tokens), float_or_nan(record.tokens), "tokens"))
     if end is not None:
         rows.append(("end_step", float(end), float(record.steps), "steps"))
-    rows.append(("final_loss", float_or_nan(pred.final_loss if end is None else pred.predicted_end_loss),
-                 float_or_nan(record.final_heldout_loss), "nats"))
+    rows.append(("final_loss", float_or_nan(loss), float_or_nan(record.final_heldout_loss), "nats"))
     df = pd.DataFrame(rows, columns=list(COLUMNS[:4]))
     df["rel_err"] = [_rel_err(p, m) for p, m in zip(df["predicted"], df["measured"], strict=False)]
     return df
+
+
+def loss_at_steps(plan: Plan, steps: int) -> float:
+    """The plan's predicted final loss (nats/token) moved to a run of `steps` optimizer steps:
+    `Predictions.final_loss` plus the difference of the plan's own law (`Predictions.loss_law`,
+    `trainplan.costmodels.loss.planned.run_loss`, same batch, warmup and unique tokens) between
+    `steps` and the planned `max_steps`, so the plan's data-quality and bits terms carry over.
+    The law describes a finished run (its cooldown included); a run stopped at `steps` never
+    cooled down, so it is expected at or above this. NaN for a plan without a recorded law."""
+    d, p = plan.decisions, plan.predictions
+    if not p.loss_law or not math.isfinite(p.final_loss):
+        return math.nan
+    law = law_from_fields(p.loss_law)
+    unique = max(1.0, d.data_fraction * plan.data_tokens) if plan.data_tokens else None
+    kw = dict(tokens_per_step=p.tokens_per_step, unique_tokens=unique, warmup_steps=d.warmup_steps)
+    return p.final_loss + (run_loss(law, plan.model_n_params, steps=steps, **kw)
+                           - run_loss(law, plan.model_n_params, steps=d.max_steps, **kw))
 
 
 # --- text table -------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import pandas as pd
 
 from trainplan.executor.reporting.compare import format_value
 
-__all__ = ["HELD", "NOT_HELD", "NOT_MEASURED", "NO_PREDICTION", "TOLERANCES", "VERDICT_COLUMNS",
+__all__ = ["CUT_SHORT", "HELD", "NOT_HELD", "NOT_MEASURED", "NO_PREDICTION", "TOLERANCES", "VERDICT_COLUMNS",
            "summary_line", "term_label", "tolerance", "verdict_frame"]
 
 TOLERANCES: dict[str, float] = {
@@ -44,10 +44,13 @@ VERDICT_COLUMNS = ("run", "term", "label", "predicted", "measured", "unit", "rel
 
 HELD, NOT_HELD, NOT_MEASURED, NO_PREDICTION = "held", "not held", "not measured", "no prediction"
 """The verdicts of `verdict_frame` (module docstring)."""
+CUT_SHORT = "cut short"
+"""The verdict of the `steps` row of a run stopped before its plan's end (`compare`): no
+prediction missed, the run was stopped; its tokens and loss are compared at the steps it ran."""
 
 _LABELS = {"peak_memory": "peak memory", "flops_per_step": "FLOPs per step",
            "step_time": "step time", "tokens": "tokens", "final_loss": "final loss",
-           "end_step": "governed end step"}
+           "end_step": "governed end step", "steps": "steps"}
 
 
 def tolerance(term: str) -> float:
@@ -83,8 +86,9 @@ def verdict_frame(comparison: pd.DataFrame, run: str = "") -> pd.DataFrame:
     df["run"] = run
     df["label"] = [term_label(t) for t in df["term"]]
     df["tolerance"] = [tolerance(t) for t in df["term"]]
-    df["verdict"] = [_verdict(float(p), float(m), float(t))
-                     for p, m, t in zip(df["predicted"], df["measured"], df["tolerance"], strict=False)]
+    df["verdict"] = [CUT_SHORT if term == "steps" else _verdict(float(p), float(m), float(t))
+                     for term, p, m, t in zip(df["term"], df["predicted"], df["measured"], df["tolerance"],
+                                              strict=False)]
     return df[list(VERDICT_COLUMNS)].reset_index(drop=True)
 
 
@@ -112,8 +116,13 @@ def summary_line(verdicts: pd.DataFrame, same_hardware: bool = True, most: int =
     if len(misses) > most:
         said.append(f"{len(misses) - most} more")
     line = parts[0] + ("; " + ", ".join(said) if said else "")
+    cut = verdicts[verdicts["verdict"] == CUT_SHORT]
+    if len(cut):  # said first: it changes what the rest compares
+        r = cut.iloc[0]
+        line = (f"run cut short at step {r.measured:,.0f} of {r.predicted:,.0f} (tokens and final loss "
+                f"predicted at the steps run); " + line)
     line = line[0].upper() + line[1:]
-    n_missing = int((~verdicts["verdict"].isin([HELD, NOT_HELD])).sum())
+    n_missing = int((~verdicts["verdict"].isin([HELD, NOT_HELD, CUT_SHORT])).sum())
     if n_missing:
         line += f"; {n_missing} not measured"
     if not same_hardware:

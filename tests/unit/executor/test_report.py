@@ -85,6 +85,36 @@ def test_short_run_reports_unmeasured_terms_as_not_measured():
     assert "3 not measured" in summary_line(v.reset_index())
 
 
+def test_a_run_cut_short_is_compared_at_the_steps_it_ran():
+    """Issue #40, item 10: an own loop left after 10 of 2,305 steps read "tokens off by +22950%"
+    and compared the loss predicted at 590k tokens with the loss at 2.5k. A run stopped before
+    its plan's end gets a `steps` row ("cut short"), its tokens and final loss are predicted at
+    the steps it ran, and the summary line says so first."""
+    import dataclasses
+
+    from trainplan.costmodels.loss.law import LossLaw
+    from trainplan.executor.reporting.compare import loss_at_steps
+    from trainplan.executor.reporting.verdicts import CUT_SHORT, HELD, summary_line, verdict_frame
+
+    base = make_plan()
+    law = dataclasses.asdict(LossLaw.besiroglu2024())
+    plan = dataclasses.replace(base, predictions=dataclasses.replace(base.predictions, loss_law=law))
+    rec = make_record(steps=10, tokens=10 * 4096, stop_reason="interrupted")
+    df = compare(plan, rec).set_index("term")
+    assert (df.loc["steps", "predicted"], df.loc["steps", "measured"]) == (100, 10)
+    assert df.loc["tokens", "predicted"] == 10 * 4096 and df.loc["tokens", "rel_err"] == 0.0
+    at10 = loss_at_steps(plan, 10)
+    assert df.loc["final_loss", "predicted"] == pytest.approx(at10)
+    assert at10 > plan.predictions.final_loss  # fewer tokens, a higher loss
+    assert loss_at_steps(plan, 100) == pytest.approx(plan.predictions.final_loss)  # the plan's own end
+    v = verdict_frame(df.reset_index()).set_index("term")
+    assert v.loc["steps", "verdict"] == CUT_SHORT and v.loc["tokens", "verdict"] == HELD
+    line = summary_line(v.reset_index())
+    assert line.startswith("Run cut short at step 10 of 100"), line
+    full = compare(plan, make_record(steps=100, stop_reason="budget")).set_index("term")
+    assert "steps" not in full.index and full.loc["final_loss", "predicted"] == plan.predictions.final_loss
+
+
 # --- frames -----------------------------------------------------------------------------------
 
 
