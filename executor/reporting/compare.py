@@ -49,9 +49,10 @@ def compare(plan: Plan, record: RunRecord) -> pd.DataFrame:
     themselves are in the plan and the run's governor.json), `final_loss` (nats/token, the
     last held-out loss; a governed plan predicts it at its predicted end step).
     A run that stopped before the plan's end (interrupted, a wall-clock budget, a user's own loop
-    left early; not a governed plan, nor a stop of its governor, `GOVERNOR_STOPS`) gets a `steps` row (planned, run), and its `tokens` and
-    `final_loss` are predicted at the steps it ran (`loss_at_steps`), not at the plan's end
-    (issue #40, item 10: 10 of 2,305 steps once read "tokens off by +22950%").
+    left early; not a governed plan, nor a stop of its governor, `GOVERNOR_STOPS`) gets a `steps`
+    row (planned, run), and its `tokens` and `final_loss` are predicted at the steps it ran
+    (`loss_at_steps`), not at the plan's end (issue #40, item 10: 10 of 2,305 steps once read
+    "tokens off by +22950%").
     A missing measurement is NaN ("not measured", not a miss); `rel_err` is NaN when the
     measurement is 0 or NaN. Runs too short for the fixed measured steps (`measure.measured_step`)
     leave a zero total peak, zero FLOPs or only warm-up step times: those are missing too.
