@@ -49,6 +49,7 @@ from trainplan.planner.joint.remat_menu import (
 )
 from trainplan.planner.joint.search import (
     budget_cap,
+    budget_infeasible,
     budget_terms,
     lightest_uniform,
     memory_infeasible,
@@ -309,9 +310,7 @@ def solve_joint(step_model: StepModel, hw: HardwareProfile, budget: Budget, *, s
         err.binding = "time limit"
         raise err
     else:
-        raise InfeasibleError(
-            f"no plan fits the budget {budget.to_dict()} (solver status {solver.status_name(status)}); "
-            "raise the budget, add devices or shorten the sequence")
+        raise budget_infeasible(combos, L, mem_cap, wall, budget, devices, levels[0])
     c = combos[ci]
     # ---- polish: the token levels are a grid, so at the chosen token level and data fraction
     # (and optimizer bits: the same loss) take the combo and entries with the least cost per

@@ -46,3 +46,15 @@ def test_the_default_search_finds_the_larger_batch(config, tmp_path, capsys):
     assert default.decisions.micro_batch == 8, default.decisions
     objective = float(re.search(r"objective (\S+) nats predicted loss", out).group(1))
     assert abs(objective - default.predictions.final_loss) < 1e-3, out
+
+
+def test_an_infeasible_budget_names_what_binds_with_both_numbers(config, capsys):
+    """Item 3: `--devices 100000 --budget-device-hours 1000` exited 3 with "raise the budget, add
+    devices or shorten the sequence"; now one line names the compute budget and both numbers."""
+    rc = cli.main(["solve", "--model", str(config), "--hw", "h100", "--devices", "100000", "--seq-len", "4096",
+                   "--budget-device-hours", "1000"])
+    _, err = capsys.readouterr()
+    assert rc == 3, err
+    line = err.strip().splitlines()[-1]
+    assert "compute budget binds" in line and "device_hours=1000 gives 36 s on each of 100,000" in line, line
+    assert re.search(r"needs [0-9.]+ s for its first", line), line
