@@ -99,8 +99,8 @@ def _facts(plan: Plan, record: RunRecord, run_dir: Path) -> list[tuple[str, str]
         ("data", f"{d.data_fraction:g} of {plan.data_tokens:,} unique tokens ({d.data_method})"),
         ("stopping budget", f"{d.max_tokens:,} tokens = {d.max_steps:,} steps; governor threshold "
                             f"{d.governor_threshold:g} nats/step"),
-        ("solver", f"{s.status} in {s.wall_s:.2f} s (objective {s.objective:.4g}, bound {s.bound:.4g}, "
-                   f"seed {s.seed}, time limit {s.time_limit_s:g} s)"),
+        ("solver", f"{s.status} in {s.wall_s:.2f} s wall (limit {s.time_limit_s:g} deterministic s; objective "
+                   f"{s.objective:.4g} nats predicted loss, bound {s.bound:.4g}, seed {s.seed})"),
         ("stop", f"{record.stop_reason or 'unknown'} after {record.steps:,} steps, "
                  f"{record.tokens:,} tokens, {record.wall_s:.0f} s wall"),
         ("run folder", str(run_dir.resolve())),

@@ -80,8 +80,10 @@ def print_plan(plan: Plan) -> None:
     s = plan.solver
     status = s.status
     if s.status == "FEASIBLE":  # the time limit ended the search: best found, not proven optimal
-        status += f" (not optimal, gap {s.gap:.3%}; time limit {s.time_limit_s:g} s)"
-    print(f"  solver: {status} in {s.wall_s:.2f} s (objective {s.objective:.0f}, bound {s.bound:.0f}, "
-          f"seed {s.seed})")
+        status += f" (not optimal, gap {s.gap:.3%})"
+    # the limit is CP-SAT's deterministic time (work, not seconds: the same plan under any load);
+    # the wall time beside it is what this solve took here
+    print(f"  solver: {status} in {s.wall_s:.2f} s wall (limit {s.time_limit_s:g} deterministic s; "
+          f"objective {s.objective:.4f} nats predicted loss, bound {s.bound:.4f}, seed {s.seed})")
     for warning in plan.warnings:  # e.g. a sequence beyond the model's positions: one line each
         print(f"  warning: {warning}")

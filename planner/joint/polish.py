@@ -21,11 +21,20 @@ from dataclasses import dataclass
 from ortools.sat.python import cp_model
 from scipy.optimize import linprog
 
+from trainplan.costmodels.loss.law import LossLaw
+from trainplan.costmodels.loss.planned import run_loss
+from trainplan.planner.budget import Budget
 from trainplan.planner.joint.combos import BYTES_PER_UNIT, Combo, memory_rows, units
+from trainplan.planner.joint.search import budget_cap, budget_terms, spent
 
 CostUnits = tuple[int, Mapping[str, int]]
 """A combo's cost per token in the polish's integer units: (fixed units, units per block on
 each entry)."""
+
+
+Spent = tuple[tuple[float, int], Combo, Mapping[str, int], float]
+"""((predicted loss in nats, optimizer steps), combo, blocks per entry, data fraction) of a plan
+that spends the whole budget."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,3 +132,50 @@ def _solve_combo(c: Combo, entries: Sequence[str], L: int, mem_cap: int, level: 
     got_cost = cost[0] + sum(counts[e] * cost[1][e] for e in menu)
     got_tie = 0 if tie is None else tie[0] + sum(counts[e] * tie[1][e] for e in menu)
     return (got_cost, got_tie), counts
+
+
+def best_spent(combos: Sequence[Combo], entries: Sequence[str], L: int, mem_cap: int, wall: float | None,
+                budget: Budget, devices: int, law: LossLaw, n_params: int, data_tokens: int,
+                fractions: Sequence[float], bits_pen: Mapping[tuple[int, int], float],
+                incumbent: Spent, cost_units: Sequence[CostUnits], tie_units: Sequence[CostUnits] | None,
+                configure: Callable[[cp_model.CpSolver], None]) -> Spent:
+    """The plan of least spent loss (`spent`: the whole budget at the knobs, nats) over every
+    (global batch, group of widths of equal loss penalty): per group the cheapest tokens that
+    fit memory and one step of the budget (`cheapest_tokens`, exact), scored at each data
+    fraction. A group whose loss at the most tokens its fastest combo could buy (its menu's
+    cheapest entry on every block, memory ignored) is no better than the incumbent is not
+    solved. Ties keep the incumbent, but for the polished plan of its own group (the same loss
+    at cheaper tokens). Returns ((loss, steps), combo, blocks per entry, fraction)."""
+    cap = budget_cap(budget, wall)
+    best = incumbent
+    own = (incumbent[1].tokens_per_step, bits_pen[incumbent[1].bits])
+    groups: dict[tuple[int, float], list[int]] = {}
+    for i, c2 in enumerate(combos):
+        groups.setdefault((c2.tokens_per_step, bits_pen[c2.bits]), []).append(i)
+
+    def fastest(c2: Combo) -> float:  # one step with every block on its cheapest entry
+        if wall is not None:
+            return c2.fixed_s + L * min(x.block_s for x in c2.menu.values())
+        return min(x.step_flops for x in c2.menu.values()) * devices
+
+    def floor(key: tuple[int, float]) -> float:
+        g, pen = key
+        steps_ub = max(1.0, cap / min(fastest(combos[i]) for i in groups[key]))
+        return pen + min(run_loss(law, n_params, steps=steps_ub, tokens_per_step=g,
+                                  unique_tokens=max(1.0, fr * data_tokens)) for fr in fractions)
+
+    floors = {key: floor(key) for key in groups}
+    for key in sorted(groups, key=lambda key: (floors[key], key)):
+        if floors[key] >= best[0][0]:
+            break
+        polished = cheapest_tokens(combos, groups[key], entries, L, mem_cap, key[0],
+                                   lambda c2: budget_terms(c2, entries, L, wall, budget, devices),
+                                   cost_units, tie_units, configure)
+        if polished is None:
+            continue
+        c2, counts2 = combos[polished.index], polished.counts
+        for fr in fractions:
+            got = spent(c2, counts2, L, wall, budget, devices, law, n_params, fr, data_tokens, key[0], bits_pen)
+            if got[0] < best[0][0] or (key == own and fr == incumbent[3] and got[0] <= incumbent[0][0]):
+                best = (got, c2, counts2, fr)
+    return best

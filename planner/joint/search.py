@@ -184,3 +184,37 @@ def memory_infeasible(smallest: Lightest, limit: float, hw: HardwareProfile, seq
         f"micro_batch={mb}, {bits}, lightest checkpointing) needs "
         f"{need / 2**30:.3g} GiB but {where} {limit / 2**30:.3g} GiB usable; "
         f"use more devices, a sequence shorter than {seq_len}, or a device with more memory")
+
+
+def budget_infeasible(combos: Sequence[Combo], L: int, mem_cap: int, wall: float | None, budget: Budget,
+                      devices: int, min_tokens: int) -> InfeasibleError:
+    """The error of a solve whose every plan that fits memory costs more than the budget: names
+    the budget (seconds per device under a time budget, FLOPs under a FLOP one) and the cheapest
+    first token level (`min_tokens`, the fewest steps any plan runs) of a plan with every block
+    on one entry that fits memory (`fits_uniform` in `mem_cap` units), with both numbers."""
+    def q(v: float) -> int:
+        return units(v, BYTES_PER_UNIT)
+
+    needs = [(step_cost(c, {e: L}, L, wall, devices) * math.ceil(min_tokens / c.tokens_per_step), c, e)
+             for c in combos for e in c.menu if fits_uniform(c, e, L, mem_cap, q)]
+    cap = budget_cap(budget, wall)
+    if wall is None:
+        have = f"budget flops={cap:.4g} FLOPs"
+    elif budget.device_hours is not None:
+        have = (f"budget device_hours={budget.device_hours:g} gives {cap:.4g} s on each of {devices:,} "
+                f"device(s)")
+    else:
+        have = f"budget wall_clock_s={cap:g} s"
+    unit = "FLOPs" if wall is None else "s"
+    if not needs:
+        return InfeasibleError(f"compute budget binds: no plan with one checkpoint entry on every block fits "
+                               f"memory and the {have}; raise the budget or shorten the sequence")
+    need, c, e = min(needs, key=lambda t: t[0])
+    err = InfeasibleError(
+        f"compute budget binds: the cheapest plan that fits memory (sp_degree={c.choice.sp_degree}, "
+        f"zero_stage={c.choice.zero_stage}, micro_batch={c.choice.micro_batch}, checkpoint {e}) needs "
+        f"{need:.4g} {unit} for its first {math.ceil(min_tokens / c.tokens_per_step):,} step(s) of "
+        f"{c.tokens_per_step:,} tokens but the {have}; raise the budget, use fewer devices (each gets "
+        "more of a device-hour budget and less communication) or shorten the sequence")
+    err.binding = "budget"
+    return err

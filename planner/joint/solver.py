@@ -38,7 +38,7 @@ from trainplan.planner.joint.combos import (
     phase_peaks,
     units,
 )
-from trainplan.planner.joint.polish import cheapest_tokens
+from trainplan.planner.joint.polish import best_spent
 from trainplan.planner.joint.remat_menu import (
     BlockMenus,
     MenuSource,
@@ -49,6 +49,7 @@ from trainplan.planner.joint.remat_menu import (
 )
 from trainplan.planner.joint.search import (
     budget_cap,
+    budget_infeasible,
     budget_terms,
     lightest_uniform,
     memory_infeasible,
@@ -58,6 +59,7 @@ from trainplan.planner.joint.search import (
     uniform_start,
 )
 from trainplan.planner.joint.space import SearchSpace, shapes
+from trainplan.planner.plan import relative_gap
 
 LOSS_PER_UNIT = 1e-5            # objective resolution, nats
 TOKEN_LEVELS = 48
@@ -302,15 +304,13 @@ def solve_joint(step_model: StepModel, hw: HardwareProfile, budget: Budget, *, s
         objective, bound, status_name = 1.0, 0.0, "START"  # no bound proven: a gap of 100%
     elif status == cp_model.UNKNOWN:  # the limit ended the search: nothing is proven infeasible
         err = InfeasibleError(
-            f"no plan found within the solver time limit of {time_limit_s:g} s (the search stopped "
+            f"no plan found within the solver time limit of {time_limit_s:g} deterministic s (the search stopped "
             "before finding one; memory and the budget may still allow a plan): raise --time-limit "
             "(time_limit_s)")
         err.binding = "time limit"
         raise err
     else:
-        raise InfeasibleError(
-            f"no plan fits the budget {budget.to_dict()} (solver status {solver.status_name(status)}); "
-            "raise the budget, add devices or shorten the sequence")
+        raise budget_infeasible(combos, L, mem_cap, wall, budget, devices, levels[0])
     c = combos[ci]
     # ---- polish: the token levels are a grid, so at the chosen token level and data fraction
     # (and optimizer bits: the same loss) take the combo and entries with the least cost per
@@ -334,37 +334,18 @@ def solve_joint(step_model: StepModel, hw: HardwareProfile, budget: Budget, *, s
     def configure(s: cp_model.CpSolver) -> None:
         _deterministic(s.parameters, min(time_limit_s, POLISH_TIME_S), seed, 1)
 
-    # per optimizer width (the loss differs by its penalty, the grid hides the token
-    # difference): the cheapest tokens of each width at the chosen level, then the lowest
-    # predicted loss once the budget is spent
-    best = (spent(c, counts, L, wall, budget, devices, law, n_params, f, data_tokens, levels[k],
-                  bits_pen), c, counts)
-    # widths of equal penalty are polished together (the cheapest tokens among them); a group
-    # whose penalty alone, over the loss at the most tokens the budget could buy, is no better
-    # than the incumbent cannot win: not solved
-    floor = min(run_loss(law, n_params, steps=max(1.0, max_tokens / g), tokens_per_step=g,
-                         unique_tokens=max(1.0, f * data_tokens)) for g in batches)
-    groups: dict[float, list] = {}
-    for b in sorted(bits_pen, key=lambda b: (bits_pen[b] != bits_pen[c.bits], bits_pen[b])):
-        groups.setdefault(bits_pen[b], []).append(b)
-    for pen, group in groups.items():
-        mine = c.bits in group
-        if not mine and floor + pen >= best[0][0]:
-            continue
-        same_batch = [i for i, c2 in enumerate(combos) if c2.bits in group and c2.tokens_per_step == c.tokens_per_step]
-        if not same_batch:
-            continue
-        polished = cheapest_tokens(combos, same_batch, entries, L,
-                                   mem_cap, levels[k],
-                                   lambda c2: budget_terms(c2, entries, L, wall, budget, devices),
-                                   cost_units, tie_units, configure)
-        if polished is not None:
-            c2, counts2 = combos[polished.index], polished.counts
-            got = spent(c2, counts2, L, wall, budget, devices, law, n_params, f, data_tokens,
-                        levels[k], bits_pen)
-            if got[0] < best[0][0] or (mine and got[0] <= best[0][0]):
-                best = (got, c2, counts2)  # the polished plan of the solved widths, unless worse
-    (_, steps), c, counts = best
+    # The CP-SAT objective reads the loss table at a grid level, but the plan spends the whole
+    # budget (`spent`): a larger global batch that buys more tokens within the same level
+    # looked worse there (its batch term) and lost, while its spent loss was lower (issue #40:
+    # a 0.49B Qwen2 on 8 x h100, micro-batch 2 at 2.559 nats against micro-batch 8 at 2.547).
+    # So every (global batch, width group) is polished and scored by its spent loss, and the
+    # data fraction re-chosen by it: exact over every micro-batch and accumulation offered.
+    incumbent = (spent(c, counts, L, wall, budget, devices, law, n_params, f, data_tokens, levels[k],
+                       bits_pen), c, counts, f)
+    (loss_nats, steps), c, counts_read, f = best_spent(
+        combos, entries, L, mem_cap, wall, budget, devices, law, n_params, data_tokens, fractions, bits_pen,
+        incumbent, cost_units, tie_units, configure)
+    counts = dict(counts_read)
     # most-saving entries on the earliest blocks: their activations live the longest
     order = sorted(entries, key=lambda e: c.cost_of(e).retained_bytes)
     policies = tuple(e for e in order for _ in range(counts[e]))
@@ -374,8 +355,9 @@ def solve_joint(step_model: StepModel, hw: HardwareProfile, budget: Budget, *, s
                     max_steps=steps, tokens_per_step=c.tokens_per_step,
                     predicted_loss=run_loss(law, n_params, steps=steps, tokens_per_step=c.tokens_per_step,
                                             unique_tokens=max(1.0, f * data_tokens)) + bits_pen[c.bits],
-                    status=status_name, objective=objective,
-                    bound=bound, wall_s=time.perf_counter() - t0,
+                    status=status_name, objective=loss_nats,
+                    bound=loss_nats - relative_gap(status_name, objective, bound) * abs(loss_nats),
+                    wall_s=time.perf_counter() - t0,
                     n_variables=n_variables, n_constraints=n_constraints,
                     memory_phases=phase_peaks(c, counts, order))
 

@@ -141,7 +141,7 @@ def test_time_limit_before_any_plan_asks_for_a_longer_limit(monkeypatch, capsys)
     rc = main(args + ["--time-limit", "0.001"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 3 and len(err) == 1, err  # infeasible: no plan
-    assert "no plan found within the solver time limit of 0.001 s" in err[0], err[0]
+    assert "no plan found within the solver time limit of 0.001 deterministic s" in err[0], err[0]
     assert "raise --time-limit" in err[0] and "binds" not in err[0], err[0]
     with pytest.raises(InfeasibleError) as e:
         solve("tiny-llama", "h100", Budget(devices=3, device_hours=100), seq_len=2048, time_limit_s=0.001)
