@@ -231,6 +231,13 @@ class Plan:
     (`SolveOptions.recorded`); None for a plan not made by `solve` (`plan_for_choice`, the longest
     sequence's search) and for plans written before the field."""
 
+    def __str__(self) -> str:
+        """The plan as `trainplan solve` prints it (`trainplan.planner.plan_text.plan_summary`);
+        `repr` stays the dataclass's, every field."""
+        from trainplan.planner.plan_text import plan_summary
+
+        return plan_summary(self)
+
     def to_json(self, path: str | Path | None = None) -> str:
         """JSON text of the plan; also written to `path` when given."""
         text = json.dumps(asdict(self), indent=2, sort_keys=False)
