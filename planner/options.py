@@ -118,7 +118,8 @@ class SolveOptions:
     memory_limit_bytes: float | None = None
     """Per-device memory cap below the profile's usable bytes."""
     time_limit_s: float = 10.0
-    """CP-SAT's wall-clock limit per solve; a plan found at the limit is FEASIBLE, not OPTIMAL."""
+    """CP-SAT's limit per solve, in its deterministic seconds (work, not wall time: the same plan under
+    any load); a plan found at the limit is FEASIBLE, not OPTIMAL."""
 
     # ------------------------------------------------------------------ the loss
     law: LossLaw | None = None

@@ -12,6 +12,19 @@ from typing import Any
 __all__ = ["plan_summary"]
 
 
+def _free_text(plan: Any) -> str:
+    """"; leaves X GiB of the device's Y GiB free" for a plan of a shipped GPU profile (its
+    `hbm_bytes`: what the allocator's fragmentation, the CUDA context and communication buffers
+    share; the profile's `memory_reserve_bytes` is the planned part of it); "" otherwise."""
+    from trainplan.hardware_profiles import known_names, load
+
+    if plan.hw == "cpu" or plan.hw not in known_names():
+        return ""
+    hbm = float(load(plan.hw).hbm_bytes)
+    free = hbm - plan.predictions.memory_bytes["total"]
+    return f"; leaves {free / 2**30:.2f} GiB of the device's {hbm / 2**30:.2f} GiB free"
+
+
 def plan_summary(plan: Any) -> str:
     """`plan` (a `trainplan.planner.plan.Plan`) as `trainplan solve` shows it: decisions, memory,
     step, run, governor, solver and its warnings (`Plan.warnings`), one line each, no trailing
@@ -40,7 +53,7 @@ def plan_summary(plan: Any) -> str:
               "FLOPs charged to the budget")
     mem = ", ".join(f"{k} {v / gib:.2f}" for k, v in p.memory_bytes.items() if k != "total")
     out.append(f"  memory/device: {p.memory_bytes['total'] / gib:.2f} GiB of {p.memory_limit_bytes / gib:.2f} "
-          f"usable (peak at {p.memory_phase}; GiB: {mem})")
+               f"usable (peak at {p.memory_phase}; GiB: {mem}){_free_text(plan)}")
     br = ", ".join(f"{'exposed communication' if k == 'communication' else k} {v:.3g}"
                    for k, v in p.step_time_breakdown_s.items())
     out.append(f"  step: {p.step_time_s:.4g} s ({br}), {p.flops_per_step:.3e} FLOPs/device, "

@@ -234,3 +234,16 @@ def parse_bits(flag: str, text: str | None) -> tuple[int, ...] | None:
     if not out:
         raise TrainplanError(f"{flag} {text!r} is not a comma-separated list of bit widths, e.g. 32,8")
     return tuple(dict.fromkeys(out))
+
+
+def memory_limit_bytes(gib: float | None) -> float | None:
+    """`--memory-limit-gib` in bytes per device (None: the profile's usable memory, `hbm_bytes -
+    memory_reserve_bytes`).
+
+    Raises: TrainplanError for a value that is not a finite number > 0."""
+    if gib is None:
+        return None
+    if not math.isfinite(gib) or gib <= 0:
+        raise TrainplanError(f"--memory-limit-gib {gib!r}: give the per-device memory cap for tensors, a finite "
+                             "number of GiB > 0 (e.g. 70 on an 80 GiB GPU, to leave headroom for fragmentation)")
+    return gib * 2**30

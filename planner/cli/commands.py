@@ -28,6 +28,7 @@ from trainplan.planner.cli.checks import (
     check_out_dir,
     check_plan_model,
     check_schedule,
+    memory_limit_bytes,
     parse_bits,
     plan_from_data,
     with_schedule,
@@ -104,8 +105,8 @@ def _solve_and_print(args, curve, json_path: Path | None) -> Plan:
     calibration = _calibration_corpus(args, model)
     try:
         opts = dict(seq_len=args.seq_len, data_tokens=args.data_tokens, time_limit_s=args.time_limit,
-                    seed=args.seed, precision=args.precision,
-                    global_batch_tokens=args.global_batch_tokens,
+                    seed=args.seed, precision=args.precision, global_batch_tokens=args.global_batch_tokens,
+                    memory_limit_bytes=memory_limit_bytes(args.memory_limit_gib),
                     optimizer_bits=parse_bits("--optimizer-bits", args.optimizer_bits),
                     activation_bits=parse_bits("--activation-bits", args.activation_bits))
         if args.max_seq_len and args.frontier:

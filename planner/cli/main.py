@@ -226,6 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--time-limit", type=float, default=10.0, metavar="S",
                    help="solver time limit in CP-SAT deterministic seconds (reproducible: same inputs and "
                         "seed, same plan)")
+    s.add_argument("--memory-limit-gib", type=float, metavar="GIB", help="per-device cap for tensors, below the "
+                   "profile's usable memory (default: that; e.g. 70 on an 80 GiB GPU to leave headroom)")
     s.add_argument("--seed", type=int, default=0,
                    help="the solver's seed and the run's (weights, data order)")
     s.add_argument("--frontier", action="store_true",

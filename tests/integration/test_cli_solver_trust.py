@@ -58,3 +58,17 @@ def test_an_infeasible_budget_names_what_binds_with_both_numbers(config, capsys)
     line = err.strip().splitlines()[-1]
     assert "compute budget binds" in line and "device_hours=1000 gives 36 s on each of 100,000" in line, line
     assert re.search(r"needs [0-9.]+ s for its first", line), line
+
+
+def test_a_memory_cap_leaves_headroom_and_the_plan_says_what_is_free(config, tmp_path, capsys):
+    """Item 4: `--memory-limit-gib` caps each device's tensor bytes below the profile's usable
+    memory (the Python API's `memory_limit_bytes`), and the plan prints what it leaves free of
+    the device; a cap that is not a positive number is one line, exit 2."""
+    plan, text = _solve(config, tmp_path, capsys, "--memory-limit-gib", "8")
+    assert plan.predictions.memory_limit_bytes == 8 * 2**30
+    assert plan.predictions.memory_bytes["total"] <= 8 * 2**30
+    free = 80 * 2**30 - plan.predictions.memory_bytes["total"]  # h100: 80 GiB
+    assert f"leaves {free / 2**30:.2f} GiB of the device's 80.00 GiB free" in text, text
+    assert cli.main(["solve", "--model", str(config), *ISSUE, "--memory-limit-gib", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--memory-limit-gib 0.0: give the per-device memory cap" in err[0], err
