@@ -71,7 +71,9 @@ def compare(plan: Plan, record: RunRecord) -> pd.DataFrame:
     end = getattr(pred, "predicted_end_step", None)  # a governed plan: where it ends, its loss there
     steps = plan.decisions.max_steps
     # stopped before the plan's end, not by its governor (see below)
-    cut = end is None and 0 < record.steps < steps and record.stop_reason not in GOVERNOR_STOPS
+    # (a record still running, no stop reason yet, is compared with the plan's end)
+    cut = (end is None and 0 < record.steps < steps and bool(record.stop_reason)
+           and record.stop_reason not in GOVERNOR_STOPS)
     tokens = pred.total_tokens if end is None else end * pred.tokens_per_step
     loss = pred.final_loss if end is None else pred.predicted_end_loss
     if cut:
