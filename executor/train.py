@@ -232,9 +232,8 @@ def run(plan: Plan, model: nn.Module | None = None, data: TokenCorpus | None = N
                     rec.to_json(out / "record.json")
             tracker.log(rec)  # this step's scalars, flushed
             if gov.on and (reason := gov.after_step(rec)):
-                if reason == "marginal_gain" and (not rec.heldout_loss or rec.heldout_loss[-1][0] != rec.steps):
-                    # ended at once (no cooldown) between evaluations: the final loss at the stop
-                    rec.heldout_loss.append((rec.steps, rec.tokens, heldout_loss(model, held, forward_loss)))
+                if reason == "marginal_gain":  # ended at once (no cooldown), maybe between evaluations
+                    _heldout_at_stop(rec, model, held, forward_loss)
                 stop["reason"] = reason
                 break
             if checkpoint_every and rec.steps % checkpoint_every == 0 and rec.steps < d.max_steps:
@@ -276,14 +275,20 @@ wall_clock = time.perf_counter
 """The clock a wall-clock budget (`Budget.wall_clock_s`) is checked against (tests replace it)."""
 
 
+def _heldout_at_stop(rec: RunRecord, model, held, forward_loss) -> None:
+    """The held-out loss at the step a run stops early, unless that step was just evaluated: the
+    final loss is then the stop's."""
+    if not rec.heldout_loss or rec.heldout_loss[-1][0] != rec.steps:
+        rec.heldout_loss.append((rec.steps, rec.tokens, heldout_loss(model, held, forward_loss)))
+
+
 def _wall_budget_reached(rec: RunRecord, budget_s: float, max_steps: int, held, model, forward_loss) -> None:
     """A plan budgeted in seconds stops at the first step boundary past its wall-clock budget
     (issue #40, item 15: its steps are planned from predicted step times, and a slower machine
     once ran 28 s of a 15 s budget and called it the budget): the held-out loss at the stop and a
     note of how far the run got. The budget counts the training loop's wall time (`rec.wall_s`,
     evaluations included), not the planning and setup before it."""
-    if not rec.heldout_loss or rec.heldout_loss[-1][0] != rec.steps:
-        rec.heldout_loss.append((rec.steps, rec.tokens, heldout_loss(model, held, forward_loss)))
+    _heldout_at_stop(rec, model, held, forward_loss)
     rec.notes.append(f"wall-clock budget of {budget_s:g} s reached after {rec.steps} of {max_steps} planned "
                      "steps (the steps were planned from predicted step times)")
 

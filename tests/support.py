@@ -63,7 +63,7 @@ def make_record(**overrides) -> RunRecord:
         heldout_loss=[(40, 163_840, 4.5), (80, 327_680, 4.0)],
         peak_memory_bytes={"params": 100 * MIB, "grads": 100 * MIB, "optimizer": 200 * MIB,
                            "activations": 400 * MIB, "temporaries": 0.0, "total": 800 * MIB},
-        flops_per_step=2.5e12, stop_reason="governor", wall_s=12.0)
+        flops_per_step=2.5e12, stop_reason="marginal_gain", wall_s=12.0)
     kw.update(overrides)
     return RunRecord(**kw)
 

@@ -26,7 +26,7 @@ __all__ = ["COLUMNS", "compare", "format_table", "format_value", "loss_at_steps"
 
 COLUMNS = ("term", "predicted", "measured", "unit", "rel_err")
 """Columns of `compare`'s DataFrame, in order."""
-GOVERNOR_STOPS = ("marginal_gain", "governor")
+GOVERNOR_STOPS = ("marginal_gain",)
 """Stop reasons of a run its compute governor ended: a stop the plan meant, not a run cut short."""
 
 

@@ -353,8 +353,7 @@ def solve_joint(step_model: StepModel, hw: HardwareProfile, budget: Budget, *, s
                                  sets=tuple(c.menu[e].entry for e in entries if counts[e] and e not in BUILTIN))
     return Solution(choice=choice, data_fraction=f, total_tokens=steps * c.tokens_per_step,
                     max_steps=steps, tokens_per_step=c.tokens_per_step,
-                    predicted_loss=run_loss(law, n_params, steps=steps, tokens_per_step=c.tokens_per_step,
-                                            unique_tokens=max(1.0, f * data_tokens)) + bits_pen[c.bits],
+                    predicted_loss=loss_nats,  # `spent`'s: the law at the steps the budget buys, with the bits penalty
                     status=status_name, objective=loss_nats,
                     bound=loss_nats - relative_gap(status_name, objective, bound) * abs(loss_nats),
                     wall_s=time.perf_counter() - t0,

@@ -151,7 +151,7 @@ def test_loss_frame_train_and_heldout():
 
 def test_report_frames_annotations():
     fr = report_frames(make_plan(), make_record(same_hardware=False))
-    assert (fr.planned_steps, fr.stop_step, fr.stop_reason) == (100, 80, "governor")
+    assert (fr.planned_steps, fr.stop_step, fr.stop_reason) == (100, 80, "marginal_gain")
     assert fr.memory_limit_mib == 1000 and fr.predicted_final_loss == 3.0
     assert not fr.same_hardware
     assert "tiny-llama" in fr.title and "h200" in fr.title and "1 device" in fr.title
@@ -164,7 +164,7 @@ def test_plot_report_notes_other_hardware():
     assert STEP_TIME_NOTE not in same.axes[1].get_title()
     assert len(fig.axes) == 3
     legend = [t.get_text() for t in fig.axes[2].get_legend().get_texts()]
-    assert any("governor" in t for t in legend)
+    assert any("stop at step 80: marginal_gain" in t for t in legend)
 
 
 def test_memory_limit_line_only_near_the_bars():
