@@ -8,6 +8,7 @@ One node (`--standalone`), or one of several joined by a c10d rendezvous (`Rende
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import re
@@ -130,7 +131,20 @@ def init_distributed(device: torch.device, timeout_s: float = 120) -> tuple[int,
     dist.init_process_group(
         backend=backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
     )
+    atexit.register(destroy_at_exit)
     return rank, world
+
+
+def destroy_at_exit() -> None:
+    """Destroy the default process group, if still initialised, while the interpreter is alive.
+
+    Registered with `atexit` by `init_distributed`. A gloo group left to interpreter finalization
+    can abort the process (SIGABRT, "terminate called without an active exception": its worker
+    threads still hold tensors; pytorch/pytorch#190489). Skipped after an uncaught exception
+    (``sys.last_value`` set), where peers may sit in a collective and destroying could hang, as
+    torchtitan does (pytorch/torchtitan#1342)."""
+    if dist.is_initialized() and getattr(sys, "last_value", None) is None:
+        dist.destroy_process_group()
 
 
 # --------------------------------------------------------------------------------------------
