@@ -1,6 +1,6 @@
 """Predicted final held-out loss against measured, on this machine's CPU, pilots counted (issue #23).
 
-    python benchmarks/loss.py [--quick | --smoke] [--out DIR] [--jobs N] [--from-runs]
+    python benchmarks/loss.py [--quick | --smoke] [--models NAME ...] [--out DIR] [--jobs N] [--from-runs]
 
 Protocol (fixed before the first run of this benchmark):
 
@@ -23,10 +23,13 @@ Protocol (fixed before the first run of this benchmark):
   the picked micro-batch minus the best measured at the same FLOPs, the largest over the cells.
 
 Summary (`loss.json`): `final_loss_median_rel_err`, `final_loss_max_rel_err` (|predicted -
-measured| / measured over all runs), `pilot_flops_frac` (the pilots' FLOPs over the budget they
-were charged to, the largest over models), `pilot_flops_frac_of_grid` (over every budget of the
-grid that used the fit), `batch_choice_vs_best_measured_loss_delta`, targets 3%, 6%, 10% and
-0.02 nats. Writes DIR/loss.csv, DIR/loss.json; runs in DIR/runs/, the pilot cache in DIR/cache/.
+measured| / measured over all runs), `band_coverage` (share of runs whose measured loss is inside
+the plan's band), `pilot_flops_frac` = `pilot_flops_charged_frac` (the pilots' FLOPs over the
+budget they were charged to, the largest over models), `pilot_flops_frac_of_grid` (over every
+budget of the grid that used the fit), `batch_choice_vs_best_measured_loss_delta`,
+`online_at_{10,30,50}pct_{median_rel_err,max_rel_err,band_coverage}` (the run's own forecast of its
+final loss made at that share of its steps, `online_errors`); targets in `TARGETS` and
+`MIN_TARGETS`. Writes DIR/loss.csv, DIR/loss.json; runs in DIR/runs/, the pilot cache in DIR/cache/.
 `--from-runs` trains nothing: it re-plans from the cached fit and summarizes the runs that
 finished (an interrupted benchmark keeps what it measured; `runs` says how many of the grid).
 """
@@ -66,7 +69,35 @@ SMOKE = {"tiny-llama": (2e11,)}
 whole corpus only, one job, each held-out evaluation one sequence (too small for pilots: the plan
 says so and the published law predicts)."""
 TARGETS = dict(final_loss_median_rel_err=0.03, final_loss_max_rel_err=0.06, pilot_flops_frac=0.10,
-               batch_choice_vs_best_measured_loss_delta=0.02)
+               batch_choice_vs_best_measured_loss_delta=0.02, pilot_flops_charged_frac=0.05,
+               online_at_30pct_median_rel_err=0.01, online_at_30pct_max_rel_err=0.02)
+"""Upper bounds (issue #23's, and issue #37's for the pilots' share and the online forecast)."""
+MIN_TARGETS = dict(band_coverage=0.8)
+"""Lower bounds (issue #37: at least 80% of measured losses inside the plan's band)."""
+
+
+def online_errors(c: dict, out: Path, cooldown_gain: float | None = None) -> dict:
+    """The run's own forecast of its final loss (`trainplan.executor.reporting.forecast.replay_forecast`:
+    what the executor forecast at its latest held-out evaluation at or before 10%, 30% and 50% of
+    the steps, recomputed from the record so that records written before the forecast count):
+    `online_at_<N>pct` (nats), its relative error against the measured final loss, and whether the
+    measured loss is inside the forecast's band. `cooldown_gain`: the calibration's gamma (plans
+    whose law predates `LossLaw.cooldown_gain` do not carry it)."""
+    from trainplan.costmodels.loss.online import FORECAST_FRACTIONS
+    from trainplan.executor.record import RunRecord
+    from trainplan.executor.reporting.forecast import replay_forecast
+    from trainplan.planner.plan import Plan
+
+    d = run_dir(c, out)
+    plan, rec = Plan.from_json(d / "plan.json"), RunRecord.from_json(d / "record.json")
+    row = {}
+    for frac in FORECAST_FRACTIONS:
+        key = f"online_at_{round(100 * frac)}pct"
+        made = replay_forecast(plan, rec, frac, cooldown_gain)
+        fc, band = (np.nan, np.nan) if made is None else made[1:]
+        row |= {key: fc, f"{key}_rel_err": (fc - c["measured"]) / c["measured"],
+                f"{key}_in_band": bool(abs(fc - c["measured"]) <= band)}
+    return row
 
 
 def model_for(name: str, device: str = "cpu"):
@@ -166,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="tiny-llama at one budget (a smoke run)")
     ap.add_argument("--smoke", action="store_true", help="tiny-llama at a tiny budget, one job (the test suite's run)")
     ap.add_argument("--out", default="benchmarks/results", help="results folder")
+    ap.add_argument("--models", nargs="+", choices=sorted(MODELS), help="only these models of the grid")
     ap.add_argument("--jobs", type=int, default=2, help="runs at a time (one torch thread each)")
     ap.add_argument("--from-runs", action="store_true",
                     help="train nothing: summarize the finished runs in DIR/runs (an interrupted benchmark's), "
@@ -174,7 +206,10 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    grids = SMOKE if a.smoke else QUICK if a.quick else BUDGETS
+    whole = SMOKE if a.smoke else QUICK if a.quick else BUDGETS
+    grids = {n: b for n, b in whole.items() if not a.models or n in a.models}
+    if not grids:
+        ap.error(f"--models {a.models} selects nothing of this grid (its models: {sorted(whole)})")
     fractions = FRACTIONS[:1] if a.smoke else FRACTIONS
     cells, cals = [], {}
     for name, budgets in grids.items():
@@ -193,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
                 c.update(fu.result())
     for c in cells:
         c["rel_err"] = (c["predicted"] - c["measured"]) / c["measured"]
+        c |= online_errors(c, out, cals[c["model"]].get("fit", {}).get("gamma"))
         print(f"  {c['model']} b={c['budget_flops']:.2g} f={c['data_fraction']:g} mb={c['micro_batch']}: "
               f"predicted {c['predicted']:.3f} measured {c['measured']:.3f} ({c['rel_err']:+.1%})", flush=True)
     if not cells:
@@ -221,10 +257,18 @@ def main(argv: list[str] | None = None) -> int:
         "machine": f"{platform.machine()}, 1 torch thread x {a.jobs} process(es)", "torch": torch.__version__,
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
     }
-    summary["targets_met"] = bool(all(summary[k] <= v for k, v in TARGETS.items()))
+    summary["band_coverage"] = float(((df["predicted"] - df["measured"]).abs() <= df["band"]).mean())
+    summary["pilot_flops_charged_frac"] = summary["pilot_flops_frac"]
+    for pct in (10, 30, 50):
+        e = df[f"online_at_{pct}pct_rel_err"].abs()
+        summary |= {f"online_at_{pct}pct_median_rel_err": float(e.median()),
+                    f"online_at_{pct}pct_max_rel_err": float(e.max()),
+                    f"online_at_{pct}pct_band_coverage": float(df[f"online_at_{pct}pct_in_band"].mean())}
+    summary["targets_met"] = bool(all(summary[k] <= v for k, v in TARGETS.items())
+                                  and all(summary[k] >= v for k, v in MIN_TARGETS.items()))
     (out / "loss.json").write_text(json.dumps(summary, indent=2, default=float) + "\n")
     print(df[["model", "budget_flops", "data_fraction", "micro_batch", "steps", "predicted", "measured", "rel_err",
-              "picked"]].to_string(index=False))
+              "online_at_30pct_rel_err", "picked"]].to_string(index=False))
     print(json.dumps({k: v for k, v in summary.items() if k != "calibration"}, indent=2, default=float))
     return 0
 

@@ -36,6 +36,10 @@ class RunRecord:
     """(step, loss) for every step."""
     heldout_loss: list[tuple[int, int, float]] = field(default_factory=list)
     """(step, tokens so far, held-out loss)."""
+    loss_forecast: list[tuple[int, float, float]] = field(default_factory=list)
+    """(steps done, forecast final held-out loss, band half-width), nats/token, after each held-out
+    evaluation once the run has enough points: the run as its own pilot
+    (`trainplan.executor.reporting.forecast.online_forecast`). Empty in records written before it."""
     peak_memory_bytes: dict[str, float] = field(default_factory=dict)
     """Tensor bytes per category at the measured peak: params, grads, optimizer, activations,
     temporaries, total (MemTracker on CPU; on an accelerator only total: the largest
@@ -121,6 +125,7 @@ class RunRecord:
         raw = json.loads(src)
         raw["train_loss"] = [tuple(x) for x in raw.get("train_loss", [])]
         raw["heldout_loss"] = [tuple(x) for x in raw.get("heldout_loss", [])]
+        raw["loss_forecast"] = [tuple(x) for x in raw.get("loss_forecast", [])]
         known = set(cls.__dataclass_fields__)
         return cls(**{k: v for k, v in raw.items() if k in known})  # newer fields are skipped
 

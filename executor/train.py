@@ -47,6 +47,7 @@ from trainplan.executor.governor import GovernedLoop
 from trainplan.executor.measure import any_rank, device_name, gather_floats, heldout_loss, measured_step, progress_bar
 from trainplan.executor.optimizers import set_lr
 from trainplan.executor.record import RunRecord, same_hardware
+from trainplan.executor.reporting.forecast import online_forecast
 from trainplan.executor.reporting.trackers import TrackerSpec, open_trackers
 from trainplan.hardware_profiles.threads import threads_per_rank
 from trainplan.modeling import configs, presets
@@ -227,6 +228,8 @@ def run(plan: Plan, model: nn.Module | None = None, data: TokenCorpus | None = N
             if ((rec.steps % eval_every == 0 and rec.steps >= eval_from) or rec.steps == d.max_steps
                     or gov.eval_due(rec.steps)):
                 rec.heldout_loss.append((rec.steps, rec.tokens, heldout_loss(model, held, forward_loss)))
+                if (made := online_forecast(plan, rec)) is not None:  # the run as its own pilot
+                    rec.loss_forecast.append(made)
                 rec.wall_s = wall_before + time.perf_counter() - t_start
                 if rank == 0:
                     rec.to_json(out / "record.json")

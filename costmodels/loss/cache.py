@@ -36,7 +36,8 @@ LAW_CACHE_FORMAT = 1
 """Version of the law file layout; a file of another version is ignored."""
 
 _LAW_FIELDS = ("E", "A", "B", "alpha", "beta", "r_d_star", "r_n_star", "units", "source", "bytes_per_token",
-               "vocab_size", "b_crit_tokens", "params_range", "tokens_range", "local", "band_nats")
+               "vocab_size", "b_crit_tokens", "params_range", "tokens_range", "local", "band_nats",
+               "cooldown_gain")
 
 
 def law_fields(law: LossLaw) -> dict[str, Any]:

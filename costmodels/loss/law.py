@@ -161,6 +161,12 @@ class LossLaw:
     """Half-width of the law's band around a prediction, nats/token, for a local fit (its
     residuals); a published law's band is `published_band` at each point."""
 
+    cooldown_gain: float = 0.0
+    """Share of the excess loss over the floor that the run's cooldown removes (the pilots' gamma,
+    `trainplan.costmodels.loss.pilots.fit_pilot_law`; in [0, 1)). `predict` already gives final
+    losses (B is the after-cooldown coefficient); this is what the run's own online forecast
+    takes off its constant-rate curve (`trainplan.costmodels.loss.online`). 0: not measured."""
+
     FIT_NAMES: ClassVar[tuple[str, ...]] = _FIT_NAMES
 
     def __post_init__(self) -> None:
@@ -173,6 +179,8 @@ class LossLaw:
         check_positive("LossLaw.r_n_star", self.r_n_star)
         check_positive("LossLaw.bytes_per_token", self.bytes_per_token)
         check_non_negative("LossLaw.band_nats", self.band_nats)
+        if not 0.0 <= check_non_negative("LossLaw.cooldown_gain", self.cooldown_gain) < 1.0:
+            raise TrainplanError(f"LossLaw.cooldown_gain must be in [0, 1), got {self.cooldown_gain!r}")
         if self.b_crit_tokens is not None:
             check_positive("LossLaw.b_crit_tokens", self.b_crit_tokens)
         if self.vocab_size is not None and (isinstance(self.vocab_size, bool) or not isinstance(self.vocab_size, int)

@@ -235,6 +235,7 @@ def fit_pilot_law(results: Sequence[PilotResult], *, floor_nats: float | None = 
     law = LossLaw(E=e, A=0.0, B=(1.0 - gamma) * math.exp(log_b), beta=beta,
                   b_crit_tokens=None if one_batch else b_crit,
                   local=True, params_range=None, tokens_range=None, band_nats=band, vocab_size=vocab_size,
+                  cooldown_gain=gamma,
                   bytes_per_token=bytes_per_token or LossLaw().bytes_per_token,
                   source=source or (f"fitted to {len(results)} pilot runs ({int(fin.sum())} final and "
                                     f"{int((~fin).sum())} constant-rate held-out points; "

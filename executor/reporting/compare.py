@@ -19,6 +19,7 @@ import pandas as pd
 from trainplan.costmodels.loss.cache import law_from_fields
 from trainplan.costmodels.loss.planned import run_loss
 from trainplan.executor.record import RunRecord
+from trainplan.executor.reporting.forecast import forecast_rows
 from trainplan.executor.reporting.frames import MEMORY_CATEGORIES, float_or_nan
 from trainplan.planner.plan import Plan
 
@@ -47,7 +48,10 @@ def compare(plan: Plan, record: RunRecord) -> pd.DataFrame:
     `tokens` (all ranks), for a governed plan `end_step` (the step the run is predicted to end
     at, its governor's cooldown included, vs the steps it ran; the predicted and decided stop
     themselves are in the plan and the run's governor.json), `final_loss` (nats/token, the
-    last held-out loss; a governed plan predicts it at its predicted end step).
+    last held-out loss; a governed plan predicts it at its predicted end step), and for a run
+    that finished its planned steps without a governor `final_loss_at_10pct`, `_30pct`, `_50pct`
+    (the run's own forecast of its final loss made at that share of the steps,
+    `trainplan.executor.reporting.forecast.forecast_rows`).
     A run that stopped before the plan's end (interrupted, a wall-clock budget, a user's own loop
     left early; not a governed plan, nor a stop of its governor, `GOVERNOR_STOPS`) gets a `steps`
     row (planned, run), and its `tokens` and `final_loss` are predicted at the steps it ran
@@ -83,6 +87,7 @@ def compare(plan: Plan, record: RunRecord) -> pd.DataFrame:
     if end is not None:
         rows.append(("end_step", float(end), float(record.steps), "steps"))
     rows.append(("final_loss", float_or_nan(loss), float_or_nan(record.final_heldout_loss), "nats"))
+    rows += forecast_rows(plan, record)
     df = pd.DataFrame(rows, columns=list(COLUMNS[:4]))
     df["rel_err"] = [_rel_err(p, m) for p, m in zip(df["predicted"], df["measured"], strict=False)]
     return df

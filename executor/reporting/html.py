@@ -33,6 +33,7 @@ from matplotlib.figure import Figure
 from trainplan.executor.record import RunRecord
 from trainplan.executor.reporting import figures as F
 from trainplan.executor.reporting.compare import compare, format_value
+from trainplan.executor.reporting.forecast import forecast_figure
 from trainplan.executor.reporting.frames import ReportFrames
 from trainplan.executor.reporting.plots import plot_loss, plot_memory, plot_step_time
 from trainplan.executor.reporting.verdicts import HELD, NOT_HELD, TOLERANCES, summary_line, verdict_frame
@@ -156,6 +157,13 @@ def _run_figures(plan: Plan, record: RunRecord, frames: ReportFrames, verdicts: 
                           "Training and held-out loss as measured; the predicted curve with its "
                           "band where the law is known; the star is the predicted final loss at "
                           "the planned budget; the solid line is where the run stopped and why."))
+    if record.loss_forecast:
+        blocks.append(_figure(forecast_figure(plan, record), "Online forecast of the final loss",
+                              "After each held-out evaluation the run forecasts its own final loss from its "
+                              "curve so far (its first 10% and the cooldown left out, the floor from the "
+                              "plan's law, the pilots' cooldown gain), with its band; the dotted line is "
+                              "the plan's prediction made before the run, the dashed one the measured "
+                              "final loss; thin lines mark 10%, 30% and 50% of the steps."))
     governed = F.read_governor_summary(run_dir)
     if governed is not None:
         blocks.append(_figure(F.governor_figure(plan, record, governed), "Compute governor",

@@ -25,6 +25,7 @@ TOLERANCES: dict[str, float] = {
     "tokens": 0.01,
     "final_loss": 0.05,
     "end_step": 0.15,
+    "final_loss_at": 0.02,
 }
 """Largest |rel_err| at which a prediction still holds, per term (fractions).
 
@@ -36,6 +37,8 @@ TOLERANCES: dict[str, float] = {
   ran one, against the plan's prediction): 15%, the compute governor's target for its stop
   step (issue #8), applied to the end.
 - `final_loss`: 5%, the scatter of a scaling-law fit at one model size.
+- `final_loss_at` (every `final_loss_at_<N>pct`: the run's own forecast of its final loss made at
+  N% of its steps, `trainplan.executor.reporting.forecast`): 2%, issue #37's worst case at 30%.
 """
 
 VERDICT_COLUMNS = ("run", "term", "label", "predicted", "measured", "unit", "rel_err",
@@ -56,12 +59,15 @@ _LABELS = {"peak_memory": "peak memory", "flops_per_step": "FLOPs per step",
 def tolerance(term: str) -> float:
     """The tolerance of `term` from `TOLERANCES` (`memory_*` and `peak_memory` share `memory`);
     NaN for a term without one."""
-    key = "memory" if term.startswith("memory_") or term == "peak_memory" else term
+    key = ("memory" if term.startswith("memory_") or term == "peak_memory"
+           else "final_loss_at" if term.startswith("final_loss_at_") else term)
     return TOLERANCES.get(key, math.nan)
 
 
 def term_label(term: str) -> str:
     """A reader's name for a term: `memory_params` -> `memory: params`."""
+    if term.startswith("final_loss_at_") and term.endswith("pct"):
+        return f"final loss forecast at {term[len('final_loss_at_'):-3]}%"
     return f"memory: {term[len('memory_'):]}" if term.startswith("memory_") else _LABELS.get(term, term)
 
 

@@ -46,7 +46,8 @@ def test_frozen():
 
 @pytest.mark.parametrize(
     "kwargs", [{"E": -0.1}, {"A": -1.0}, {"B": -1.0}, {"alpha": -0.1}, {"beta": -0.1},
-               {"r_d_star": 0.0}, {"r_n_star": -1.0}, {"E": float("nan")}]
+               {"r_d_star": 0.0}, {"r_n_star": -1.0}, {"E": float("nan")}, {"cooldown_gain": 1.0},
+               {"cooldown_gain": -0.1}]
 )
 def test_bad_law_fields(kwargs):
     name = next(iter(kwargs))

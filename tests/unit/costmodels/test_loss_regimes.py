@@ -212,6 +212,7 @@ def test_pilot_fit_recovers_a_known_law():
         assert run_loss(law, 7e6, steps=steps, tokens_per_step=g) == pytest.approx(
             run_loss(truth, 7e6, steps=steps, tokens_per_step=g), rel=1e-3)
     assert record["gamma"] == pytest.approx(0.1, abs=0.02)
+    assert law.cooldown_gain == record["gamma"]  # carried with the law: the run's online forecast uses it
 
 
 def test_pilots_at_one_batch_keep_kaplans_critical_batch():

@@ -254,3 +254,29 @@ def test_a_seconds_budget_stops_the_run_at_its_wall_clock(plan, corpus, tmp_path
     with torch_threads(1):
         full = run(unbudgeted, data=corpus, out=tmp_path / "run2", device="cpu", progress=False, checkpoint_every=0)
     assert (full.stop_reason, full.steps) == ("budget", 5)
+
+
+def test_a_run_forecasts_its_own_final_loss_after_each_evaluation(plan, corpus, tmp_path, torch_threads):
+    """The run as its own pilot (`trainplan.executor.reporting.forecast`): a forecast after each
+    held-out evaluation once the curve has enough points, each the one `replay_forecast` makes
+    from the record cut at that step (what the benchmarks recompute from older records), and the
+    report's rows for 10/30/50% of the steps."""
+    from trainplan.executor.reporting.compare import compare
+    from trainplan.executor.reporting.forecast import replay_forecast
+
+    steps = 60
+    p = _capped(plan, steps)
+    with torch_threads(1):
+        rec = run(p, data=corpus, out=tmp_path, device="cpu", progress=False, eval_every=5,
+                  eval_tokens=MICRO_BATCH * SEQ_LEN, checkpoint_every=0)
+    assert rec.stop_reason == "budget" and rec.steps == steps
+    evals = {s for s, _, _ in rec.heldout_loss}
+    assert len(rec.loss_forecast) >= 8 and {s for s, _, _ in rec.loss_forecast} <= evals, rec.loss_forecast
+    assert all(math.isfinite(f) and b > 0 for _, f, b in rec.loss_forecast)
+    for s, f, b in rec.loss_forecast[::3]:
+        assert replay_forecast(p, rec, s / steps) == pytest.approx((s, f, b), rel=1e-9)
+    assert RunRecord.from_json(tmp_path / "record.json").loss_forecast == rec.loss_forecast
+    rows = compare(p, rec).set_index("term")
+    assert rows.loc["final_loss_at_30pct", "measured"] == rec.final_heldout_loss
+    assert rows.loc["final_loss_at_30pct", "predicted"] == next(f for s, f, _ in reversed(rec.loss_forecast)
+                                                                 if s <= 0.3 * steps)
