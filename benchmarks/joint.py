@@ -137,7 +137,7 @@ class Knobs:
         if mem > self.limit or steps < 1:
             return math.inf
         tokens = steps * k["micro_batch"] * self.pr.seq_len * (self.budget.devices // k["sp_degree"])
-        return (run_loss(self.pr.law, self.pr.graph.n_params, steps=steps, tokens_per_step=tokens // steps,
+        return (run_loss(self.pr.law, self.pr.graph.law_n_params, steps=steps, tokens_per_step=tokens // steps,
                          unique_tokens=max(1.0, k["data_fraction"] * self.pr.unique))
                 + bits_loss_penalty(k["optimizer_bits"]))
 

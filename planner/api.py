@@ -12,8 +12,17 @@ from torch import nn
 
 from trainplan.costmodels.checkpoint_sets import check_policy, sets_from_mapping
 from trainplan.costmodels.loss.bits import bits_loss_penalty
+from trainplan.costmodels.loss.cache import law_from_fields
 from trainplan.costmodels.loss.law import LossLaw
-from trainplan.costmodels.loss.planned import run_loss
+from trainplan.costmodels.loss.planned import (
+    LAW_MIN_FLOPS,
+    SMALL_RUN_LR,
+    law_batch_tokens,
+    lr_warning,
+    planned_lr,
+    planned_warmup_steps,
+    run_loss,
+)
 from trainplan.costmodels.step import comm
 from trainplan.costmodels.step.model import Choice
 from trainplan.costmodels.step.precision import optimizer_bits_for
@@ -88,11 +97,12 @@ def solve(model: nn.Module | str, hw: str | HardwareProfile, budget: Budget, opt
                  activation_bits=o.activation_bits, global_batch_tokens=o.global_batch_tokens,
                  loss_chunks=o.loss_chunks, mlp_chunks=o.mlp_chunks, offload=o.offload,
                  bytes_per_token=o.bytes_per_token)
-    pr, budget, calibration = calibrated(pr, model, budget, o.data, enabled=o.calibrate and o.law is None, lr=o.lr,
+    lr = SMALL_RUN_LR if o.lr is None else o.lr  # the pilots' (they run on this CPU, far below 1e17 FLOPs)
+    pr, budget, calibration = calibrated(pr, model, budget, o.data, enabled=o.calibrate and o.law is None, lr=lr,
                                          seed=o.seed, bytes_per_token=o.bytes_per_token, cache_dir=o.cache_dir)
     try:
         plan = solve_problem(pr, budget, memory_limit_bytes=o.memory_limit_bytes,
-                             time_limit_s=o.time_limit_s, seed=o.seed, lr=o.lr, export_path=o.export_path,
+                             time_limit_s=o.time_limit_s, seed=o.seed, lr=lr, export_path=o.export_path,
                              diagnose=not o.explain)
     except InfeasibleError as e:
         if not o.explain:
@@ -101,7 +111,43 @@ def solve(model: nn.Module | str, hw: str | HardwareProfile, budget: Budget, opt
     plan = choose_data_method(plan, pr.law, methods=data_methods, fractions=o.data_fractions,
                               fits=o.data_quality)
     plan = with_calibration(with_model_facts(with_feature_notes(plan, pr.graph), model), calibration)
-    return with_hw_source(replace(plan, options=o.recorded()), hw)
+    return with_hw_source(replace(with_planned_lr(plan, o.lr), options=o.recorded()), hw)
+
+
+def plan_compute_flops(plan: Plan) -> float:
+    """The plan's training compute, FLOPs: model FLOPs per step per device x devices x steps."""
+    return plan.predictions.model_flops_per_step * plan.decisions.devices * plan.decisions.max_steps
+
+
+def with_planned_lr(plan: Plan, lr: float | None) -> Plan:
+    """`plan` with its peak learning rate from `trainplan.costmodels.loss.planned.planned_lr` at its
+    compute when `lr` is None (DeepSeek LLM's law from 1e17 FLOPs up, with a note giving the law's
+    rate and batch, and its warmup: `planned_warmup_steps`, the predicted loss moved to it); with a
+    warning when a given `lr` is far from the law's (`lr_warning`)."""
+    c = plan_compute_flops(plan)
+    if c <= 0:
+        return plan
+    if lr is not None:
+        warning = lr_warning(lr, c)
+        return replace(plan, warnings=(*plan.warnings, warning)) if warning else plan
+    if c < LAW_MIN_FLOPS:
+        return plan
+    new, d, p = planned_lr(c), plan.decisions, plan.predictions
+    warmup = planned_warmup_steps(d.max_steps, c)
+    loss = p.final_loss
+    if p.loss_law and warmup != d.warmup_steps:  # the warmup's lost area (`run_loss`), moved to the new warmup
+        law, unique = law_from_fields(p.loss_law), (max(1.0, d.data_fraction * plan.data_tokens)
+                                                   if plan.data_tokens else None)
+        loss += (run_loss(law, plan.law_n_params, steps=d.max_steps, tokens_per_step=p.tokens_per_step,
+                          unique_tokens=unique, warmup_steps=warmup)
+                 - run_loss(law, plan.law_n_params, steps=d.max_steps, tokens_per_step=p.tokens_per_step,
+                            unique_tokens=unique, warmup_steps=d.warmup_steps))
+    note = (f"peak learning rate {new:.3g} and {warmup:,} warmup steps from DeepSeek LLM's hyperparameter law at "
+            f"{c:.3g} FLOPs (Bi et al. 2024, "
+            f"arXiv:2401.02954, eq. 1: 0.3118 C^-0.125; its batch, 0.2920 C^0.3271 = {law_batch_tokens(c):,.0f} "
+            f"tokens, beside this plan's {plan.predictions.tokens_per_step:,})")
+    return replace(plan, decisions=replace(d, lr=new, warmup_steps=warmup),
+                   predictions=replace(p, final_loss=loss), notes=(*plan.notes, note))
 
 
 def with_hw_source(plan: Plan, hw: str | HardwareProfile) -> Plan:
@@ -140,6 +186,10 @@ def with_feature_notes(plan: Plan, graph) -> Plan:
                       + {1: ": optimizer states sharded)", 2: ": optimizer states and gradients sharded)"}.get(
                           d.zero_stage if d.devices > 1 else 0, ")"))
         notes.append(f"mixture of {experts} experts: no expert parallelism; experts {where}")
+        notes.append(f"mixture of experts: the loss law is evaluated at the {graph.n_active_params:,} parameters a "
+                     f"token runs through (of {graph.n_params:,}), as a dense model of that size: an upper "
+                     "estimate, since routed models beat dense ones of equal active parameters (Clark et al. "
+                     "2022, arXiv:2202.01169; Krajewski et al. 2024, arXiv:2402.07871, for fine-grained experts)")
     new = tuple(n for n in notes if n not in plan.warnings)
     return replace(plan, warnings=plan.warnings + new) if new else plan
 
@@ -263,7 +313,7 @@ def plan_for_choice(model: nn.Module | str, hw: str | HardwareProfile, *, seq_le
     law = loss_law_for(law, profile, name, graph)
     unique = data_tokens if data_tokens is not None else UNLIMITED_DATA_TOKENS
     tokens = max_steps * micro_batch * seq_len * (devices // sp_degree) * grad_accum
-    loss = run_loss(law, graph.n_params, steps=max_steps, tokens_per_step=tokens // max_steps,
+    loss = run_loss(law, graph.law_n_params, steps=max_steps, tokens_per_step=tokens // max_steps,
                     unique_tokens=max(1.0, data_fraction * unique))
     loss += bits_loss_penalty(optimizer_bits, activation_bits, precision=precision, penalty=law.bits)
     facts = SolverFacts(status="FIXED", objective=0.0, bound=0.0, wall_s=0.0, seed=seed, time_limit_s=0.0)

@@ -184,7 +184,7 @@ def data_options(plan: Plan, law: LossLaw | None = None, *,
     total, step_flops = _budget_steps(plan)
     tps = plan.predictions.tokens_per_step
     pen = bits_loss_penalty(d.optimizer_bits, d.activation_bits, precision=d.precision, penalty=law.bits)
-    quality = known_quality(plan.model, plan.vocab_size, plan.model_n_params, methods, fits=fits,
+    quality = known_quality(plan.model, plan.vocab_size, plan.law_n_params, methods, fits=fits,
                             cache_dir=cache_dir)
     out = []
     for m, fit in quality.items():
@@ -199,7 +199,7 @@ def data_options(plan: Plan, law: LossLaw | None = None, *,
             if f == 1.0 and m != "random":
                 continue
             q = fit.q(f)
-            loss = run_loss(law, plan.model_n_params, steps=steps, tokens_per_step=tps,
+            loss = run_loss(law, plan.law_n_params, steps=steps, tokens_per_step=tps,
                             unique_tokens=max(1.0, f * plan.data_tokens), quality=q) + pen
             out.append(DataOption(method=m, fraction=f, quality=q, quality_source=fit.source,
                                   scoring_flops=flops, scoring_steps=charge, steps=steps,
@@ -276,10 +276,10 @@ def with_data_method(plan: Plan, method: str, *, selection_every_steps: int = 0,
         raise TrainplanError(f"selection_every_steps={every!r} must be a whole number >= 0")
     d, p = plan.decisions, plan.predictions
     law = law or plan_law(plan)
-    fit = known_quality(plan.model, plan.vocab_size, plan.model_n_params, [method], fits=fits,
+    fit = known_quality(plan.model, plan.vocab_size, plan.law_n_params, [method], fits=fits,
                         cache_dir=cache_dir).get(method, DEFAULT_QUALITY["random"])
     q = fit.q(d.data_fraction) if every == 0 else 1.0
-    loss = run_loss(law, plan.model_n_params, steps=d.max_steps, tokens_per_step=p.tokens_per_step,
+    loss = run_loss(law, plan.law_n_params, steps=d.max_steps, tokens_per_step=p.tokens_per_step,
                     unique_tokens=max(1.0, d.data_fraction * plan.data_tokens), quality=q,
                     warmup_steps=d.warmup_steps)
     flops = predicted_scoring_flops(plan, method, every) if d.data_fraction < 1.0 else 0.0

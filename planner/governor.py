@@ -174,11 +174,11 @@ def with_governor(plan: Plan, *, value_device_hours_per_nat: float | None = None
 
             def loss_at(s: int) -> float:  # the law's shape (`learning_curve`'s `bounded`)
                 return float(learning_curve([max(s, 1) * p.tokens_per_step], law=law, bounded=False,
-                                            n_params=plan.model_n_params, unique_tokens=unique)[0])
+                                            n_params=plan.law_n_params, unique_tokens=unique)[0])
         if noise is None:
             assert law is not None  # no noise only without a curve, where the law is set
             stop, final, loss = predict_stop_from_law(
-                law, n_params=plan.model_n_params, tokens_per_step=p.tokens_per_step, threshold=thr,
+                law, n_params=plan.law_n_params, tokens_per_step=p.tokens_per_step, threshold=thr,
                 max_steps=d.max_steps, unique_tokens=unique, offset_nats=offset)
             rule = "where the law's mean drop per step crosses it"
         else:

@@ -78,8 +78,10 @@ class SolveOptions:
     """`fp32`, `bf16-mixed` or `bf16`; None: the hardware profile's default."""
     vocab_size: int | None = None
     """Overrides the preset's vocabulary (a run uses its tokenizer's)."""
-    lr: float = 3e-3
-    """Peak AdamW learning rate the plan records and its loss prediction assumes."""
+    lr: float | None = None
+    """Peak AdamW learning rate the plan records and its loss prediction assumes. None: the plan's
+    default (`trainplan.costmodels.loss.planned.planned_lr` at the plan's compute: DeepSeek LLM's law
+    from 1e17 FLOPs up, 3e-3 below); a given rate far from the law's is warned about."""
     seed: int = 0
     """Seed of the solver's search and of the run's data order and initialisation."""
 

@@ -171,7 +171,7 @@ def calibrate(pr: Problem, model: nn.Module | str, budget: Budget, corpus, *, lr
         log.info("no pilots: 10%% of the budget does not buy each pilot enough steps")
         return None
     results = _run_pilots(pr, model, specs, corpus, lr, seed, progress)
-    floor = pr.law.E + pr.law.A / float(pr.graph.n_params) ** pr.law.alpha  # the published law's, per byte
+    floor = pr.law.E + pr.law.A / float(pr.graph.law_n_params) ** pr.law.alpha  # the published law's, per byte
     law, fit = fit_pilot_law(results, floor_nats=floor, vocab_size=pr.law.vocab_size,
                              bytes_per_token=bytes_per_token)
     spent_flops = sum(s.flops(_step_cost(pr, _choice(pr, s.micro_batch), "flops")) for s in specs)

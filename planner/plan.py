@@ -161,7 +161,9 @@ class Predictions:
     unified-memory device, where offload frees nothing, and in plans written before the field."""
     loss_regime: str = ""
     """Which regime `final_loss` is in (`trainplan.costmodels.loss.law.LossLaw.regime`): "fitted locally",
-    "published, inside its range" or "extrapolated"; "" in plans written before the field."""
+    "published, inside its range", "extrapolated", or "a bound near ln(V), not a prediction" (the
+    law's own value is above 0.9 ln V: `trainplan.costmodels.loss.bounds`); "" in plans written before
+    the field."""
     loss_band_nats: float = 0.0
     """Half-width of `final_loss`'s band, nats/token (`LossLaw.band`); 0 in older plans."""
     loss_law: dict[str, Any] = field(default_factory=dict)
@@ -205,6 +207,10 @@ class Plan:
     class name for a user model."""
     model_n_params: int
     model_n_layers: int
+    model_n_active_params: int | None = None
+    """Parameters one token runs through, for a mixture of experts (the dense ones plus
+    `experts_per_token` of the experts, `trainplan.planner.capture.graph.ModelGraph.n_active_params`);
+    None for a dense model and in plans written before the field."""
     hw: str
     """Hardware profile name."""
     budget: dict[str, Any]
@@ -230,6 +236,12 @@ class Plan:
     """The `trainplan.planner.options.SolveOptions` the plan was solved with, as JSON values
     (`SolveOptions.recorded`); None for a plan not made by `solve` (`plan_for_choice`, the longest
     sequence's search) and for plans written before the field."""
+
+    @property
+    def law_n_params(self) -> int:
+        """The N the loss law is evaluated at: the active parameters of a mixture of experts
+        (`model_n_active_params`), else all of them (`model_n_params`)."""
+        return self.model_n_active_params or self.model_n_params
 
     def __str__(self) -> str:
         """The plan as `trainplan solve` prints it (`trainplan.planner.plan_text.plan_summary`);

@@ -173,6 +173,7 @@ class PlanSchema(BaseModel):
     model: str = Field(pattern=r"\S")
     model_n_params: Count
     model_n_layers: Count
+    model_n_active_params: Count | None = None
     hw: str
     budget: dict[str, float]
     data_tokens: Count

@@ -21,7 +21,8 @@ from trainplan.costmodels.checks import check_range
 from trainplan.costmodels.data.quality import QUALITY_FORM, QualityFit, check_fraction
 from trainplan.costmodels.data.value import subset_loss_curve
 from trainplan.costmodels.loss.fit import HUBER_DELTA
-from trainplan.costmodels.loss.law import R_D_STAR, LossLaw, effective_array
+from trainplan.costmodels.loss.law import LossLaw
+from trainplan.costmodels.loss.repetition import R_D_STAR, effective_array
 from trainplan.errors import TrainplanError
 
 R_D_STAR_BOUNDS = (0.05, 100.0)

@@ -10,7 +10,7 @@ Loss of a run on a selected subset (nats per token):
 
 - D' = effective data (Muennighoff et al. 2023, "Scaling Data-Constrained Language Models",
   arXiv:2305.16264, eq. 5): the `tokens_seen` drawn from `unique = f * corpus_tokens` unique tokens,
-  repeated epochs decaying with R_D* = 15.4 (`trainplan.costmodels.loss.law.effective_tokens`).
+  repeated epochs decaying with R_D* = 15.4 (`trainplan.costmodels.loss.repetition.effective_tokens`).
 - q(method, f) = 1 + a * (1 - f)**b, the *selection-quality multiplier*: how many random tokens one
   selected token is worth. q(1) = 1 (keeping everything is no selection); a > 0 when the method's
   subset beats a random one of the same size (a in (-1, inf), so q > 0). The form is a modelling
@@ -42,7 +42,8 @@ import numpy as np
 
 from trainplan.costmodels.checks import check_range
 from trainplan.costmodels.data.quality import DEFAULT_QUALITY, QualityFit, check_fraction
-from trainplan.costmodels.loss.law import LossLaw, effective_array
+from trainplan.costmodels.loss.law import LossLaw
+from trainplan.costmodels.loss.repetition import effective_array
 
 
 def predicted_loss(law: LossLaw, n_params: float, tokens_seen: float, unique_tokens: float | None,

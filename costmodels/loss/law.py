@@ -32,16 +32,11 @@ from numpy.typing import ArrayLike
 from trainplan.costmodels.checks import check_finite, check_non_negative, check_positive
 from trainplan.costmodels.loss.batch import batch_efficiency, critical_batch_tokens
 from trainplan.costmodels.loss.bits import BitsPenalty
+from trainplan.costmodels.loss.bounds import clamp, decades_outside, is_bound, soft_ceiling, widen_band
 from trainplan.costmodels.loss.fit import HUBER_DELTA, check_fit_arrays, huber_fit
+from trainplan.costmodels.loss.repetition import R_D_STAR, R_N_STAR, effective_array, effective_tokens
 from trainplan.costmodels.loss.transfer import MASSIVETEXT_BYTES_PER_TOKEN, carry_law
 from trainplan.errors import TrainplanError
-
-#: Muennighoff et al. 2023, Sec. 3 (fit reported as R_D* = 15.387756): repetitions of the data
-#: after which a repeated token is worth 1/e of a fresh one.
-R_D_STAR = 15.4
-#: Muennighoff et al. 2023, Sec. 3 (fit reported as R_N* = 5.309743): the same decay constant for
-#: parameters in excess of the compute-optimal size for the unique data.
-R_N_STAR = 5.3
 
 _FIT_NAMES = ("E", "A", "B", "alpha", "beta")
 
@@ -53,58 +48,9 @@ CHINCHILLA_TOKENS_RANGE = (5e9, 5e11)
 
 Regime = str
 LOCAL, PUBLISHED, EXTRAPOLATED = "fitted locally", "published, inside its range", "extrapolated"
-"""The three regimes a prediction is in (`LossLaw.regime`)."""
-
-
-def effective_array(tokens_seen: np.ndarray, unique_tokens: float | np.ndarray, r_star: float) -> np.ndarray:
-    """Muennighoff et al. 2023 eq. 5 on arrays, without input checks (`effective_tokens` is the
-    checked scalar form; `effective_params` applies the same decay to parameters, eq. 6).
-
-    Args: tokens_seen (tokens, >= 0), unique_tokens (tokens, > 0; a scalar or an array that
-    broadcasts with `tokens_seen`), r_star (repetitions, > 0).
-    Returns: effective tokens, the broadcast shape: `tokens_seen` itself where it is at most
-    `unique_tokens` (one epoch or less).
-    """
-    repeats = np.maximum(tokens_seen / unique_tokens - 1.0, 0.0)
-    eff = unique_tokens + unique_tokens * r_star * -np.expm1(-repeats / r_star)
-    return np.where(tokens_seen <= unique_tokens, tokens_seen, eff)
-
-
-def effective_tokens(tokens_seen: float, unique_tokens: float, r_star: float = R_D_STAR) -> float:
-    """Tokens of fresh data that `tokens_seen` tokens drawn from `unique_tokens` are worth.
-
-    Muennighoff et al. 2023, eq. 5: with U_D = unique tokens and R_D = tokens_seen / U_D - 1
-    repetitions, D' = U_D + U_D * R_D* * (1 - exp(-R_D / R_D*)). R_D* = 15.4 (their fit,
-    15.387756). Limits: one epoch or less gives D' = tokens_seen; infinitely many epochs give
-    D' -> U_D * (1 + R_D*). D' is increasing in tokens_seen (derivative exp(-R_D / R_D*) > 0).
-
-    Args: tokens_seen (tokens, >= 0), unique_tokens (tokens, > 0), r_star (repetitions, > 0).
-    Returns: effective tokens.
-    Raises: TrainplanError on a negative, zero (unique_tokens, r_star) or non-finite input.
-    """
-    seen = check_non_negative("tokens_seen", tokens_seen)
-    unique = check_positive("unique_tokens", unique_tokens)
-    r = check_positive("r_star", r_star)
-    return float(effective_array(np.asarray(seen), unique, r))
-
-
-def effective_params(n_params: float, optimal_params: float, r_star: float = R_N_STAR) -> float:
-    """Parameters that `n_params` are worth when the compute-optimal size for the unique data is
-    `optimal_params` (U_N): excess parameters decay like repeated data.
-
-    Muennighoff et al. 2023, eq. 6: R_N = n_params / U_N - 1, N' = U_N + U_N R_N* (1 -
-    exp(-R_N / R_N*)), R_N* = 5.3 (their fit, 5.309743). At or below U_N, N' = n_params.
-    Not applied by `LossLaw.predict` (which would need U_N from the law's compute-optimal
-    frontier); exposed for the planner's data-constrained mode.
-
-    Args: n_params (parameters, >= 0), optimal_params (parameters, > 0), r_star (> 0).
-    Returns: effective parameters.
-    Raises: TrainplanError on a bad input.
-    """
-    n = check_non_negative("n_params", n_params)
-    u = check_positive("optimal_params", optimal_params)
-    r = check_positive("r_star", r_star)
-    return float(effective_array(np.asarray(n), u, r))
+BOUND = "a bound near ln(V), not a prediction"
+"""The regimes a prediction is in (`LossLaw.regime`); `BOUND`: the law's own value is in the soft
+ceiling's region (`trainplan.costmodels.loss.bounds`)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -216,8 +162,9 @@ class LossLaw:
         *,
         batch_tokens: float | None = None,
         warmup_tokens: float = 0.0,
+        bounded: bool = True,
     ) -> float:
-        """Predicted final loss in nats per token, never above ln(vocab_size).
+        """Predicted final loss in nats per token, below ln(vocab_size).
 
         L = E + A / N**alpha + B / X**beta (Hoffmann et al. 2022, eq. 2) with X the tokens that
         count:
@@ -233,7 +180,9 @@ class LossLaw:
           B_crit grows as L falls);
         - `quality` multiplies X: > 1 for a selected subset whose tokens are worth more than
           average ones (a modelling assumption, fitted from pilot runs by calibration).
-        Then min(L, ln(vocab_size)).
+        Then, when `bounded`, the soft ceiling under ln(vocab_size)
+        (`trainplan.costmodels.loss.bounds.soft_ceiling`: unchanged below 0.9 ln V, strictly
+        decreasing in the tokens above); False: the law's own value (`regime` tells a bound).
 
         Args: n_params (parameters, > 0), tokens_seen (tokens, > 0), unique_tokens (tokens, > 0,
         or None for unlimited data), quality (> 0), batch_tokens (tokens per optimizer step,
@@ -257,17 +206,21 @@ class LossLaw:
                 b_crit = self.b_crit_tokens or critical_batch_tokens(
                     min(loss, self.ceiling), bytes_per_token=self.bytes_per_token)
                 loss = base + self.B / (q * x * batch_efficiency(g, b_crit)) ** self.beta
-        return float(min(loss, self.ceiling))
+        return float(soft_ceiling(loss, self.ceiling)) if bounded else float(loss)
 
     @property
     def ceiling(self) -> float:
         """ln(vocab_size), nats per token: the uniform guess's loss; inf without a vocabulary."""
         return math.log(self.vocab_size) if self.vocab_size else math.inf
 
-    def regime(self, n_params: float, tokens_seen: float) -> Regime:
-        """Which regime a prediction at (n_params, tokens_seen) is in: `LOCAL` (fitted on this
-        model, tokenizer and corpus), `PUBLISHED` (a published law inside the parameters and
-        tokens it was fitted over) or `EXTRAPOLATED` (outside them, or no range recorded)."""
+    def regime(self, n_params: float, tokens_seen: float, raw_loss: float | None = None) -> Regime:
+        """Which regime a prediction at (n_params, tokens_seen) is in: `BOUND` when the law's own
+        value `raw_loss` (`predict(..., bounded=False)`, if given) is in the soft ceiling's
+        region; else `LOCAL` (fitted on this model, tokenizer and corpus), `PUBLISHED` (a
+        published law inside the parameters and tokens it was fitted over) or `EXTRAPOLATED`
+        (outside them, or no range recorded)."""
+        if raw_loss is not None and is_bound(raw_loss, self.ceiling):
+            return BOUND
         if self.local:
             return LOCAL
         inside = all(rng is not None and rng[0] <= v <= rng[1]
@@ -278,14 +231,22 @@ class LossLaw:
         """Half-width of the prediction's band, nats/token: `band_nats` for a local law; for a
         published one the spread between the two published fits of Hoffmann et al.'s runs at
         this point (Hoffmann et al. 2022's constants against Besiroglu et al. 2024's refit, each
-        carried to this law's bytes per token and vocabulary), at least 1% of the prediction.
-        `kw`: `predict`'s keywords (batch, warmup, quality)."""
+        carried to this law's bytes per token and vocabulary), at least 1% of the prediction;
+        outside the fitted ranges widened by the decades outside
+        (`trainplan.costmodels.loss.bounds.widen_band`). `kw`: `predict`'s keywords."""
         if self.local:
             return self.band_nats
-        mine = self.predict(n_params, tokens_seen, unique_tokens, **kw)
         other = carry_law(dataclasses.replace(LossLaw.hoffmann2022(), vocab_size=self.vocab_size,
                                               b_crit_tokens=self.b_crit_tokens), self.bytes_per_token)
-        return max(abs(other.predict(n_params, tokens_seen, unique_tokens, **kw) - mine), 0.01 * mine)
+
+        def spread(n: float, d: float) -> float:
+            mine = self.predict(n, d, unique_tokens, **kw)
+            return max(abs(other.predict(n, d, unique_tokens, **kw) - mine), 0.01 * mine)
+
+        here = spread(n_params, tokens_seen)
+        decades = (decades_outside(n_params, self.params_range) + decades_outside(tokens_seen, self.tokens_range))
+        edge = spread(clamp(n_params, self.params_range), clamp(tokens_seen, self.tokens_range)) if decades else here
+        return widen_band(here, edge, decades)
 
     @classmethod
     def fit(
@@ -368,7 +329,7 @@ def learning_curve(
 ) -> np.ndarray:
     """Predicted loss (nats/token) after each entry of `tokens` (tokens seen so far, > 0).
 
-    `bounded`: at most ln(vocab_size), as `LossLaw.predict`; False: the law's own curve, for its
+    `bounded`: under ln(vocab_size)'s soft ceiling, as `LossLaw.predict`; False: the law's own curve, for its
     shape (the compute governor's stop is where its drop per step crosses a threshold: a curve
     clipped flat at ln(V) would stop every run at once).
 
@@ -389,5 +350,5 @@ def learning_curve(
     if unique_tokens is not None:
         d = effective_array(t, check_positive("unique_tokens", unique_tokens), law.r_d_star)
     curve = law.E + law.A / n**law.alpha + law.B / (q * d) ** law.beta
-    return np.minimum(curve, law.ceiling) if bounded else curve
+    return soft_ceiling(curve, law.ceiling) if bounded else curve
 

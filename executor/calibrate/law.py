@@ -22,7 +22,8 @@ from pathlib import Path
 import numpy as np
 
 from trainplan.costmodels.loss.cache import load_local_law
-from trainplan.costmodels.loss.law import LossLaw, effective_tokens
+from trainplan.costmodels.loss.law import LossLaw
+from trainplan.costmodels.loss.repetition import effective_tokens
 from trainplan.errors import TrainplanError
 from trainplan.executor.calibrate.runs import Run, rms
 
@@ -104,7 +105,7 @@ def fit_law(model: str, vocab: int, runs: list[Run]) -> tuple[LossLaw, dict, Law
             f"skipping the first {SKIP_FRACTION:.0%} of each run as warm-up; fitting E, B, beta "
             f"needs at least {MIN_POINTS} usable points (a run with {MIN_POINTS} or more "
             f"evaluations): train longer or evaluate more often")
-    n_params = float(runs[0].plan.model_n_params)
+    n_params = float(runs[0].plan.law_n_params)
     d = np.array([p["effective_tokens"] for p in points])
     y = np.array([p["loss"] for p in points])
     default = LossLaw()

@@ -106,7 +106,7 @@ def loss_at_steps(plan: Plan, steps: int) -> float:
     law = law_from_fields(p.loss_law)
     unique = max(1.0, d.data_fraction * plan.data_tokens) if plan.data_tokens else None
     def at(k: int) -> float:
-        return run_loss(law, plan.model_n_params, steps=k, tokens_per_step=p.tokens_per_step, unique_tokens=unique,
+        return run_loss(law, plan.law_n_params, steps=k, tokens_per_step=p.tokens_per_step, unique_tokens=unique,
                         warmup_steps=d.warmup_steps)
 
     return p.final_loss + at(steps) - at(d.max_steps)

@@ -123,7 +123,7 @@ def predicted_loss_frame(plan: Plan, law: LossLaw, *, label: str, band_nats: flo
     steps = np.unique(np.linspace(1, max(1, d.max_steps), min(points, max(1, d.max_steps))).round())
     tokens = steps * max(1, p.tokens_per_step)
     unique = max(1.0, float(plan.data_tokens) * float(d.data_fraction))
-    loss = learning_curve(tokens, law=law, n_params=plan.model_n_params, unique_tokens=unique)
+    loss = learning_curve(tokens, law=law, n_params=plan.law_n_params, unique_tokens=unique)
     loss = loss + bits_loss_penalty(d.optimizer_bits, d.activation_bits, precision=d.precision,
                                     penalty=law.bits)
     half = np.full_like(loss, band_nats) if band_nats is not None else np.abs(loss) * band_rel

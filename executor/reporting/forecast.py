@@ -35,7 +35,7 @@ def forecast_inputs(plan: Plan, cooldown_gain: float | None = None) -> tuple[flo
     floor, gain = 0.0, 0.0
     if p.loss_law:
         law = law_from_fields(p.loss_law)
-        floor = law.E + (law.A / float(plan.model_n_params) ** law.alpha if law.A else 0.0)
+        floor = law.E + (law.A / float(plan.law_n_params) ** law.alpha if law.A else 0.0)
         gain = law.cooldown_gain
     if cooldown_gain is not None:
         gain = cooldown_gain

@@ -92,12 +92,21 @@ class ModelGraph:
     intermediate_size: int = 0
     """The blocks' MLP width (the config's `intermediate_size`; 0 when it has none)."""
     features: tuple[str, ...] = ()
+    n_active_params: int = 0
+    """For a mixture of experts, the parameters one token runs through: all but the routed
+    experts', plus `experts_per_token` / `experts` of theirs (`active_params`); 0 for a dense model."""
     """What the model's attention does beyond plain causal attention, as `name=value`
     (`trainplan.planner.capture.layout.attention_features`: a sliding window, softcapping, experts)."""
     n_layers: int = field(init=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "n_layers", len(self.blocks))
+
+    @property
+    def law_n_params(self) -> int:
+        """The N the loss law is evaluated at: `n_active_params` for a mixture of experts, else
+        `n_params` (`trainplan.planner.plan.Plan.law_n_params`)."""
+        return self.n_active_params or self.n_params
 
     @property
     def distinct_blocks(self) -> dict[str, int]:
@@ -158,13 +167,30 @@ def capture(model: nn.Module, *, dtype: torch.dtype | None = None, name: str | N
         log.debug("%s: tied embeddings, the LM head's weight is counted once in model states",
                   type(model).__name__)
     n_params = sum(p.numel() for p in model.parameters())
+    n_active = active_params(model, tracer.features)
     param_bytes = n_params * torch.empty((), dtype=tracer.dtype).element_size()
     return ModelGraph(name=name or str(getattr(model, "trainplan_preset", type(model).__name__)),
                       n_params=n_params, param_bytes=param_bytes,
                       regions=RegionTable(regions, {"": tracer.trace}),
                       blocks=tuple(tracer.layout.layer_regions), n_heads=tracer.n_heads, n_kv_heads=tracer.n_kv,
                       head_dim=tracer.head_dim, hidden_size=tracer.hidden, vocab_size=tracer.vocab,
-                      intermediate_size=tracer.intermediate, features=tracer.features)
+                      intermediate_size=tracer.intermediate, features=tracer.features, n_active_params=n_active)
+
+
+def active_params(model: nn.Module, features: tuple[str, ...]) -> int:
+    """Parameters one token runs through in a mixture of experts with `features` `experts=E` and
+    `experts_per_token=k` (`trainplan.planner.capture.layout.attention_features`): every parameter
+    not under a module path component named `experts` (attention, norms, embeddings, the router,
+    shared experts such as Qwen-MoE's `shared_expert`), plus k / E of the routed experts' (Mixtral's
+    `block_sparse_moe.experts.N.w1`, or a fused `experts.gate_up_proj` of shape (E, ...)). 0 for a
+    model without experts."""
+    feats = dict(f.split("=", 1) for f in features if "=" in f)
+    if "experts" not in feats:
+        return 0
+    e, k = int(feats["experts"]), int(feats.get("experts_per_token", 1))
+    routed = sum(p.numel() for name, p in model.named_parameters() if "experts" in name.split("."))
+    total = sum(p.numel() for p in model.parameters())
+    return int(round(total - routed + routed * min(k, e) / e)) if routed else 0
 
 
 class RegionTracer:

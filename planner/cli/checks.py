@@ -14,6 +14,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from trainplan.costmodels.loss.planned import lr_warning
 from trainplan.errors import DeviceError, OutputPathError, PlanMismatchError, TrainplanError, UnknownNameError
 from trainplan.planner.plan import Plan
 from trainplan.planner.plan_schema import LR_MAX
@@ -119,7 +120,9 @@ def with_schedule(plan: Plan, *, lr: float | None = None, warmup_steps: int | No
         raise TrainplanError(f"--warmup-steps {warmup_steps}: the plan has {d.max_steps:,} optimizer steps; "
                              f"give at most {d.max_steps:,}")
     note = "; ".join(f"{k}={v:g} set by --{k.replace('_', '-')} (solved: {getattr(d, k):g})" for k, v in new.items())
-    return dataclasses.replace(plan, decisions=dataclasses.replace(d, **new), notes=(*plan.notes, note))
+    warning = lr_warning(lr, plan.predictions.model_flops_per_step * d.devices * d.max_steps) if lr is not None else ""
+    return dataclasses.replace(plan, decisions=dataclasses.replace(d, **new), notes=(*plan.notes, note),
+                               warnings=(*plan.warnings, warning) if warning else plan.warnings)
 
 
 def plan_from_data(plan: str | None, data: list[str] | None) -> tuple[str | None, list[str] | None]:

@@ -357,10 +357,12 @@ def _schedule_flags(p: argparse.ArgumentParser, *, solved: bool) -> None:
     (`solved`: by `solve`) or overriding the plan's (by `run` and `demo`)."""
     whose = "" if solved else "the plan's, "
     p.add_argument("--lr", type=float, metavar="LR",
-                   help=f"peak learning rate of AdamW's warmup-stable-decay schedule (default: {whose}3e-3)")
+                   help=f"peak learning rate of AdamW's warmup-stable-decay schedule (default: {whose}DeepSeek "
+                        "LLM's law at the plan's compute from 1e17 FLOPs up, else 3e-3; a rate over 3x from the "
+                        "law is warned about)")
     p.add_argument("--warmup-steps", type=int, metavar="STEPS",
                    help=f"optimizer steps of linear warmup (default: {whose}a tenth of the plan's steps, "
-                        "1 to 20)")
+                        "1 to 20; from 1e17 FLOPs up, to DeepSeek LLM's 2000)")
 
 
 def main(argv: list[str] | None = None) -> int:

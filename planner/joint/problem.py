@@ -18,7 +18,7 @@ from torch import nn
 
 from trainplan.costmodels.checkpoint_sets import node_keys, resolve
 from trainplan.costmodels.loss.cache import law_fields
-from trainplan.costmodels.loss.law import LossLaw
+from trainplan.costmodels.loss.law import BOUND, LossLaw
 from trainplan.costmodels.loss.planned import warmup_steps_for
 from trainplan.costmodels.step.model import Choice, StepCost, StepModel
 from trainplan.costmodels.step.offload import host_limit_bytes
@@ -191,7 +191,7 @@ def solve_problem(pr: Problem, budget: Budget, *, seq_len: int | None = None,
     sm = pr.step_model
     t0 = time.perf_counter()
     sol = solve_joint(sm, pr.profile, budget, seq_len=seq_len, space=space,
-                      n_params=pr.graph.n_params, data_tokens=pr.unique, law=pr.law,
+                      n_params=pr.graph.law_n_params, data_tokens=pr.unique, law=pr.law,
                       memory_limit_bytes=memory_limit_bytes, time_limit_s=time_limit_s, seed=seed,
                       export_path=export_path, diagnose=diagnose,
                       menus=pr.menus if menus is None else menus)
@@ -236,11 +236,22 @@ def checkpoint_block_ops(step_model: StepModel, blocks: tuple[str, ...], c: Choi
 def loss_facts(law: LossLaw, n_params: float, tokens: float, unique_tokens: float, *, batch_tokens: float,
                warmup_steps: int) -> dict[str, Any]:
     """The plan's record of its loss prediction (`Predictions.loss_regime`, `loss_band_nats`,
-    `loss_law`): the regime and band of `law` at this run (`LossLaw.regime`, `LossLaw.band`)
-    and the law's constants."""
+    `loss_law`): the regime and band of `law` at this run (`LossLaw.regime` of the law's own,
+    unbounded value: `BOUND` near ln V; `LossLaw.band`) and the law's constants."""
     kw = dict(batch_tokens=batch_tokens, warmup_tokens=min(warmup_steps * batch_tokens, tokens))
-    return dict(loss_regime=law.regime(n_params, tokens),
+    raw = law.predict(n_params, tokens, unique_tokens, bounded=False, **kw)
+    return dict(loss_regime=law.regime(n_params, tokens, raw_loss=raw),
                 loss_band_nats=law.band(n_params, tokens, unique_tokens, **kw), loss_law=law_fields(law))
+
+
+def bound_warning(law: LossLaw, regime: str, loss: float) -> tuple[str, ...]:
+    """The plan's warning when its predicted loss is a bound (`BOUND`), not a prediction."""
+    if regime != BOUND:
+        return ()
+    return (f"predicted loss {loss:.3f} nats is a bound near ln(V) = {law.ceiling:.3f}, not a prediction: the "
+            f"law ({law.source}) is above 0.9 ln(V) here, far outside what it was fitted on (a budget too small "
+            "for its range, or for pilots); rank plans by it only as 'more tokens is lower', and calibrate "
+            "(`trainplan calibrate`, or solve with a corpus and a budget that affords pilots) for a prediction",)
 
 
 def make_plan(step_model: StepModel, profile: HardwareProfile, graph: ModelGraph, name: str, c: Choice, *,
@@ -278,7 +289,7 @@ def make_plan(step_model: StepModel, profile: HardwareProfile, graph: ModelGraph
         mfu=cost.model_flops / (cost.time_s * peak_flops) if cost.time_s > 0 else 0.0,
         made_for=layout_fields(decisions), host_memory_bytes=cost.host_bytes,
         host_memory_limit_bytes=0.0 if profile.unified_memory else host_limit_bytes(profile),
-        **loss_facts(law, graph.n_params, max_steps * tokens_per_step, max(1.0, data_fraction * unique),
+        **loss_facts(law, graph.law_n_params, max_steps * tokens_per_step, max(1.0, data_fraction * unique),
                      batch_tokens=tokens_per_step, warmup_steps=decisions.warmup_steps))
     if not all(math.isfinite(v) for v in (cost.flops, cost.time_s, cost.memory.total)):
         raise TrainplanError("predictions are not finite; the captured graph is broken")
@@ -286,10 +297,12 @@ def make_plan(step_model: StepModel, profile: HardwareProfile, graph: ModelGraph
                f"{cost.comm_s:.3g} s of {cost.comm_total_s:.3g} s exposed (trainplan.costmodels.step.overlap)"
                if step_model.overlap else "communication added to compute, not overlapped: a conservative bound")
     notes = (overlap, f"loss law: {law.source}", *long_context_notes(c, cost, profile))
+    warnings = bound_warning(law, predictions.loss_regime, predicted_loss)
     return Plan(model=name, model_n_params=graph.n_params, model_n_layers=graph.n_layers,
+                model_n_active_params=graph.n_active_params or None,
                 hw=profile.name, budget=dict(budget) | {"seq_len": c.seq_len}, data_tokens=int(unique),
                 vocab_size=graph.vocab_size, decisions=decisions, predictions=predictions, solver=facts,
-                created=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"), notes=notes)
+                created=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"), notes=notes, warnings=warnings)
 
 
 def long_context_notes(c: Choice, cost: StepCost, profile: HardwareProfile) -> tuple[str, ...]:

@@ -13,10 +13,9 @@ from hypothesis import strategies as st
 from trainplan.costmodels.loss.bits import BitsPenalty, bits_loss_penalty
 from trainplan.costmodels.loss.law import (
     LossLaw,
-    effective_params,
-    effective_tokens,
     learning_curve,
 )
+from trainplan.costmodels.loss.repetition import effective_params, effective_tokens
 from trainplan.errors import TrainplanError
 
 # --- known values ---------------------------------------------------------------------------

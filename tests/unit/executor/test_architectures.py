@@ -176,3 +176,27 @@ def test_a_sequence_past_a_learned_position_table_is_refused():
         plan_for_choice(build("gpt2"), "cpu", seq_len=512, micro_batch=1)
     rotary = plan_for_choice(build("llama"), "cpu", seq_len=8192, micro_batch=1)  # RoPE: a warning only
     assert any("max_position_embeddings" in w for w in rotary.warnings), rotary.warnings
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_a_mixture_of_experts_is_predicted_from_its_active_parameters(arch):
+    """Issue #37, item 5: the loss law sees the parameters a token runs through (k of E routed
+    experts, every shared one), not the total; the plan records both and says so."""
+    from trainplan.costmodels.loss.cache import law_from_fields
+    from trainplan.costmodels.loss.planned import run_loss
+
+    model = build(arch)
+    g = capture(model)
+    routed = sum(p.numel() for n, p in model.named_parameters() if "experts" in n.split("."))
+    assert routed > 0 and g.n_active_params == g.n_params - routed + routed * 2 // 4  # k=2 of E=4
+    plan = plan_for_choice(model, "cpu", seq_len=128, micro_batch=1, max_steps=50)
+    assert plan.model_n_params == g.n_params and plan.model_n_active_params == g.n_active_params
+    assert plan.law_n_params == g.n_active_params < plan.model_n_params
+    law = law_from_fields(plan.predictions.loss_law)
+    p = plan.predictions
+    at = {n: run_loss(law, n, steps=50, tokens_per_step=p.tokens_per_step, warmup_steps=plan.decisions.warmup_steps)
+          for n in (g.n_active_params, g.n_params)}
+    assert p.final_loss == pytest.approx(at[g.n_active_params]) and p.final_loss > at[g.n_params]
+    assert any("loss law is evaluated at the" in w and "Clark et al. 2022" in w for w in plan.warnings)
+    dense = plan_for_choice(build("llama"), "cpu", seq_len=128, micro_batch=1, max_steps=50)
+    assert dense.model_n_active_params is None and dense.law_n_params == dense.model_n_params

@@ -9,7 +9,13 @@ import numpy as np
 import pytest
 
 import trainplan.hardware_profiles
-from trainplan.costmodels.loss.cache import law_path, load_local_law, read_local_law_file, save_local_law
+from trainplan.costmodels.loss.cache import (
+    law_from_fields,
+    law_path,
+    load_local_law,
+    read_local_law_file,
+    save_local_law,
+)
 from trainplan.costmodels.loss.law import LossLaw
 from trainplan.costmodels.loss.planned import run_loss
 from trainplan.costmodels.step.model import Choice, StepModel
@@ -261,7 +267,9 @@ def test_solve_uses_cached_law_on_cpu(cache):
     save_local_law(law, model=MODEL, vocab_size=VOCAB)
     plan = solve(MODEL, "cpu", Budget(wall_clock_s=5), seq_len=64, time_limit_s=5.0)
     assert f"loss law: {law.source}" in plan.notes
-    expected = run_loss(law, plan.model_n_params, steps=plan.decisions.max_steps,
+    used = law_from_fields(plan.predictions.loss_law)  # the cached law, with the model's vocabulary (ln V bound)
+    assert (used.E, used.B, used.beta, used.vocab_size) == (law.E, law.B, law.beta, VOCAB)
+    expected = run_loss(used, plan.model_n_params, steps=plan.decisions.max_steps,
                         tokens_per_step=plan.predictions.tokens_per_step, warmup_steps=plan.decisions.warmup_steps,
                         unique_tokens=plan.decisions.data_fraction * plan.data_tokens)
     assert plan.predictions.final_loss == pytest.approx(expected, rel=0.01)  # solver's token grid

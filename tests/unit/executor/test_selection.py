@@ -15,7 +15,8 @@ from trainplan.costmodels.data.fit import fit_local_law, fit_quality
 from trainplan.costmodels.data.quality import DEFAULT_QUALITY, QualityFit, selection_quality
 from trainplan.costmodels.data.scoring import ScoringFlops, scoring_flops, selection_menu
 from trainplan.costmodels.data.value import predicted_loss, subset_loss
-from trainplan.costmodels.loss.law import LossLaw, effective_tokens
+from trainplan.costmodels.loss.law import LossLaw
+from trainplan.costmodels.loss.repetition import effective_tokens
 from trainplan.errors import TrainplanError
 from trainplan.executor.data import scorers as selection_scorers
 from trainplan.executor.data import selection
