@@ -62,6 +62,9 @@ def plan_summary(plan: Any) -> str:
     regime = f" ({p.loss_regime})" if p.loss_regime else ""
     out.append(f"  run: {p.total_tokens:,} tokens, {p.device_hours:.4g} device-hours, predicted final loss "
           f"{p.final_loss:.3f}{band} nats{regime}")
+    law_lr = next((n for n in plan.notes if "DeepSeek LLM's hyperparameter law" in n), "")
+    out.append(f"  schedule: peak lr {d.lr:.3g}, {d.warmup_steps:,} warmup steps, warmup-stable-decay"
+               + (" (DeepSeek LLM's law, Bi et al. 2024)" if law_lr else ""))
     cal = p.loss_calibration
     if cal:
         pilots = f"; pilots {cal['pilot_flops']:.3g} FLOPs, {cal['pilot_s']:.0f} s" if cal.get("ran") else ""

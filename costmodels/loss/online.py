@@ -23,11 +23,13 @@ Fixed Training Durations", arXiv:2405.18392, Sec. 3), so at s steps done:
    against the fit;
 3. the constant-rate held-out loss at the end, L(max_steps) + offset, less the cooldown's gain:
    `cooldown_gain` times its excess over E (the pilots' gamma, the same assumption as their fit:
-   the cooldown removes a share of the remaining excess).
+   the cooldown removes a share of the remaining excess; without pilots the middle of
+   `UNKNOWN_GAIN_RANGE`).
 
 The band is the 80% normal interval (z = 1.2816) of the fit's uncertainty at the end (the delta
 method on `curve_fit`'s covariance) and the offset's standard error, plus the whole cooldown gain
-(it is carried from the pilots' shorter cooldowns, not measured on this run). It is not a
+(it is carried from the pilots' shorter cooldowns, not measured on this run; without pilots, the
+half-width of `UNKNOWN_GAIN_RANGE`). It is not a
 calibrated interval: training losses of consecutive steps are correlated, so the covariance is
 too small; the benchmarks report how often it covers (`benchmarks/loss.py`).
 """
@@ -57,6 +59,11 @@ FLOOR_CAP = 0.9
 """The floor is at most this share of the lowest fitted training loss (the pilots' rule,
 `trainplan.costmodels.loss.pilots.fit_pilot_law`): a law whose floor the run is already below
 (another corpus's, or a published law far from this model) does not bound this run."""
+UNKNOWN_GAIN_RANGE = (0.0, 0.2)
+"""The cooldown gain assumed when none was measured (no pilots): anywhere in this range of the
+excess, so the forecast takes off its middle and the band holds its half-width. Measured on this
+project's runs: 2.7-7.1% of the excess after cooldowns of 146-836 steps (`benchmarks/loss.py`'s
+design runs, docs/loss.md) and 19% on a 150-step tiny-llama run at micro-batch 2."""
 Z_80 = 1.2816
 """The standard normal's 90th percentile: an 80% two-sided interval."""
 
@@ -90,7 +97,7 @@ def cooldown_start(max_steps: int) -> int:
 
 def forecast_final_loss(train_loss: Sequence[tuple[int, float]], heldout_loss: Sequence[tuple],
                         *, step: int, max_steps: int, warmup_steps: int, floor_nats: float,
-                        cooldown_gain: float = 0.0) -> Forecast | None:
+                        cooldown_gain: float | None = 0.0) -> Forecast | None:
     """The final held-out loss of a warmup-stable-decay run forecast at `step` steps done (module
     docstring), or None while there are too few points: fewer than `MIN_POINTS` training losses
     in the fitted window, no held-out point in it, or a fit that does not converge.
@@ -98,12 +105,14 @@ def forecast_final_loss(train_loss: Sequence[tuple[int, float]], heldout_loss: S
     Args: train_loss: (step index from 0, loss in nats/token), the record's `train_loss`;
     heldout_loss: (steps done, tokens, loss in nats/token), the record's `heldout_loss`; step:
     steps done now; max_steps, warmup_steps: the plan's; floor_nats: E (nats/token, >= 0);
-    cooldown_gain: the share of the excess over E the cooldown removes, in [0, 1).
+    cooldown_gain: the share of the excess over E the cooldown removes, in [0, 1); None: not
+    measured, `UNKNOWN_GAIN_RANGE` (the middle taken off, the half-width in the band).
     Returns: a `Forecast`, or None.
     Raises: TrainplanError on a negative floor or a cooldown gain outside [0, 1).
     """
     e = check_non_negative("floor_nats", floor_nats)
-    gain = check_non_negative("cooldown_gain", cooldown_gain)
+    lo_gain, hi_gain = UNKNOWN_GAIN_RANGE if cooldown_gain is None else (cooldown_gain, cooldown_gain)
+    gain = check_non_negative("cooldown_gain", (lo_gain + hi_gain) / 2)
     if gain >= 1.0:
         raise TrainplanError(f"cooldown_gain must be in [0, 1), got {cooldown_gain!r}")
     w = max(0, int(warmup_steps))
@@ -138,7 +147,7 @@ def forecast_final_loss(train_loss: Sequence[tuple[int, float]], heldout_loss: S
     fit_sd = float(np.std(y - curve(t, log_b, beta), ddof=2)) if len(y) > 2 else 0.0
     var_offset = (float(np.var(resid, ddof=1)) if len(resid) > 1 else fit_sd ** 2) / len(resid)
     excess = max(const - e, 0.0)
-    band = Z_80 * math.sqrt(var_fit + var_offset) + gain * excess
+    band = Z_80 * math.sqrt(var_fit + var_offset) + max(gain, (hi_gain - lo_gain) / 2) * excess
     return Forecast(step=int(step), final_loss=const - gain * excess, band_nats=band, constant_rate_loss=const,
                     B=float(np.exp(log_b)), beta=float(beta), offset_nats=offset, points=len(pts),
                     floor_nats=e)

@@ -76,7 +76,7 @@ def lr_warning(lr: float, compute_flops: float) -> str:
     want = law_lr(compute_flops)
     if max(lr / want, want / lr) <= LR_WARN_FACTOR:
         return ""
-    return (f"peak learning rate {lr:.3g} is {max(lr / want, want / lr):.1f}x {'above' if lr > want else 'below'} "
+    return (f"peak learning rate {lr:.3g} is {max(lr / want, want / lr):.3g}x {'above' if lr > want else 'below'} "
             f"{want:.3g}, DeepSeek LLM's near-optimal rate at {compute_flops:.3g} FLOPs (Bi et al. 2024, eq. 1): "
             "the predicted loss assumes a well-tuned rate, so it is likely too low for this run")
 

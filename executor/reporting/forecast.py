@@ -23,14 +23,14 @@ MAX_GAIN = 0.95
 """Largest cooldown gain used (the pilots' fit bounds gamma there, `fit_pilot_law`)."""
 
 
-def forecast_inputs(plan: Plan, cooldown_gain: float | None = None) -> tuple[float, float]:
+def forecast_inputs(plan: Plan, cooldown_gain: float | None = None) -> tuple[float, float | None]:
     """(floor_nats, cooldown_gain) of the plan's law for `forecast_final_loss`: the floor E + A /
     N^alpha of `Predictions.loss_law` (nats/token; a local law has A = 0, its E is the published
     floor the pilots pinned), and the cooldown gain: `cooldown_gain` when given, else the law's
     (`LossLaw.cooldown_gain`, the pilots' gamma), else the pilots' gamma in
-    `Predictions.loss_calibration["fit"]` (plans whose law predates the field), else 0 (no
-    pilots: no gain assumed, the forecast is the constant-rate end, an upper estimate). A plan
-    without a recorded law: floor 0 (capped by the forecast at 0.9 of the run's lowest loss)."""
+    `Predictions.loss_calibration["fit"]` (plans whose law predates the field), else None (no
+    pilots: not measured, `trainplan.costmodels.loss.online.UNKNOWN_GAIN_RANGE`). A plan without a
+    recorded law: floor 0 (capped by the forecast at 0.9 of the run's lowest loss)."""
     p = plan.predictions
     floor, gain = 0.0, 0.0
     if p.loss_law:
@@ -40,8 +40,10 @@ def forecast_inputs(plan: Plan, cooldown_gain: float | None = None) -> tuple[flo
     if cooldown_gain is not None:
         gain = cooldown_gain
     elif not gain:
-        gamma = (p.loss_calibration or {}).get("fit", {}).get("gamma", 0.0)
-        gain = float(gamma) if isinstance(gamma, int | float) and math.isfinite(gamma) else 0.0
+        gamma = (p.loss_calibration or {}).get("fit", {}).get("gamma")
+        if not (isinstance(gamma, int | float) and math.isfinite(gamma)):
+            return floor, None
+        gain = float(gamma)
     return floor, min(max(float(gain), 0.0), MAX_GAIN)
 
 

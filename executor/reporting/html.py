@@ -161,8 +161,9 @@ def _run_figures(plan: Plan, record: RunRecord, frames: ReportFrames, verdicts: 
         blocks.append(_figure(forecast_figure(plan, record), "Online forecast of the final loss",
                               "After each held-out evaluation the run forecasts its own final loss from its "
                               "curve so far (its first 10% and the cooldown left out, the floor from the "
-                              "plan's law, the pilots' cooldown gain), with its band; the dotted line is "
-                              "the plan's prediction made before the run, the dashed one the measured "
+                              "plan's law, the pilots' cooldown gain, or 0-20% of the excess without "
+                              "pilots), with its band; the dotted line is the plan's prediction made "
+                              "before the run, the dashed one the measured "
                               "final loss; thin lines mark 10%, 30% and 50% of the steps."))
     governed = F.read_governor_summary(run_dir)
     if governed is not None:

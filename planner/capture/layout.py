@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainplan.errors import CaptureError
+from trainplan.errors import CaptureError, TrainplanError
 from trainplan.modeling.fake_run import as_run
 from trainplan.modeling.model_call import accepts_position_ids, forward_call
 from trainplan.modeling.torch_private import pytree
@@ -366,9 +366,13 @@ def attention_features(model: nn.Module, layout: Layout) -> tuple[str, ...]:
     if final_cap:
         feats["final_logit_softcapping"] = final_cap
     experts = config_int(model, "num_local_experts", "num_experts", "n_routed_experts")
+    per_token = config_int(model, "num_experts_per_tok", "moe_topk")
+    if experts and per_token is not None and not 1 <= per_token <= experts:
+        raise TrainplanError(f"{type(model).__name__}'s config routes each token to num_experts_per_tok={per_token} "
+                             f"of num_local_experts={experts} experts: give 1 <= num_experts_per_tok <= {experts}")
     if experts:
         feats["experts"] = experts
-        feats["experts_per_token"] = config_int(model, "num_experts_per_tok", "moe_topk") or 1
+        feats["experts_per_token"] = per_token or 1
     if cfg is None or not hasattr(cfg, "_attn_implementation") \
             or not getattr(type(model), "_supports_attention_backend", False):
         feats["attention"] = "own"

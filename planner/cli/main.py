@@ -216,7 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--data-tokens", type=int, metavar="TOKENS",
                    help="unique tokens in the corpus (default: --data's, else unconstrained)")
     s.add_argument("--data", nargs="*", metavar="PATH", help="the corpus the plan trains on (as `run --data`; "
-                   "none: Shakespeare): with --hw cpu, pilots on it fit the loss law if at most 10%% of the budget")
+                   "`--data` alone: Shakespeare): with --hw cpu, pilots on it fit the loss law if at most 10%% of "
+                   "the budget; without --data no pilots run and the published law predicts")
     s.add_argument("--global-batch-tokens", type=int, metavar="TOKENS",
                    help="tokens per optimizer step, all devices together (e.g. 4194304): every plan "
                         "trains exactly that (dp_degree x micro_batch x seq_len x grad_accum), the solver "

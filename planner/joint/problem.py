@@ -250,8 +250,9 @@ def bound_warning(law: LossLaw, regime: str, loss: float) -> tuple[str, ...]:
         return ()
     return (f"predicted loss {loss:.3f} nats is a bound near ln(V) = {law.ceiling:.3f}, not a prediction: the "
             f"law ({law.source}) is above 0.9 ln(V) here, far outside what it was fitted on (a budget too small "
-            "for its range, or for pilots); rank plans by it only as 'more tokens is lower', and calibrate "
-            "(`trainplan calibrate`, or solve with a corpus and a budget that affords pilots) for a prediction",)
+            "for its range, or no corpus for pilots); rank plans by it only as 'more tokens is lower'; for a "
+            "prediction give a corpus (`--data`, `data=`) to fit pilots on, with a budget they fit in (10%), or "
+            "`trainplan calibrate` a run",)
 
 
 def make_plan(step_model: StepModel, profile: HardwareProfile, graph: ModelGraph, name: str, c: Choice, *,

@@ -125,3 +125,15 @@ def test_a_floor_the_run_is_already_below_is_capped():
     lowest = min(y for i, y in train[30:300])
     assert f is not None and f.floor_nats == pytest.approx(0.9 * lowest)
     assert math.isfinite(f.final_loss) and f.final_loss > f.floor_nats
+
+
+def test_an_unmeasured_cooldown_gain_takes_the_middle_of_its_range_into_the_band():
+    from trainplan.costmodels.loss.online import UNKNOWN_GAIN_RANGE
+
+    train, held = synthetic()
+    plain = forecast_final_loss(train[:300], held[:15], step=300, max_steps=MAX_STEPS, warmup_steps=W, floor_nats=E)
+    unknown = forecast_final_loss(train[:300], held[:15], step=300, max_steps=MAX_STEPS, warmup_steps=W,
+                                  floor_nats=E, cooldown_gain=None)
+    excess, mid = plain.constant_rate_loss - E, sum(UNKNOWN_GAIN_RANGE) / 2
+    assert unknown.final_loss == pytest.approx(plain.constant_rate_loss - mid * excess)
+    assert unknown.band_nats == pytest.approx(plain.band_nats + mid * excess)

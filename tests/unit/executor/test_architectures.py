@@ -200,3 +200,14 @@ def test_a_mixture_of_experts_is_predicted_from_its_active_parameters(arch):
     assert any("loss law is evaluated at the" in w and "Clark et al. 2022" in w for w in plan.warnings)
     dense = plan_for_choice(build("llama"), "cpu", seq_len=128, micro_batch=1, max_steps=50)
     assert dense.model_n_active_params is None and dense.law_n_params == dense.model_n_params
+
+
+@pytest.mark.parametrize("per_token", [0, 5])
+def test_a_mixture_routing_to_more_experts_than_it_has_is_refused_by_name(per_token):
+    from trainplan.errors import TrainplanError
+
+    model = build("mixtral")  # 4 experts
+    model.config.num_experts_per_tok = per_token
+    with pytest.raises(TrainplanError, match=rf"num_experts_per_tok={per_token} of num_local_experts=4 .*"
+                                             r"1 <= num_experts_per_tok <= 4"):
+        capture(model)

@@ -58,9 +58,9 @@ def finished_record(plan, every: int = 20, seed: int = 0) -> RunRecord:
 
 def test_inputs_come_from_the_plans_law_and_its_pilots():
     assert forecast_inputs(forecast_plan()) == (E, 0.05)
-    assert forecast_inputs(forecast_plan(gamma=None)) == (E, 0.0)  # no pilots: no cooldown gain assumed
+    assert forecast_inputs(forecast_plan(gamma=None)) == (E, None)  # no pilots: not measured
     assert forecast_inputs(forecast_plan(gamma=3.0))[1] == 0.95  # clipped
-    assert forecast_inputs(make_plan()) == (0.0, 0.0)  # an old plan without a recorded law
+    assert forecast_inputs(make_plan()) == (0.0, None)  # an old plan without a recorded law
     own = make_plan(loss_law=law_fields(LossLaw(E=E, A=0.0, local=True, cooldown_gain=0.02)),
                     loss_calibration={"fit": {"gamma": 0.05}})
     assert forecast_inputs(own) == (E, 0.02)  # the law's own gain first
