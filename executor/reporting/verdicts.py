@@ -15,8 +15,8 @@ import pandas as pd
 
 from trainplan.executor.reporting.compare import format_value
 
-__all__ = ["CUT_SHORT", "HELD", "NOT_HELD", "NOT_MEASURED", "NO_PREDICTION", "TOLERANCES", "VERDICT_COLUMNS",
-           "summary_line", "term_label", "tolerance", "verdict_frame"]
+__all__ = ["BOUND_ONLY", "CUT_SHORT", "HELD", "NOT_HELD", "NOT_MEASURED", "NO_PREDICTION", "TOLERANCES",
+           "VERDICT_COLUMNS", "summary_line", "term_label", "tolerance", "verdict_frame"]
 
 TOLERANCES: dict[str, float] = {
     "memory": 0.03,
@@ -46,6 +46,8 @@ VERDICT_COLUMNS = ("run", "term", "label", "predicted", "measured", "unit", "rel
 """Columns of `verdict_frame`."""
 
 HELD, NOT_HELD, NOT_MEASURED, NO_PREDICTION = "held", "not held", "not measured", "no prediction"
+BOUND_ONLY = "a bound, not judged"
+"""The verdict of `final_loss_bound`: the plan's loss law gave a bound near ln(V), not a prediction."""
 """The verdicts of `verdict_frame` (module docstring)."""
 CUT_SHORT = "cut short"
 """The verdict of the `steps` row of a run stopped before its plan's end (`compare`): no
@@ -53,7 +55,7 @@ prediction missed, the run was stopped; its tokens and loss are compared at the 
 
 _LABELS = {"peak_memory": "peak memory", "flops_per_step": "FLOPs per step",
            "step_time": "step time", "tokens": "tokens", "final_loss": "final loss",
-           "end_step": "governed end step", "steps": "steps"}
+           "end_step": "governed end step", "steps": "steps", "final_loss_bound": "final loss (a bound)"}
 
 
 def tolerance(term: str) -> float:
@@ -92,7 +94,8 @@ def verdict_frame(comparison: pd.DataFrame, run: str = "") -> pd.DataFrame:
     df["run"] = run
     df["label"] = [term_label(t) for t in df["term"]]
     df["tolerance"] = [tolerance(t) for t in df["term"]]
-    df["verdict"] = [CUT_SHORT if term == "steps" else _verdict(float(p), float(m), float(t))
+    df["verdict"] = [CUT_SHORT if term == "steps" else BOUND_ONLY if term == "final_loss_bound"
+                     else _verdict(float(p), float(m), float(t))
                      for term, p, m, t in zip(df["term"], df["predicted"], df["measured"], df["tolerance"],
                                               strict=False)]
     return df[list(VERDICT_COLUMNS)].reset_index(drop=True)
@@ -128,9 +131,11 @@ def summary_line(verdicts: pd.DataFrame, same_hardware: bool = True, most: int =
         line = (f"run cut short at step {r.measured:,.0f} of {r.predicted:,.0f} (tokens and final loss "
                 f"predicted at the steps run); " + line)
     line = line[0].upper() + line[1:]
-    n_missing = int((~verdicts["verdict"].isin([HELD, NOT_HELD, CUT_SHORT])).sum())
-    if n_missing:
-        line += f"; {n_missing} not measured"
+    for verdict in (NOT_MEASURED, NO_PREDICTION):
+        if n := int((verdicts["verdict"] == verdict).sum()):
+            line += f"; {n} {verdict}"
+    if (verdicts["verdict"] == BOUND_ONLY).any():
+        line += "; final loss a bound near ln(V), not judged"
     if not same_hardware:
         line += "; step time not compared (other hardware)"
     return line

@@ -131,3 +131,16 @@ def test_figure_and_html_report(tmp_path):
     plain = report(plan, dataclasses.replace(rec, loss_forecast=[]), tmp_path / "run2",
                    cache_dir=tmp_path / "cache")["html"].read_text()
     assert "Online forecast of the final loss" not in plain
+
+
+def test_a_bound_is_shown_and_not_judged():
+    from trainplan.costmodels.loss.law import BOUND
+    from trainplan.executor.reporting.verdicts import BOUND_ONLY, summary_line
+
+    plan = make_plan(loss_regime=BOUND, final_loss=6.0)
+    rec = make_record()  # measured 4.0: a miss of +50% if it were a prediction
+    v = verdict_frame(compare(plan, rec)).set_index("term")
+    assert "final_loss" not in v.index and v.loc["final_loss_bound", "verdict"] == BOUND_ONLY
+    line = summary_line(v.reset_index())
+    assert "final loss off" not in line and "final loss a bound near ln(V), not judged" in line
+    assert "final_loss" in compare(make_plan(), rec)["term"].tolist()

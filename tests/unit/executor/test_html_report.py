@@ -104,7 +104,7 @@ def test_verdict_edge_cases():
     assert by["final_loss"] == "not measured"
     line = summary_line(v, same_hardware=False)
     assert "memory: temporaries predicted 20.00 MiB, measured 0" in line
-    assert line.endswith("not measured; step time not compared (other hardware)")
+    assert line.endswith("; 1 not measured; 4 no prediction; step time not compared (other hardware)")
     assert "step_time" not in set(v["term"])
 
 
