@@ -17,7 +17,6 @@ import math
 import pandas as pd
 
 from trainplan.costmodels.loss.cache import law_from_fields
-from trainplan.costmodels.loss.law import BOUND
 from trainplan.costmodels.loss.planned import run_loss
 from trainplan.executor.record import RunRecord
 from trainplan.executor.reporting.forecast import forecast_rows
@@ -52,8 +51,7 @@ def compare(plan: Plan, record: RunRecord) -> pd.DataFrame:
     last held-out loss; a governed plan predicts it at its predicted end step), and for a run
     that finished its planned steps without a governor `final_loss_at_10pct`, `_30pct`, `_50pct`
     (the run's own forecast of its final loss made at that share of the steps,
-    `trainplan.executor.reporting.forecast.forecast_rows`). A plan whose loss regime is `BOUND`
-    (the law above 0.9 ln V) has `final_loss_bound` instead of `final_loss`: a bound, not judged.
+    `trainplan.executor.reporting.forecast.forecast_rows`).
     A run that stopped before the plan's end (interrupted, a wall-clock budget, a user's own loop
     left early; not a governed plan, nor a stop of its governor, `GOVERNOR_STOPS`) gets a `steps`
     row (planned, run), and its `tokens` and `final_loss` are predicted at the steps it ran
@@ -88,9 +86,7 @@ def compare(plan: Plan, record: RunRecord) -> pd.DataFrame:
     rows.append(("tokens", float_or_nan(tokens), float_or_nan(record.tokens), "tokens"))
     if end is not None:
         rows.append(("end_step", float(end), float(record.steps), "steps"))
-    # a law above 0.9 ln(V) gave a bound, not a prediction (`trainplan.costmodels.loss.bounds`): shown, not judged
-    term = "final_loss_bound" if pred.loss_regime == BOUND else "final_loss"
-    rows.append((term, float_or_nan(loss), float_or_nan(record.final_heldout_loss), "nats"))
+    rows.append(("final_loss", float_or_nan(loss), float_or_nan(record.final_heldout_loss), "nats"))
     rows += forecast_rows(plan, record)
     df = pd.DataFrame(rows, columns=list(COLUMNS[:4]))
     df["rel_err"] = [_rel_err(p, m) for p, m in zip(df["predicted"], df["measured"], strict=False)]

@@ -36,7 +36,7 @@ from trainplan.executor.reporting.compare import compare, format_value
 from trainplan.executor.reporting.forecast import forecast_figure
 from trainplan.executor.reporting.frames import ReportFrames
 from trainplan.executor.reporting.plots import plot_loss, plot_memory, plot_step_time
-from trainplan.executor.reporting.verdicts import HELD, NOT_HELD, TOLERANCES, summary_line, verdict_frame
+from trainplan.executor.reporting.verdicts import HELD, NOT_HELD, TOLERANCES, is_bound_plan, summary_line, verdict_frame
 from trainplan.planner.plan import Plan
 
 __all__ = ["environment", "render", "write_run_report", "write_runs_report"]
@@ -72,7 +72,7 @@ def _verdict_rows(v: pd.DataFrame) -> list[dict[str, str]]:
     rows = []
     for r in v.itertuples(index=False):
         rows.append({
-            "run": str(r.run), "label": str(r.label), "css_class": r.verdict.replace(" ", "-"),
+            "run": str(r.run), "label": str(r.label), "css_class": r.verdict.replace(",", "").replace(" ", "-"),
             "predicted": format_value(r.predicted, r.unit), "measured": format_value(r.measured, r.unit),
             "rel_err": F.pct_text(r.rel_err),
             "tolerance": "-" if not math.isfinite(r.tolerance) else f"±{r.tolerance:.0%}",
@@ -196,7 +196,7 @@ def write_run_report(plan: Plan, record: RunRecord, out: str | Path, *, frames: 
     files.
     """
     out = Path(out)
-    verdicts = verdict_frame(compare(plan, record))
+    verdicts = verdict_frame(compare(plan, record), bound=is_bound_plan(plan))
     line = summary_line(verdicts, record.same_hardware)
     figs, fig_notes = _run_figures(plan, record, frames, verdicts, out, cache_dir)
     page = render("run.html.j2", title=f"{plan.model} on {plan.hw} x {plan.decisions.devices}: plan vs actual",

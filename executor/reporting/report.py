@@ -26,7 +26,7 @@ from trainplan.executor.reporting.figures import plan_loss_curves
 from trainplan.executor.reporting.frames import report_frames
 from trainplan.executor.reporting.html import write_run_report, write_runs_report
 from trainplan.executor.reporting.plots import plot_report
-from trainplan.executor.reporting.verdicts import TOLERANCES, summary_line, verdict_frame
+from trainplan.executor.reporting.verdicts import TOLERANCES, is_bound_plan, summary_line, verdict_frame
 from trainplan.planner.plan import Plan
 
 __all__ = ["compare_runs", "load_run", "report"]
@@ -120,7 +120,7 @@ def compare_runs(run_dirs: list[str | Path], out: str | Path, *, rebuild: bool =
     for label, run_dir, (plan, record) in zip(labels, dirs, runs, strict=False):
         if rebuild:
             report(plan, record, run_dir, cache_dir=cache_dir)
-        v = verdict_frame(compare(plan, record), run=label)
+        v = verdict_frame(compare(plan, record), run=label, bound=is_bound_plan(plan))
         verdicts.append(v)
         overview.append((label, run_dir, plan, record, summary_line(v, record.same_hardware)))
     allv = pd.concat(verdicts, ignore_index=True)

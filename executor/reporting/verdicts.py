@@ -13,10 +13,11 @@ import math
 
 import pandas as pd
 
+from trainplan.costmodels.loss.law import BOUND
 from trainplan.executor.reporting.compare import format_value
 
 __all__ = ["BOUND_ONLY", "CUT_SHORT", "HELD", "NOT_HELD", "NOT_MEASURED", "NO_PREDICTION", "TOLERANCES",
-           "VERDICT_COLUMNS", "summary_line", "term_label", "tolerance", "verdict_frame"]
+           "VERDICT_COLUMNS", "is_bound_plan", "summary_line", "term_label", "tolerance", "verdict_frame"]
 
 TOLERANCES: dict[str, float] = {
     "memory": 0.03,
@@ -47,7 +48,8 @@ VERDICT_COLUMNS = ("run", "term", "label", "predicted", "measured", "unit", "rel
 
 HELD, NOT_HELD, NOT_MEASURED, NO_PREDICTION = "held", "not held", "not measured", "no prediction"
 BOUND_ONLY = "a bound, not judged"
-"""The verdict of `final_loss_bound`: the plan's loss law gave a bound near ln(V), not a prediction."""
+"""The verdict of `final_loss` when the plan's loss law gave a bound near ln(V), not a prediction
+(`verdict_frame(..., bound=True)`, `is_bound_plan`)."""
 """The verdicts of `verdict_frame` (module docstring)."""
 CUT_SHORT = "cut short"
 """The verdict of the `steps` row of a run stopped before its plan's end (`compare`): no
@@ -55,7 +57,7 @@ prediction missed, the run was stopped; its tokens and loss are compared at the 
 
 _LABELS = {"peak_memory": "peak memory", "flops_per_step": "FLOPs per step",
            "step_time": "step time", "tokens": "tokens", "final_loss": "final loss",
-           "end_step": "governed end step", "steps": "steps", "final_loss_bound": "final loss (a bound)"}
+           "end_step": "governed end step", "steps": "steps"}
 
 
 def tolerance(term: str) -> float:
@@ -83,18 +85,25 @@ def _verdict(predicted: float, measured: float, tol: float) -> str:
     return HELD if abs(predicted - measured) <= tol * abs(measured) else NOT_HELD
 
 
-def verdict_frame(comparison: pd.DataFrame, run: str = "") -> pd.DataFrame:
+def is_bound_plan(plan) -> bool:
+    """Whether `plan`'s predicted final loss is a bound near ln(V), not a prediction (its regime is
+    `trainplan.costmodels.loss.law.BOUND`, `trainplan.costmodels.loss.bounds`)."""
+    return plan.predictions.loss_regime == BOUND
+
+
+def verdict_frame(comparison: pd.DataFrame, run: str = "", *, bound: bool = False) -> pd.DataFrame:
     """`compare`'s table with a verdict per term (pure).
 
     Adds columns `run` (the given label), `label` (`term_label`), `tolerance` (`tolerance`) and
     `verdict`: `held`, `not held`, `not measured` or `no prediction`; columns in
-    `VERDICT_COLUMNS` order.
+    `VERDICT_COLUMNS` order. `bound` (`is_bound_plan`): the `final_loss` row is `BOUND_ONLY`,
+    shown and not judged.
     """
     df = comparison.copy()
     df["run"] = run
     df["label"] = [term_label(t) for t in df["term"]]
     df["tolerance"] = [tolerance(t) for t in df["term"]]
-    df["verdict"] = [CUT_SHORT if term == "steps" else BOUND_ONLY if term == "final_loss_bound"
+    df["verdict"] = [CUT_SHORT if term == "steps" else BOUND_ONLY if bound and term == "final_loss"
                      else _verdict(float(p), float(m), float(t))
                      for term, p, m, t in zip(df["term"], df["predicted"], df["measured"], df["tolerance"],
                                               strict=False)]

@@ -325,7 +325,7 @@ def cmd_run(args) -> int:
 def cmd_report(args) -> int:
     from trainplan.executor.reporting.compare import compare, format_table
     from trainplan.executor.reporting.report import compare_runs, load_run, report
-    from trainplan.executor.reporting.verdicts import summary_line, verdict_frame
+    from trainplan.executor.reporting.verdicts import is_bound_plan, summary_line, verdict_frame
 
     if args.out is not None:
         check_out_dir(args.out)  # an empty --out is refused, not taken for the default
@@ -343,7 +343,7 @@ def cmd_report(args) -> int:
         files = report(plan, record, single_out or run_dir)
         print(f"== {run_dir}")
         print(format_table(table))
-        print(summary_line(verdict_frame(table), record.same_hardware))
+        print(summary_line(verdict_frame(table, bound=is_bound_plan(plan)), record.same_hardware))
         print(f"report: {files['html']}")
     if len(runs) > 1:
         out = args.out or Path("reports") / f"compare-{dt.datetime.now():%Y%m%d-%H%M%S}"

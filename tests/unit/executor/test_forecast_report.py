@@ -135,12 +135,13 @@ def test_figure_and_html_report(tmp_path):
 
 def test_a_bound_is_shown_and_not_judged():
     from trainplan.costmodels.loss.law import BOUND
-    from trainplan.executor.reporting.verdicts import BOUND_ONLY, summary_line
+    from trainplan.executor.reporting.verdicts import BOUND_ONLY, is_bound_plan, summary_line
 
     plan = make_plan(loss_regime=BOUND, final_loss=6.0)
     rec = make_record()  # measured 4.0: a miss of +50% if it were a prediction
-    v = verdict_frame(compare(plan, rec)).set_index("term")
-    assert "final_loss" not in v.index and v.loc["final_loss_bound", "verdict"] == BOUND_ONLY
-    line = summary_line(v.reset_index())
+    assert is_bound_plan(plan) and not is_bound_plan(make_plan())
+    v = verdict_frame(compare(plan, rec), bound=is_bound_plan(plan))
+    assert v.set_index("term").loc["final_loss", "verdict"] == BOUND_ONLY
+    line = summary_line(v)
     assert "final loss off" not in line and "final loss a bound near ln(V), not judged" in line
-    assert "final_loss" in compare(make_plan(), rec)["term"].tolist()
+    assert "final loss off by +50%" in summary_line(verdict_frame(compare(plan, rec)))
