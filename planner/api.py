@@ -114,17 +114,12 @@ def solve(model: nn.Module | str, hw: str | HardwareProfile, budget: Budget, opt
     return with_hw_source(replace(with_planned_lr(plan, o.lr), options=o.recorded()), hw)
 
 
-def plan_compute_flops(plan: Plan) -> float:
-    """The plan's training compute, FLOPs: model FLOPs per step per device x devices x steps."""
-    return plan.predictions.model_flops_per_step * plan.decisions.devices * plan.decisions.max_steps
-
-
 def with_planned_lr(plan: Plan, lr: float | None) -> Plan:
     """`plan` with its peak learning rate from `trainplan.costmodels.loss.planned.planned_lr` at its
     compute when `lr` is None (DeepSeek LLM's law from 1e17 FLOPs up, with a note giving the law's
     rate and batch, and its warmup: `planned_warmup_steps`, the predicted loss moved to it); with a
     warning when a given `lr` is far from the law's (`lr_warning`)."""
-    c = plan_compute_flops(plan)
+    c = plan.compute_flops
     if c <= 0:
         return plan
     if lr is not None:
@@ -136,12 +131,14 @@ def with_planned_lr(plan: Plan, lr: float | None) -> Plan:
     warmup = planned_warmup_steps(d.max_steps, c)
     loss = p.final_loss
     if p.loss_law and warmup != d.warmup_steps:  # the warmup's lost area (`run_loss`), moved to the new warmup
-        law, unique = law_from_fields(p.loss_law), (max(1.0, d.data_fraction * plan.data_tokens)
-                                                   if plan.data_tokens else None)
-        loss += (run_loss(law, plan.law_n_params, steps=d.max_steps, tokens_per_step=p.tokens_per_step,
-                          unique_tokens=unique, warmup_steps=warmup)
-                 - run_loss(law, plan.law_n_params, steps=d.max_steps, tokens_per_step=p.tokens_per_step,
-                            unique_tokens=unique, warmup_steps=d.warmup_steps))
+        law = law_from_fields(p.loss_law)
+        unique = max(1.0, d.data_fraction * plan.data_tokens) if plan.data_tokens else None
+
+        def at(w: int) -> float:
+            return run_loss(law, plan.law_n_params, steps=d.max_steps, tokens_per_step=p.tokens_per_step,
+                            unique_tokens=unique, warmup_steps=w)
+
+        loss += at(warmup) - at(d.warmup_steps)
     note = (f"peak learning rate {new:.3g} and {warmup:,} warmup steps from DeepSeek LLM's hyperparameter law at "
             f"{c:.3g} FLOPs (Bi et al. 2024, "
             f"arXiv:2401.02954, eq. 1: 0.3118 C^-0.125; its batch, 0.2920 C^0.3271 = {law_batch_tokens(c):,.0f} "

@@ -208,8 +208,7 @@ class Plan:
     model_n_params: int
     model_n_layers: int
     model_n_active_params: int | None = None
-    """Parameters one token runs through, for a mixture of experts (the dense ones plus
-    `experts_per_token` of the experts, `trainplan.planner.capture.graph.ModelGraph.n_active_params`);
+    """Parameters one token runs through in a mixture of experts (`ModelGraph.n_active_params`);
     None for a dense model and in plans written before the field."""
     hw: str
     """Hardware profile name."""
@@ -238,9 +237,13 @@ class Plan:
     sequence's search) and for plans written before the field."""
 
     @property
+    def compute_flops(self) -> float:
+        """Training compute, FLOPs: model FLOPs per step per device x devices x `max_steps` (`law_lr`'s C)."""
+        return self.predictions.model_flops_per_step * self.decisions.devices * self.decisions.max_steps
+
+    @property
     def law_n_params(self) -> int:
-        """The N the loss law is evaluated at: the active parameters of a mixture of experts
-        (`model_n_active_params`), else all of them (`model_n_params`)."""
+        """The N the loss law is evaluated at: `model_n_active_params` (MoE), else `model_n_params`."""
         return self.model_n_active_params or self.model_n_params
 
     def __str__(self) -> str:

@@ -44,19 +44,22 @@ LR_WARN_FACTOR = 3.0
 
 
 def law_lr(compute_flops: float) -> float:
-    """DeepSeek LLM's near-optimal peak learning rate at `compute_flops` (> 0): 0.3118 C^-0.125."""
+    """DeepSeek LLM's near-optimal peak learning rate at `compute_flops` (training FLOPs, > 0):
+    0.3118 C^-0.125 (Bi et al. 2024, eq. 1). Raises: TrainplanError on a non-positive compute."""
     c = check_positive("compute_flops", compute_flops)
     return DEEPSEEK_LR[0] * c ** DEEPSEEK_LR[1]
 
 
 def law_batch_tokens(compute_flops: float) -> float:
-    """DeepSeek LLM's near-optimal global batch at `compute_flops` (> 0), tokens: 0.2920 C^0.3271."""
+    """DeepSeek LLM's near-optimal global batch at `compute_flops` (training FLOPs, > 0), tokens:
+    0.2920 C^0.3271 (Bi et al. 2024, eq. 1). Raises: TrainplanError on a non-positive compute."""
     c = check_positive("compute_flops", compute_flops)
     return DEEPSEEK_BATCH_TOKENS[0] * c ** DEEPSEEK_BATCH_TOKENS[1]
 
 
 def planned_lr(compute_flops: float) -> float:
-    """A plan's default peak learning rate: `law_lr` from `LAW_MIN_FLOPS` up, `SMALL_RUN_LR` below."""
+    """A plan's default peak learning rate at `compute_flops` (training FLOPs): `law_lr` from
+    `LAW_MIN_FLOPS` up, `SMALL_RUN_LR` below. Raises: TrainplanError on a non-positive compute."""
     return law_lr(compute_flops) if compute_flops >= LAW_MIN_FLOPS else SMALL_RUN_LR
 
 
@@ -70,7 +73,8 @@ def planned_warmup_steps(max_steps: int, compute_flops: float) -> int:
 
 def lr_warning(lr: float, compute_flops: float) -> str:
     """A warning when `lr` is more than `LR_WARN_FACTOR` from `law_lr` at `compute_flops` (from
-    `LAW_MIN_FLOPS` up; below, the law is outside its range and nothing is said); "" otherwise."""
+    `LAW_MIN_FLOPS` up; below, the law is outside its range and nothing is said); "" otherwise.
+    Args: lr (peak learning rate, > 0), compute_flops (training FLOPs)."""
     if compute_flops < LAW_MIN_FLOPS:
         return ""
     want = law_lr(compute_flops)

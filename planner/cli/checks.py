@@ -120,7 +120,7 @@ def with_schedule(plan: Plan, *, lr: float | None = None, warmup_steps: int | No
         raise TrainplanError(f"--warmup-steps {warmup_steps}: the plan has {d.max_steps:,} optimizer steps; "
                              f"give at most {d.max_steps:,}")
     note = "; ".join(f"{k}={v:g} set by --{k.replace('_', '-')} (solved: {getattr(d, k):g})" for k, v in new.items())
-    warning = lr_warning(lr, plan.predictions.model_flops_per_step * d.devices * d.max_steps) if lr is not None else ""
+    warning = lr_warning(lr, plan.compute_flops) if lr is not None else ""
     return dataclasses.replace(plan, decisions=dataclasses.replace(d, **new), notes=(*plan.notes, note),
                                warnings=(*plan.warnings, warning) if warning else plan.warnings)
 

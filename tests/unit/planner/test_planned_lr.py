@@ -19,7 +19,6 @@ from trainplan.costmodels.loss.planned import (
 )
 from trainplan.errors import TrainplanError
 from trainplan.planner import Budget, solve
-from trainplan.planner.api import plan_compute_flops
 
 
 def test_the_law_and_its_range():
@@ -42,7 +41,7 @@ def big():
 
 
 def test_a_large_preset_plan_takes_the_laws_rate_and_warmup(big):
-    c = plan_compute_flops(big)
+    c = big.compute_flops
     assert c > 1e21
     assert big.decisions.lr == pytest.approx(law_lr(c)) and 2e-4 < big.decisions.lr < 1e-3
     assert big.decisions.warmup_steps == 2000
@@ -65,6 +64,6 @@ def test_a_users_rate_far_from_the_law_is_warned_about(big):
 
 def test_a_small_cpu_plan_keeps_the_small_run_default():
     small = solve("tiny-llama", "cpu", Budget(flops=4e14), seq_len=256)
-    assert plan_compute_flops(small) < LAW_MIN_FLOPS
+    assert small.compute_flops < LAW_MIN_FLOPS
     assert small.decisions.lr == SMALL_RUN_LR and small.decisions.warmup_steps == 20
     assert not any("learning rate" in w for w in small.warnings)
